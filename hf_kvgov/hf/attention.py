@@ -1,0 +1,111 @@
+"""The hf_kvgov attention implementation, registered with transformers under one name.
+
+`PagedCache(attention="paged")` stores new K/V and puts a `PagedView` into the kwargs dict that
+transformers later splats into the attention call; this function finds it there and attends over the
+block tables directly. Without a view (any other cache) it falls back to sdpa on the K/V it was given,
+so switching a model to this implementation never breaks other caches.
+
+Registration adds a new name to transformers' registries through their public `register` API; it
+never replaces an existing entry. `paged_attention(model)` switches one model and restores its previous
+implementation on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.kernels import dispatch
+
+ATTENTION_NAME = "kvgov_paged"
+_registered = False
+
+
+def kvgov_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature; returns `([batch, q_len, q_heads, head_dim], None)`."""
+    view: PagedView | None = kwargs.get(PAGED_VIEW_KEY)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by kvgov_paged.")
+    if view is None:
+        return _sdpa_fallback(module, query, key, value, attention_mask, scale, softcap), None
+    view.consumed = True
+    out = dispatch.paged_attention(
+        query,
+        view.key_cache,
+        view.value_cache,
+        view.block_table,
+        view.kv_length,
+        scale,
+        mask=attention_mask,
+        softcap=softcap,
+    )
+    return out, None
+
+
+def _sdpa_fallback(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    if softcap is not None:
+        raise ValueError("kvgov_paged without a PagedCache cannot apply logit soft-capping; use eager attention.")
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    is_causal = mask is None and query.shape[2] > 1
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, is_causal=is_causal
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def register() -> str:
+    """Make `ATTENTION_NAME` known to transformers (idempotent); returns the name."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, kvgov_attention_forward)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        _registered = True
+    return ATTENTION_NAME
+
+
+def use_paged_attention(model: Any) -> str:
+    """Switch `model` to the hf_kvgov attention; returns the implementation it had before."""
+    previous = str(model.config._attn_implementation)
+    model.set_attn_implementation(register())
+    return previous
+
+
+def restore_attention(model: Any, previous: str) -> None:
+    model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def paged_attention(model: Any) -> Iterator[Any]:
+    """``with paged_attention(model): model.generate(..., past_key_values=PagedCache(model, attention="paged"))``."""
+    previous = use_paged_attention(model)
+    try:
+        yield model
+    finally:
+        restore_attention(model, previous)

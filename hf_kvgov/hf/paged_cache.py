@@ -1,0 +1,296 @@
+"""`PagedCache`: a lossless transformers `Cache` whose K/V live in blocks of a shared `BlockPool`.
+
+Two attention paths (see `hf_kvgov.hf.attention`):
+
+- ``attention="contiguous"`` (default): `update` gathers the layer's blocks into contiguous K/V, so any
+  attention implementation (sdpa, eager, flash) runs unchanged. Cost: one copy per layer per step, the
+  same as DynamicCache's `torch.cat`.
+- ``attention="paged"``: `update` only stores the new tokens and hands attention a view of the block
+  tables; the hf_kvgov attention implementation reads blocks directly. Requires
+  ``hf_kvgov.paged_attention(model)`` (or ``use_paged_attention``) so the model calls that attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from hf_kvgov.hf.compat import (
+    Cache,
+    CacheLayerMixin,
+    decoder_config,
+    kv_heads_and_head_dim,
+    layer_kinds,
+    model_dtype_and_device,
+)
+from hf_kvgov.storage.block_table import BlockTables
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+
+AttentionPath = Literal["contiguous", "paged"]
+ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
+PAGED_VIEW_KEY = "kvgov_paged_view"
+
+
+@dataclass
+class PagedView:
+    """What the paged attention reads for one layer: the pool's tensors and the batch's block table."""
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_table: torch.Tensor  # long [batch, blocks]
+    kv_length: int
+    consumed: bool = False
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What a paged cache holds. Shared blocks (beams, prefixes) count once in the physical figures."""
+
+    sequences: int
+    tokens: int  # logical tokens: sequences x tokens per sequence
+    blocks_in_use: int
+    slots_allocated: int
+    slots_filled: int
+    utilization: float  # slots_filled / slots_allocated
+    bytes_used: int
+    bytes_per_token: float
+    pool_blocks_reserved: int
+    pool_bytes_reserved: int
+    block_size: int
+    attention: str
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's view of a `PagedCache`; the blocks themselves belong to the pool."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner: PagedCache, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.owner._ensure_pool(key_states)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._update_layer(self, key_states, value_states, kwargs.get("kwargs"))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class PagedCache(Cache):
+    """KV cache in fixed-size blocks from a `BlockPool`; token-for-token equal to `DynamicCache`.
+
+    Args:
+        model_or_config: the model (its dtype and device are used) or its config (dtype and device are
+            then taken from the first K/V the model stores).
+        block_size: tokens per block when the cache creates its own pool.
+        max_tokens / max_bytes: cap of the pool it creates; exceeding it raises `PoolExhausted`.
+        pool: an existing pool to draw blocks from (shared by many caches); its geometry must match.
+        attention: "contiguous" or "paged" (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        pool: BlockPool | None = None,
+        attention: AttentionPath = "contiguous",
+    ) -> None:
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
+        config = decoder_config(model_or_config)
+        layer_kinds(config)  # refuses layer types this cache cannot serve
+        self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
+        self.num_layers = int(config.num_hidden_layers)
+        self.attention: AttentionPath = attention
+        self._pool_args = {"block_size": block_size, "max_tokens": max_tokens, "max_bytes": max_bytes}
+        self.pool: BlockPool | None = None
+        self.tables: BlockTables | None = None
+        self._pending_view: PagedView | None = None
+        if pool is not None:
+            self._adopt_pool(pool)
+        else:
+            dtype_device = model_dtype_and_device(model_or_config)
+            if dtype_device is not None:
+                self._create_pool(*dtype_device)
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+
+    # ------------------------------------------------------------------ pool
+
+    def _geometry(self, dtype: torch.dtype, device: torch.device) -> KVGeometry:
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, device)
+
+    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._adopt_pool(BlockPool(self._geometry(dtype, device), **self._pool_args))  # type: ignore[arg-type]
+
+    def _adopt_pool(self, pool: BlockPool) -> None:
+        g = pool.geometry
+        wanted = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if (g.num_layers, g.num_kv_heads, g.head_dim) != wanted:
+            raise ValueError(
+                f"The pool's geometry (layers, kv heads, head dim) = {(g.num_layers, g.num_kv_heads, g.head_dim)} "
+                f"does not match the model's {wanted}; create the pool from this model's geometry."
+            )
+        self.pool = pool
+        self.tables = BlockTables(pool)
+
+    def _ensure_pool(self, key_states: torch.Tensor) -> None:
+        if self.pool is None:
+            self._create_pool(key_states.dtype, key_states.device)
+
+    # ------------------------------------------------------------------ the hot path
+
+    def _update_layer(
+        self,
+        layer: PagedLayer,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        attn_kwargs: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `[batch, kv_heads, q_len, head_dim]` new K/V and return what attention must use."""
+        assert self.pool is not None and self.tables is not None
+        batch, heads, q_len, head_dim = key_states.shape
+        if (heads, head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built "
+                f"for {self.num_kv_heads} KV heads of dim {self.head_dim}."
+            )
+        slots = self.tables.slots_for(batch, layer.length, q_len)
+        new_k = key_states.transpose(1, 2).reshape(-1, heads, head_dim)
+        new_v = value_states.transpose(1, 2).reshape(-1, heads, head_dim)
+        self.pool.write(layer.index, slots, new_k, new_v)
+        layer.length += q_len
+        if self.attention == "contiguous":
+            return self.pool.gather(layer.index, self.tables.tensor(), layer.length)
+        return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+
+    def _hand_view_to_attention(
+        self,
+        layer: PagedLayer,
+        attn_kwargs: dict[str, Any] | None,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.pool is not None and self.tables is not None
+        if self._pending_view is not None and not self._pending_view.consumed:
+            raise RuntimeError(
+                "PagedCache(attention='paged') handed its block tables to attention, but the model's attention "
+                "implementation did not read them, so attention saw only the newest tokens. Wrap generation "
+                "in `with hf_kvgov.paged_attention(model):` or build the cache with attention='contiguous'."
+            )
+        if attn_kwargs is None:
+            raise RuntimeError(
+                "PagedCache(attention='paged') needs the model to pass its attention kwargs to cache.update "
+                "(transformers >= 5 models do); use attention='contiguous' with this model."
+            )
+        view = PagedView(
+            self.pool.keys[layer.index], self.pool.values[layer.index], self.tables.tensor(), layer.length
+        )
+        attn_kwargs[PAGED_VIEW_KEY] = view
+        self._pending_view = view
+        return key_states, value_states
+
+    # ------------------------------------------------------------------ generate's bookkeeping
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes old row beam_idx[i]; blocks are shared, copied only when written."""
+        if self.tables is not None and self.tables.rows:
+            self.tables.reorder(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.tables is not None and self.tables.rows:
+            self.tables.reorder([i for i in range(self.tables.batch_size) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.tables is not None and self.tables.rows:
+            self.tables.reorder(torch.as_tensor(indices).tolist())
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens (negative, as transformers >= 5 passes it)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop expects a negative number of tokens to remove; got {tokens_to_remove}. "
+                "Pass -n to drop the last n tokens."
+            )
+        length = max(0, self.get_seq_length() + tokens_to_remove)
+        if self.tables is not None:
+            self.tables.truncate(length)
+        for layer in self.layers:
+            assert isinstance(layer, PagedLayer)
+            layer.length = min(layer.length, length)
+        self._pending_view = None
+
+    def reset(self) -> None:
+        """Forget every token and return every block to the pool (the cache stays usable)."""
+        self.release()
+
+    def release(self) -> None:
+        """Return every block this cache holds to the pool."""
+        if self.tables is not None:
+            self.tables.release()
+        for layer in self.layers:
+            layer.reset()
+        self._pending_view = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> CacheStats:
+        pool, tables = self.pool, self.tables
+        length = self.get_seq_length()
+        if pool is None or tables is None:
+            return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, self._pool_args["block_size"] or 0, self.attention)
+        bs = pool.block_size
+        filled: dict[int, int] = {}
+        for row in tables.rows:
+            for i, block in enumerate(row.block_ids):
+                filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
+        blocks = len(filled)
+        tokens = tables.batch_size * length
+        used = blocks * pool.bytes_per_block
+        return CacheStats(
+            sequences=tables.batch_size,
+            tokens=tokens,
+            blocks_in_use=blocks,
+            slots_allocated=blocks * bs,
+            slots_filled=sum(filled.values()),
+            utilization=sum(filled.values()) / (blocks * bs) if blocks else 0.0,
+            bytes_used=used,
+            bytes_per_token=used / tokens if tokens else 0.0,
+            pool_blocks_reserved=pool.capacity,
+            pool_bytes_reserved=pool.capacity * pool.bytes_per_block,
+            block_size=bs,
+            attention=self.attention,
+        )

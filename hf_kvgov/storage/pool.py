@@ -1,0 +1,292 @@
+"""The block pool: the one object that owns physical KV memory.
+
+Memory layout, per layer (the layout flash-attn's paged kernel reads, so no conversion is needed)::
+
+    keys[layer]   : [capacity_blocks, block_size, num_kv_heads, head_dim]
+    values[layer] : [capacity_blocks, block_size, num_kv_heads, head_dim]
+
+    block id b  ->  keys[l][b] for every layer l      (one id spans all layers)
+    slot s      ->  block s // block_size, offset s % block_size
+
+Everything else in hf_kvgov holds block ids. A block's metadata is a reference count; the free list is a
+FIFO queue, so a freed block is reused last (the order the prefix cache later relies on for LRU).
+
+Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
+Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
+(copy-on-write guarantees that), and shared blocks are immutable.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvgov.errors import PoolExhausted
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_GROWTH_BLOCKS = 64
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Shape of the KV of one group of layers that share a pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVGeometry.{name} must be a positive int; got {value!r}.")
+        if not self.dtype.is_floating_point:
+            raise TypeError(f"KVGeometry.dtype must be a floating-point torch dtype; got {self.dtype}.")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers of the group."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    block_size: int
+    capacity_blocks: int
+    max_blocks: int | None
+    used_blocks: int
+    free_blocks: int
+    bytes_reserved: int
+    bytes_used: int
+    bytes_per_block: int
+
+
+# A reclaimer frees up to n blocks held by someone other than a sequence (e.g. the prefix cache's
+# unreferenced blocks) and returns how many it freed.
+Reclaimer = Callable[[int], int]
+
+
+class BlockPool:
+    """Fixed-size KV blocks with reference counts, copy-on-write and growth up to an optional cap.
+
+    Args:
+        geometry: layers, KV heads, head dim, dtype and device of the blocks.
+        block_size: tokens per block (any positive int; flash-attn 2 needs a multiple of 256).
+        max_tokens / max_bytes: optional cap on the pool's size (at most one). Asking for more blocks than
+            the cap allows raises `PoolExhausted`; nothing is ever overwritten.
+        growth_blocks: blocks added per growth step (the pool at least doubles, so growth is amortised).
+        preallocate: allocate the whole cap up front (requires a cap), as a serving engine would.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        growth_blocks: int = DEFAULT_GROWTH_BLOCKS,
+        preallocate: bool = False,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int (e.g. 16, or 256 for flash-attn 2); got {block_size!r}.")
+        if max_tokens is not None and max_bytes is not None:
+            raise ValueError("Give the pool cap as max_tokens or as max_bytes, not both.")
+        if growth_blocks <= 0:
+            raise ValueError(f"growth_blocks must be positive; got {growth_blocks}.")
+        self.geometry = geometry
+        self.block_size = block_size
+        self.bytes_per_block = geometry.bytes_per_token * block_size
+        self.max_blocks = self._cap_in_blocks(max_tokens, max_bytes)
+        if preallocate and self.max_blocks is None:
+            raise ValueError("preallocate=True needs a cap: pass max_tokens or max_bytes.")
+        self._growth = growth_blocks
+        self._lock = threading.RLock()
+        self._ref: list[int] = []
+        self._free: deque[int] = deque()
+        self._reclaimers: list[Reclaimer] = []
+        shape = (0, block_size, geometry.num_kv_heads, geometry.head_dim)
+        empty = [torch.empty(shape, dtype=geometry.dtype, device=geometry.device) for _ in range(geometry.num_layers)]
+        self.keys: list[torch.Tensor] = empty
+        self.values: list[torch.Tensor] = [t.clone() for t in empty]
+        if preallocate:
+            assert self.max_blocks is not None
+            self._grow(self.max_blocks)
+
+    def _cap_in_blocks(self, max_tokens: int | None, max_bytes: int | None) -> int | None:
+        if max_tokens is not None:
+            if max_tokens < self.block_size:
+                raise ValueError(
+                    f"max_tokens={max_tokens} is smaller than one block ({self.block_size} tokens); "
+                    "give at least one block's worth."
+                )
+            return max_tokens // self.block_size
+        if max_bytes is not None:
+            if max_bytes < self.bytes_per_block:
+                raise ValueError(
+                    f"max_bytes={max_bytes} is smaller than one block ({self.bytes_per_block} bytes at this "
+                    "geometry); give at least one block's worth."
+                )
+            return max_bytes // self.bytes_per_block
+        return None
+
+    # ------------------------------------------------------------------ metadata
+
+    @property
+    def capacity(self) -> int:
+        """Blocks physically allocated so far."""
+        return len(self._ref)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out without exceeding the cap (free list + room to grow)."""
+        with self._lock:
+            room = math.inf if self.max_blocks is None else self.max_blocks - self.capacity
+            return int(min(len(self._free) + room, 2**62))
+
+    @property
+    def num_used(self) -> int:
+        with self._lock:
+            return self.capacity - len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def add_reclaimer(self, reclaimer: Reclaimer) -> None:
+        """Register a callback asked to free blocks before the pool reports exhaustion."""
+        with self._lock:
+            self._reclaimers.append(reclaimer)
+
+    def remove_reclaimer(self, reclaimer: Reclaimer) -> None:
+        with self._lock:
+            self._reclaimers.remove(reclaimer)
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out `n` blocks with reference count 1, or raise `PoolExhausted` and change nothing."""
+        if n < 0:
+            raise ValueError(f"Cannot allocate a negative number of blocks ({n}).")
+        with self._lock:
+            self._make_room(n)
+            ids = [self._free.popleft() for _ in range(n)]
+            for block_id in ids:
+                assert self._ref[block_id] == 0, f"block {block_id} on the free list is referenced"
+                self._ref[block_id] = 1
+            return ids
+
+    def _make_room(self, n: int) -> None:
+        short = n - len(self._free)
+        if short <= 0:
+            return
+        room = short if self.max_blocks is None else min(short, self.max_blocks - self.capacity)
+        if room > 0:
+            target = max(room, self._growth, self.capacity)  # at least double: amortised O(1) growth
+            if self.max_blocks is not None:
+                target = min(target, self.max_blocks - self.capacity)
+            self._grow(target)
+            short = n - len(self._free)
+        for reclaim in list(self._reclaimers):
+            if short <= 0:
+                break
+            short -= reclaim(short)
+        if short > 0:
+            raise PoolExhausted(n, len(self._free), self.max_blocks or self.capacity, self.block_size)
+
+    def _grow(self, extra: int) -> None:
+        start = self.capacity
+        g = self.geometry
+        shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
+        for layer in range(g.num_layers):
+            new_k = torch.zeros(shape, dtype=g.dtype, device=g.device)
+            new_v = torch.zeros(shape, dtype=g.dtype, device=g.device)
+            self.keys[layer] = torch.cat([self.keys[layer], new_k]) if start else new_k
+            self.values[layer] = torch.cat([self.values[layer], new_v]) if start else new_v
+        self._ref.extend([0] * extra)
+        self._free.extend(range(start, start + extra))
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on each block (a fork shares blocks instead of copying them)."""
+        with self._lock:
+            for block_id in block_ids:
+                if self._ref[block_id] <= 0:
+                    raise ValueError(f"Cannot share block {block_id}: it is free (reference count 0).")
+                self._ref[block_id] += 1
+
+    def decref(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference on each block; a block whose count reaches 0 returns to the free list."""
+        with self._lock:
+            for block_id in block_ids:
+                if self._ref[block_id] <= 0:
+                    raise ValueError(f"Block {block_id} was freed twice (its reference count is already 0).")
+                self._ref[block_id] -= 1
+                if self._ref[block_id] == 0:
+                    self._free.append(block_id)
+
+    def copy_on_write(self, block_id: int) -> int:
+        """Return a block the caller may write: `block_id` itself if unshared, else a private copy."""
+        with self._lock:
+            if self._ref[block_id] == 1:
+                return block_id
+            (new_id,) = self.allocate(1)
+            self.copy_block(block_id, new_id)
+            self.decref([block_id])
+            return new_id
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer][dst].copy_(self.keys[layer][src])
+            self.values[layer][dst].copy_(self.values[layer][src])
+
+    # ------------------------------------------------------------------ data
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store tokens into slots of one layer.
+
+        Args:
+            slots: long `[n]`, slot = block_id * block_size + offset.
+            keys, values: `[n, num_kv_heads, head_dim]`.
+        """
+        g = self.geometry
+        flat_shape = (-1, g.num_kv_heads, g.head_dim)
+        self.keys[layer].view(flat_shape).index_copy_(0, slots, keys.to(g.dtype))
+        self.values[layer].view(flat_shape).index_copy_(0, slots, values.to(g.dtype))
+
+    def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous K/V of the first `length` tokens of each row.
+
+        Args:
+            block_table: long `[batch, num_blocks]`, with num_blocks * block_size >= length.
+        Returns:
+            keys, values: `[batch, num_kv_heads, length, head_dim]` (a transposed view of a fresh copy).
+        """
+        batch, num_blocks = block_table.shape
+        g = self.geometry
+        shape = (batch, num_blocks * self.block_size, g.num_kv_heads, g.head_dim)
+        keys = self.keys[layer][block_table].view(shape)[:, :length].transpose(1, 2)
+        values = self.values[layer][block_table].view(shape)[:, :length].transpose(1, 2)
+        return keys, values
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            used = self.num_used
+            return PoolStats(
+                block_size=self.block_size,
+                capacity_blocks=self.capacity,
+                max_blocks=self.max_blocks,
+                used_blocks=used,
+                free_blocks=self.num_free,
+                bytes_reserved=self.capacity * self.bytes_per_block,
+                bytes_used=used * self.bytes_per_block,
+                bytes_per_block=self.bytes_per_block,
+            )
+
+    def free_ids(self) -> Sequence[int]:
+        """Free block ids in reuse order (oldest freed first); for tests and debugging."""
+        with self._lock:
+            return tuple(self._free)
