@@ -36,22 +36,28 @@ class BlockTable:
     def prepare_write(self, start: int, end: int) -> bool:
         """Make token positions [start, end) writable: allocate missing blocks, copy shared ones.
 
-        Returns True when the block ids changed (callers cache a tensor copy of the table).
+        All-or-nothing: if the pool cannot supply the blocks, `PoolExhausted` is raised and the table is
+        unchanged. Returns True when the block ids changed (callers cache a tensor copy of the table).
         """
+        return prepare_writes([self], start, end)
+
+    def write_plan(self, start: int, end: int, copied_away: dict[int, int]) -> tuple[list[int], int]:
+        """(indices of shared blocks that [start, end) would write, number of blocks to append).
+
+        `copied_away` counts references that earlier tables of the same batch will drop by copying a
+        block; the last holder of a block then writes it in place instead of copying it too.
+        """
+        if end <= start:
+            return [], 0
         bs = self.pool.block_size
         needed = -(-end // bs)
-        first_touched = start // bs
-        changed = False
-        with self.pool._lock:
-            for index in range(first_touched, min(needed, len(self.block_ids))):
-                private = self.pool.copy_on_write(self.block_ids[index])
-                if private != self.block_ids[index]:
-                    self.block_ids[index] = private
-                    changed = True
-            if needed > len(self.block_ids):
-                self.block_ids.extend(self.pool.allocate(needed - len(self.block_ids)))
-                changed = True
-        return changed
+        shared = []
+        for index in range(start // bs, min(needed, len(self.block_ids))):
+            block = self.block_ids[index]
+            if self.pool.ref_count(block) - copied_away.get(block, 0) > 1:
+                shared.append(index)
+                copied_away[block] = copied_away.get(block, 0) + 1
+        return shared, max(0, needed - len(self.block_ids))
 
     def truncate(self, num_tokens: int) -> None:
         """Keep only the blocks that hold the first `num_tokens` tokens."""
@@ -63,6 +69,28 @@ class BlockTable:
     def release(self) -> None:
         self.pool.decref(self.block_ids)
         self.block_ids = []
+
+
+def prepare_writes(tables: Sequence[BlockTable], start: int, end: int) -> bool:
+    """`BlockTable.prepare_write` for several tables with one allocation: all succeed or none changes."""
+    if not tables:
+        return False
+    pool = tables[0].pool
+    with pool._lock:
+        copied_away: dict[int, int] = {}
+        plans = [table.write_plan(start, end, copied_away) for table in tables]
+        total = sum(len(shared) + appended for shared, appended in plans)
+        if total == 0:
+            return False
+        fresh = iter(pool.allocate(total))  # raises PoolExhausted before anything changes
+        for table, (shared, appended) in zip(tables, plans, strict=True):
+            for index in shared:
+                private = next(fresh)
+                pool.copy_block(table.block_ids[index], private)
+                pool.decref([table.block_ids[index]])
+                table.block_ids[index] = private
+            table.block_ids.extend(next(fresh) for _ in range(appended))
+        return True
 
 
 class BlockTables:
@@ -77,7 +105,7 @@ class BlockTables:
         self.rows: list[BlockTable] = []
         self.num_tokens = 0
         self._tensor: torch.Tensor | None = None
-        self._slots_key: tuple[int, int] | None = None
+        self._slots_key: tuple[int, int, int] | None = None
         self._slots: torch.Tensor | None = None
 
     @property
@@ -111,20 +139,26 @@ class BlockTables:
                 "use one cache per batch, or reset() it first."
             )
         end = start + count
-        if self._slots_key == (start, count) and self._slots is not None:
+        # Every layer of one forward step asks for the same slots; the pool's version guards against a
+        # block becoming shared (fork, prefix cache) between two of those calls.
+        key = (start, count, self.pool.version)
+        if self._slots_key == key and self._slots is not None:
             return self._slots
-        if any([row.prepare_write(start, end) for row in self.rows]):
+        if prepare_writes(self.rows, start, end):
             self._changed()
         self.num_tokens = max(self.num_tokens, end)
         bs = self.pool.block_size
         positions = torch.arange(start, end, device=self.pool.geometry.device)
         table = self.tensor()
         slots = table[:, positions // bs] * bs + positions % bs
-        self._slots_key, self._slots = (start, count), slots.reshape(-1)
+        self._slots_key, self._slots = (start, count, self.pool.version), slots.reshape(-1)
         return self._slots
 
     def reorder(self, indices: Sequence[int]) -> None:
         """Rows become `rows[i] for i in indices` (beam search, repeat, select), sharing blocks."""
+        indices = [int(i) for i in indices]
+        if any(not 0 <= i < len(self.rows) for i in indices):
+            raise ValueError(f"Row indices must be in [0, {len(self.rows)}); got {indices}.")
         new_rows = [self.rows[i].fork() for i in indices]
         self.release_rows()
         self.rows = new_rows

@@ -22,7 +22,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,12 +40,12 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVGeometry.{name} must be a positive int; got {value!r}.")
         if not self.dtype.is_floating_point:
             raise TypeError(f"KVGeometry.dtype must be a floating-point torch dtype; got {self.dtype}.")
@@ -95,8 +95,10 @@ class BlockPool:
         growth_blocks: int = DEFAULT_GROWTH_BLOCKS,
         preallocate: bool = False,
     ) -> None:
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int (e.g. 16, or 256 for flash-attn 2); got {block_size!r}.")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(
+                f"block_size must be a positive int (e.g. 16, or 256 for flash-attn 2); got {block_size!r}."
+            )
         if max_tokens is not None and max_bytes is not None:
             raise ValueError("Give the pool cap as max_tokens or as max_bytes, not both.")
         if growth_blocks <= 0:
@@ -112,6 +114,7 @@ class BlockPool:
         self._ref: list[int] = []
         self._free: deque[int] = deque()
         self._reclaimers: list[Reclaimer] = []
+        self._version = 0
         shape = (0, block_size, geometry.num_kv_heads, geometry.head_dim)
         empty = [torch.empty(shape, dtype=geometry.dtype, device=geometry.device) for _ in range(geometry.num_layers)]
         self.keys: list[torch.Tensor] = empty
@@ -178,6 +181,7 @@ class BlockPool:
             for block_id in ids:
                 assert self._ref[block_id] == 0, f"block {block_id} on the free list is referenced"
                 self._ref[block_id] = 1
+            self._version += 1
             return ids
 
     def _make_room(self, n: int) -> None:
@@ -194,7 +198,8 @@ class BlockPool:
         for reclaim in list(self._reclaimers):
             if short <= 0:
                 break
-            short -= reclaim(short)
+            reclaim(short)
+            short = n - len(self._free)  # trust the free list, not the reclaimer's count
         if short > 0:
             raise PoolExhausted(n, len(self._free), self.max_blocks or self.capacity, self.block_size)
 
@@ -213,24 +218,45 @@ class BlockPool:
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a fork shares blocks instead of copying them)."""
         with self._lock:
-            for block_id in block_ids:
-                if self._ref[block_id] <= 0:
-                    raise ValueError(f"Cannot share block {block_id}: it is free (reference count 0).")
+            ids = self._checked_live(block_ids, "share")
+            for block_id in ids:
                 self._ref[block_id] += 1
+            self._version += 1
 
     def decref(self, block_ids: Iterable[int]) -> None:
         """Drop one reference on each block; a block whose count reaches 0 returns to the free list."""
         with self._lock:
-            for block_id in block_ids:
-                if self._ref[block_id] <= 0:
-                    raise ValueError(f"Block {block_id} was freed twice (its reference count is already 0).")
+            ids = self._checked_live(block_ids, "free")
+            for block_id in ids:
                 self._ref[block_id] -= 1
                 if self._ref[block_id] == 0:
                     self._free.append(block_id)
+            self._version += 1
+
+    def _checked_live(self, block_ids: Iterable[int], action: str) -> list[int]:
+        """Validate every id before changing anything, so a bad id leaves all counts as they were."""
+        ids = list(block_ids)
+        remaining = {}
+        for block_id in ids:
+            if isinstance(block_id, bool) or not 0 <= block_id < self.capacity:
+                raise ValueError(f"Cannot {action} block {block_id!r}: block ids are ints in [0, {self.capacity}).")
+            remaining[block_id] = remaining.get(block_id, self._ref[block_id]) - (action == "free")
+            if self._ref[block_id] <= 0 or remaining[block_id] < 0:
+                raise ValueError(
+                    f"Cannot {action} block {block_id}: it is free (reference count 0); it was freed twice "
+                    "or never allocated."
+                )
+        return ids
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a reference count changes (callers cache derived slot tensors on it)."""
+        return self._version
 
     def copy_on_write(self, block_id: int) -> int:
         """Return a block the caller may write: `block_id` itself if unshared, else a private copy."""
         with self._lock:
+            self._checked_live([block_id], "copy")
             if self._ref[block_id] == 1:
                 return block_id
             (new_id,) = self.allocate(1)
