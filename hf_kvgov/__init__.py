@@ -1,12 +1,30 @@
-"""hf_kvgov: govern the KV cache of HuggingFace transformers models."""
+"""hf_kvgov: govern the KV cache of HuggingFace transformers models.
 
-from hf_kvgov.errors import KVGovError, PoolExhausted
-from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
-from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
-from hf_kvgov.storage.block_table import BlockTable, BlockTables
-from hf_kvgov.storage.pool import BlockPool, KVGeometry
+Names are imported lazily, so that model-free parts (the planner, the radix tree, codecs, policies)
+load without importing transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "BlockPool": "hf_kvgov.storage.pool",
+    "KVGeometry": "hf_kvgov.storage.pool",
+    "BlockTable": "hf_kvgov.storage.block_table",
+    "BlockTables": "hf_kvgov.storage.block_table",
+    "KVGovError": "hf_kvgov.errors",
+    "PoolExhausted": "hf_kvgov.errors",
+    "PagedCache": "hf_kvgov.hf.paged_cache",
+    "CacheStats": "hf_kvgov.hf.paged_cache",
+    "paged_attention": "hf_kvgov.hf.attention",
+    "use_paged_attention": "hf_kvgov.hf.attention",
+    "restore_attention": "hf_kvgov.hf.attention",
+    "load_model": "hf_kvgov.models",
+}
 
 __all__ = [
     "BlockPool",
@@ -17,7 +35,22 @@ __all__ = [
     "KVGovError",
     "PagedCache",
     "PoolExhausted",
+    "load_model",
     "paged_attention",
     "restore_attention",
     "use_paged_attention",
 ]
+
+if TYPE_CHECKING:
+    from hf_kvgov.errors import KVGovError, PoolExhausted
+    from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
+    from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
+    from hf_kvgov.models import load_model
+    from hf_kvgov.storage.block_table import BlockTable, BlockTables
+    from hf_kvgov.storage.pool import BlockPool, KVGeometry
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hf_kvgov' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -47,8 +47,7 @@ def decoder_config(model_or_config: Any) -> PretrainedConfig:
     config = model_or_config.config if isinstance(model_or_config, PreTrainedModel) else model_or_config
     if not isinstance(config, PretrainedConfig):
         raise TypeError(
-            "Expected a transformers PreTrainedModel or PretrainedConfig; got "
-            f"{type(model_or_config).__name__}."
+            f"Expected a transformers PreTrainedModel or PretrainedConfig; got {type(model_or_config).__name__}."
         )
     return config.get_text_config(decoder=True)
 

@@ -209,9 +209,7 @@ class PagedCache(Cache):
                 "PagedCache(attention='paged') needs the model to pass its attention kwargs to cache.update "
                 "(transformers >= 5 models do); use attention='contiguous' with this model."
             )
-        view = PagedView(
-            self.pool.keys[layer.index], self.pool.values[layer.index], self.tables.tensor(), layer.length
-        )
+        view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], self.tables.tensor(), layer.length)
         attn_kwargs[PAGED_VIEW_KEY] = view
         self._pending_view = view
         return key_states, value_states
@@ -219,7 +217,8 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ generate's bookkeeping
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].get_seq_length() if layer_idx < len(self.layers) else 0
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        return layer.length if isinstance(layer, PagedLayer) else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row beam_idx[i]; blocks are shared, copied only when written."""

@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random-weight Llama for fast matrices, the embedded real models for checks
+that need trained weights. Real models must have been fetched before the tests run (`kvgov fetch`, part
+of the README's test command): tests never download, and a missing model is an error, not a skip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def tiny_llama(num_kv_heads: int = 2, num_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer random Llama: big enough to exercise GQA/MHA, small enough for a test matrix."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _real_model(name: str):  # type: ignore[no-untyped-def]
+    from hf_kvgov import models
+
+    if not models.is_fetched(name):
+        pytest.fail(
+            f"The embedded model {name!r} is not fetched; run `kvgov fetch` before the tests (no downloads in tests)."
+        )
+    return models.load_model(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2():  # type: ignore[no-untyped-def]
+    return _real_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():  # type: ignore[no-untyped-def]
+    return _real_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def austen_text() -> str:
+    path = SHARED_DATA / "text" / "austen" / "prideprejudice.txt"
+    if not path.exists():
+        pytest.fail(f"Evaluation text {path} is missing; tests expect the project's shared/ beside the checkout.")
+    return path.read_text(encoding="utf-8")
