@@ -1,0 +1,74 @@
+"""fp8 codecs (e4m3 and e5m2): one float8 code per element, one symmetric scale per group.
+
+Each group (see ``grouping``) is scaled so that its largest magnitude lands on the format's largest
+finite value, using the whole exponent range::
+
+    scale = round_up_to_scale_dtype(amax / finfo(fp8).max)     # 1 for an all-zero group
+    code  = fp8(clamp(x / scale, -finfo.max, finfo.max))       # round to nearest even
+    x'    = float32(code) * scale                               # dequant, in float32
+
+No zero point: a float format is already densest around 0, so shifting the range would waste it.
+
+Layout for a block ``[*lead, T, H, D]``::
+
+    codes  float8 [*lead, T, H, D]       torch.float8_e4m3fn or torch.float8_e5m2, one byte each
+    scale  fp16   keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
+
+Codes are kept as the float8 dtype (Triton loads them as ``tl.float8e4nv`` / ``tl.float8e5``);
+``codes.view(torch.uint8)`` gives the raw bytes for storage or kernels without float8 support:
+
+    e4m3fn : sign | 4-bit exponent (bias 7)  | 3-bit mantissa   max 448,   no inf, 0x7F/0xFF are NaN
+    e5m2   : sign | 5-bit exponent (bias 15) | 2-bit mantissa   max 57344, IEEE-style inf and NaN
+
+Error per element (``m`` mantissa bits, ``e_min`` the smallest normal exponent)::
+
+    |x - x'| <= 2**-(m+1) * |x| + 2**(e_min - m - 1) * scale
+    e4m3: 2**-4 * |x| + 2**-10 * scale        e5m2: 2**-3 * |x| + 2**-17 * scale
+
+the first term for values in the normal range, the second for those that fall among the subnormals.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.codecs.base import KVCodec
+from hf_kvgov.codecs.numerics import round_up
+
+
+class Float8Codec(KVCodec):
+    """Symmetric per-group scale, codes stored as ``codes_dtype`` (a torch float8 dtype)."""
+
+    bits: ClassVar[int] = 8
+    has_zero: ClassVar[bool] = False
+
+    def _quantize(self, grouped: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        fmax = torch.finfo(self.codes_dtype).max
+        amax = grouped.abs().amax(dim=dim, keepdim=True)
+        step = round_up(amax / fmax, self.scale_dtype)
+        # An all-zero group: any positive scale encodes it as exact zeros.
+        scale = torch.where(step > 0, step, torch.ones_like(step))
+        # The clamp guards the float32 division landing an ulp past fmax: e4m3fn has no inf, and an
+        # out-of-range cast would give NaN.
+        codes = (grouped / scale.float()).clamp_(-fmax, fmax).to(self.codes_dtype)
+        return codes, scale, None
+
+    def _dequantize(self, codes: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
+        return codes.float() * scale
+
+
+class Fp8E4M3Codec(Float8Codec):
+    """fp8 e4m3fn: 3 mantissa bits (relative step 2**-3), range +-448 per scale."""
+
+    name: ClassVar[str] = "fp8_e4m3"
+    codes_dtype: ClassVar[torch.dtype] = torch.float8_e4m3fn
+
+
+class Fp8E5M2Codec(Float8Codec):
+    """fp8 e5m2: 2 mantissa bits (relative step 2**-2), range +-57344 per scale."""
+
+    name: ClassVar[str] = "fp8_e5m2"
+    codes_dtype: ClassVar[torch.dtype] = torch.float8_e5m2
