@@ -1,0 +1,39 @@
+"""Eviction policies: pure functions from per-slot scores and positions to the slots worth keeping.
+
+A policy's ``select(scores, positions, valid, budget)`` returns slot indices per KV head; the cache then
+moves its tensors with :func:`gather_kept`. Build one by name with :func:`make_policy` (``"h2o"``,
+``"sink"``). The attention-mass and RoPE helpers feed the policies and the caches that apply them.
+"""
+
+from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mass_chunked
+from hf_kvgov.policies.base import EvictionPolicy
+from hf_kvgov.policies.heavy_hitter import HeavyHitter
+from hf_kvgov.policies.registry import available_policies, make_policy, register_policy
+from hf_kvgov.policies.rope import apply_rope, rerotate, rotate_half
+from hf_kvgov.policies.selection import (
+    gather_kept,
+    newest_valid,
+    oldest_valid,
+    order_by_position,
+    select_by_priority,
+)
+from hf_kvgov.policies.sink_window import SinkWindow
+
+__all__ = [
+    "EvictionPolicy",
+    "HeavyHitter",
+    "SinkWindow",
+    "accumulate_attention",
+    "apply_rope",
+    "attention_mass_chunked",
+    "available_policies",
+    "gather_kept",
+    "make_policy",
+    "newest_valid",
+    "oldest_valid",
+    "order_by_position",
+    "register_policy",
+    "rerotate",
+    "rotate_half",
+    "select_by_priority",
+]

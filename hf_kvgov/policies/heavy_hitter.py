@@ -1,0 +1,87 @@
+"""H2O: keep a recent window plus the tokens that have collected the most attention (heavy hitters)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.policies.base import check_budget, check_count, check_slot_tensors
+from hf_kvgov.policies.selection import newest_valid, select_by_priority
+
+
+@dataclass(frozen=True)
+class HeavyHitter:
+    """Heavy-hitter oracle (Zhang et al., 2023), applied per KV head.
+
+    Of ``kept = min(budget, slots)`` slots, ``h = min(heavy slots, kept - recent)`` go to the valid slots
+    with the highest accumulated attention mass outside the window, and the window holds the other
+    ``kept - h`` most recent valid slots (never fewer than ``recent``). With ``budget = heavy + recent``
+    this is H2O exactly; a larger budget widens the window, a smaller one takes slots from the heavy part.
+
+    Args:
+        heavy: heavy-hitter slots, as an int count or as a float fraction of the budget in ``[0, 1]``
+            (rounded down: ``heavy=0.2`` with budget 64 gives 12).
+        recent: most recent valid slots always kept; the budget must be at least this.
+
+    Ties in mass go to the more recent position, then to the lower slot index. NaN mass ranks lowest.
+    """
+
+    heavy: int | float
+    recent: int
+
+    needs_scores: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        check_count("HeavyHitter", "recent", self.recent)
+        if isinstance(self.heavy, bool) or not isinstance(self.heavy, int | float):
+            raise TypeError(
+                "HeavyHitter.heavy must be an int count of slots or a float fraction of the budget; "
+                f"got {self.heavy!r} of type {type(self.heavy).__name__}."
+            )
+        if isinstance(self.heavy, int) and self.heavy < 0:
+            raise ValueError(f"HeavyHitter.heavy as a count of slots must be at least 0; got {self.heavy}.")
+        if isinstance(self.heavy, float) and not 0.0 <= self.heavy <= 1.0:
+            raise ValueError(f"HeavyHitter.heavy as a fraction of the budget must lie in [0, 1]; got {self.heavy}.")
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.recent, 1)
+
+    def heavy_slots(self, budget: int) -> int:
+        """How many heavy-hitter slots the configuration asks for under ``budget`` (before capping)."""
+        if isinstance(self.heavy, int):
+            return self.heavy
+        # The epsilon keeps 0.29 * 100 = 28.999999999999996 from rounding down to 28.
+        return math.floor(self.heavy * budget + 1e-9)
+
+    def select(self, scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices.
+
+        ``scores`` is float ``[batch, kv_heads, slots]`` accumulated attention mass (required);
+        ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
+        """
+        if scores is None:
+            raise ValueError(
+                "HeavyHitter ranks slots by accumulated attention mass, so scores must be a tensor "
+                "[batch, kv_heads, slots]; got None."
+            )
+        check_slot_tensors(scores, positions, valid)
+        self._check_budget(budget)
+        kept = min(budget, positions.shape[-1])
+        heavy = max(0, min(self.heavy_slots(budget), kept - self.recent))
+        in_window = newest_valid(positions, valid, kept - heavy)
+        # The window outranks every mass, +inf included, because the shared tie-break prefers newer slots.
+        priority = torch.where(in_window, float("inf"), scores)
+        return select_by_priority(priority, positions, valid, kept)
+
+    def _check_budget(self, budget: int) -> None:
+        check_budget(budget)
+        if budget < self.recent:
+            raise ValueError(
+                f"HeavyHitter(heavy={self.heavy!r}, recent={self.recent}) always keeps {self.recent} recent "
+                f"slots, so the budget must be at least {self.recent}; got a budget of {budget}."
+            )

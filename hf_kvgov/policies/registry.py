@@ -1,0 +1,48 @@
+"""Names to policy factories, so callers build a policy from a string without branching on its type."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hf_kvgov.policies.base import EvictionPolicy
+from hf_kvgov.policies.heavy_hitter import HeavyHitter
+from hf_kvgov.policies.sink_window import SinkWindow
+
+PolicyFactory = Callable[..., EvictionPolicy]
+
+_FACTORIES: dict[str, PolicyFactory] = {
+    "h2o": HeavyHitter,
+    "sink": SinkWindow,
+}
+
+
+def available_policies() -> tuple[str, ...]:
+    """The registered policy names, sorted."""
+    return tuple(sorted(_FACTORIES))
+
+
+def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
+    """Make ``make_policy(name, **config)`` call ``factory(**config)``.
+
+    Raises ``ValueError`` if ``name`` is taken, unless ``replace`` is True.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A policy name must be a non-empty string; got {name!r}.")
+    if name in _FACTORIES and not replace:
+        raise ValueError(
+            f"A policy named {name!r} is already registered ({_FACTORIES[name]!r}); pass replace=True to override it."
+        )
+    _FACTORIES[name] = factory
+
+
+def make_policy(name: str, **config: Any) -> EvictionPolicy:
+    """Build the policy registered under ``name`` with ``config``.
+
+    Example: ``make_policy("sink", n_sink=4, window=60)``. Unknown names raise ``ValueError``.
+    """
+    factory = _FACTORIES.get(name)
+    if factory is None:
+        accepted = ", ".join(repr(n) for n in available_policies())
+        raise ValueError(f"Unknown eviction policy {name!r}; the accepted names are {accepted}.")
+    return factory(**config)
