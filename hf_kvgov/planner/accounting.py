@@ -1,0 +1,141 @@
+"""Bytes one sequence of L tokens takes under a CacheSetup, layer kind by layer kind.
+
+A layer holds the blocks of one sequence as *runs* of consecutive blocks::
+
+    full-attention layer, prefix P (whole blocks) shared:   [ shared P tokens | private L-P tokens ]
+    sliding layer (window W), L > W:           freed ... [ first block overlapping the window ... tail ]
+
+Every run's blocks are full except its last (the tail). With a codec, the sequence's first
+``sink_blocks`` blocks and a partially filled tail stay in full precision; every other block is sealed
+(quantized), as ``QuantizedCache`` does when a block fills up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hf_kvgov.planner.geometry import ModelGeometry
+from hf_kvgov.planner.setup import CacheSetup
+
+
+@dataclass(frozen=True)
+class Run:
+    """``tokens`` slots in consecutive blocks of one layer; ``at_sink``: the run starts at block 0."""
+
+    tokens: int
+    at_sink: bool
+
+
+@dataclass(frozen=True)
+class SequenceBytes:
+    """Bytes of one sequence: its own on the accelerator, its own on disk, and its shared prefix tokens."""
+
+    device: int
+    disk: int
+    shared_tokens: int
+
+
+def layer_kinds(geometry: ModelGeometry) -> list[tuple[int, int | None]]:
+    """(number of layers, window or None) for the full-attention and the sliding-window layers."""
+    kinds = [(geometry.num_full_layers, None), (geometry.num_sliding_layers, geometry.sliding_window)]
+    return [(count, window) for count, window in kinds if count]
+
+
+def shared_prefix_tokens(setup: CacheSetup, length: int) -> int:
+    """Tokens of a sequence of ``length`` that are a shared prefix: whole blocks only, as the radix tree
+    shares full blocks."""
+    return math.floor(setup.shared_fraction * length / setup.block_size) * setup.block_size
+
+
+def run_bytes(run: Run, setup: CacheSetup, head_dim: int) -> int:
+    """Bytes of one run for one layer and one KV head (codes and scales)."""
+    bs = setup.block_size
+    blocks = math.ceil(run.tokens / bs)
+    full = setup.full_format.block_bytes(bs, head_dim)
+    if setup.codec is None or blocks == 0:
+        return blocks * full
+    full_blocks = min(setup.sink_blocks, blocks) if run.at_sink else 0
+    if run.tokens % bs and blocks > full_blocks:
+        full_blocks += 1  # the tail block is still being written: not sealed yet
+    return full_blocks * full + (blocks - full_blocks) * setup.sealed_format.block_bytes(bs, head_dim)
+
+
+def private_run(setup: CacheSetup, length: int, prefix: int, window: int | None) -> Run:
+    """The blocks of one layer that belong to this sequence alone (``prefix`` is a multiple of blocks)."""
+    bs = setup.block_size
+    # Blocks that lie wholly before the window are freed; the one holding its first token stays.
+    first = max(0, length - window) // bs if window is not None else 0
+    start = max(first, prefix // bs)
+    return Run(tokens=length - start * bs, at_sink=start == 0)
+
+
+def apply_h2o(run: Run, setup: CacheSetup) -> Run:
+    """The run after H2O keeps ``h2o_budget`` of its tokens (never fewer than the recent window)."""
+    if setup.h2o_budget is None:
+        return run
+    kept = min(run.tokens, max(math.ceil(setup.h2o_budget * run.tokens), setup.h2o_recent))
+    return Run(tokens=kept, at_sink=run.at_sink)
+
+
+def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
+    """(hot run on the accelerator, cold run on disk): the blocks of the last ``spill_hot_tokens`` stay."""
+    if setup.spill_hot_tokens is None:
+        return run, Run(0, False)
+    bs = setup.block_size
+    cold_blocks = max(0, math.ceil(run.tokens / bs) - math.ceil(setup.spill_hot_tokens / bs))
+    hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and cold_blocks == 0)
+    return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink)
+
+
+def _static_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
+    assert setup.max_len is not None
+    total = 0
+    for count, window in layer_kinds(geometry):
+        slots = setup.max_len if window is None else min(setup.max_len, window)
+        total += count * geometry.num_kv_heads * setup.full_format.block_bytes(slots, geometry.head_dim)
+    return total
+
+
+def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> SequenceBytes:
+    """Bytes one sequence of ``length`` tokens holds by itself (its shared prefix is not included)."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"A sequence length must be a positive int; got {length!r}.")
+    if not setup.paged:
+        assert setup.max_len is not None
+        if length > setup.max_len:
+            raise ValueError(f"A sequence of {length} tokens does not fit a static buffer of {setup.max_len}.")
+        return SequenceBytes(device=_static_bytes(geometry, setup), disk=0, shared_tokens=0)
+    prefix = shared_prefix_tokens(setup, length)
+    device = disk = 0
+    for count, window in layer_kinds(geometry):
+        layer_device, layer_disk = _own_layer_bytes(setup, length, prefix, window, geometry.head_dim)
+        device += count * geometry.num_kv_heads * layer_device
+        disk += count * geometry.num_kv_heads * layer_disk
+    return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
+
+
+def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int) -> tuple[int, int]:
+    """(accelerator, disk) bytes that one layer and KV head hold for this sequence alone."""
+    run = apply_h2o(private_run(setup, length, prefix, window), setup)
+    hot, cold = split_spill(run, setup)
+    device = run_bytes(hot, setup, head_dim)
+    if setup.h2o_budget is not None:
+        # H2O keeps the attention mass of every kept slot (spilled ones too) on the accelerator.
+        device += math.ceil(run.tokens / setup.block_size) * setup.block_size * setup.h2o_score_bytes
+    return device, run_bytes(cold, setup, head_dim)
+
+
+def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) -> int:
+    """Bytes of one stored copy of a ``prefix``-token shared prefix (on the accelerator, never evicted).
+
+    In a sliding layer only the blocks that can still overlap some sequence's window are counted.
+    """
+    if not setup.paged or prefix == 0:
+        return 0
+    bs, total = setup.block_size, 0
+    for count, window in layer_kinds(geometry):
+        tokens = prefix if window is None else min(prefix, (math.ceil(window / bs) + 1) * bs)
+        per_head = run_bytes(Run(tokens, at_sink=True), setup, geometry.head_dim)
+        total += count * geometry.num_kv_heads * per_head
+    return total

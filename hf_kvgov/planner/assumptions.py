@@ -1,0 +1,113 @@
+"""The assumptions behind a plan, in words, so nobody mistakes a modelled figure for a measured one."""
+
+from __future__ import annotations
+
+from hf_kvgov.planner.planner import Plan
+from hf_kvgov.planner.units import KV_DTYPE_BYTES, format_bytes
+
+# Sequential read bandwidth of a PCIe 4.0 NVMe SSD, used to price reading spilled KV back.
+DEFAULT_SSD_READ_BYTES_PER_S = 7e9
+
+
+def _geometry_lines(plan: Plan) -> list[str]:
+    g, o = plan.inputs.geometry, plan.options
+    element = KV_DTYPE_BYTES[o.kv_dtype]
+    lines = [
+        f"KV bytes per token = 2 (K and V) x {g.num_layers} layers x {g.num_kv_heads} KV heads x "
+        f"{g.head_dim} x {element} B ({o.kv_dtype}) = {g.kv_bytes_per_token(o.kv_dtype):,} B."
+    ]
+    if g.sliding_window is not None:
+        lines.append(
+            f"{g.num_sliding_layers} of {g.num_layers} layers attend in a {g.sliding_window:,}-token window: "
+            "they keep only the blocks that overlap a sequence's last window (a static buffer: "
+            "min(max_len, window))."
+        )
+    return lines
+
+
+def _length_lines(plan: Plan) -> list[str]:
+    lengths, g = plan.inputs.lengths, plan.inputs.geometry
+    lines = []
+    if len(set(lengths.lengths)) > 1:
+        lines.append(
+            "Concurrency uses the mean bytes per sequence over the length distribution: a steady-state "
+            "average; a burst of long sequences needs more."
+        )
+    if lengths.max > g.max_position_embeddings:
+        lines.append(
+            f"Some sequences ({lengths.max:,} tokens) are longer than {g.name}'s trained context "
+            f"({g.max_position_embeddings:,}); only a sink/window cache runs that far with sane output."
+        )
+    return lines
+
+
+def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
+    o, names = plan.options, {s.name for s in plan.steps}
+    lines = []
+    if "static" in names:
+        lines.append(f"Static pre-allocation reserves max_len = {o.max_len:,} tokens for every sequence, used or not.")
+    if "paged" in names:
+        lines.append(
+            f"Paged: a sequence of L tokens holds ceil(L / {o.block_size}) blocks per layer; block tables "
+            "and pool metadata (a few bytes per block) are not counted."
+        )
+    if "prefix" in names:
+        who = "all concurrent sequences" if o.share_group is None else f"groups of {o.share_group} sequences"
+        lines.append(
+            f"Prefix sharing: {o.shared_fraction:.0%} of each sequence's tokens (rounded down to whole "
+            f"blocks) is a prefix shared by {who}, stored once on the accelerator (sealed blocks quantized "
+            "if a codec is on), never evicted by H2O nor spilled. This step's gain depends entirely on "
+            "that fraction, which is your workload's, not the library's."
+        )
+    codec = next((n for n in ("int8", "int4", "fp8") if n in names), None)
+    if codec in ("int8", "int4"):
+        lines.append(
+            f"{codec}: keys per channel, values per token (KIVI), an fp{8 * o.scale_bytes} scale and zero "
+            f"point each; each sequence's first {o.sink_blocks} block(s) and its partly filled tail block "
+            f"stay in {o.kv_dtype}. Quality loss is not modelled: measure it on your model (kvgov eval)."
+        )
+    if codec == "fp8":
+        lines.append(
+            f"fp8: one byte per element, one fp{8 * o.scale_bytes} scale per token and head group; first "
+            "and tail blocks stay in full precision. Quality loss is not modelled."
+        )
+    if "h2o" in names:
+        lines.append(
+            f"H2O keeps {o.h2o_budget:.0%} of each layer's own tokens (never fewer than the "
+            f"{o.h2o_recent} most recent), plus 4 B of attention mass per kept slot and KV head; a shared "
+            "prefix is kept whole. The quality cost (the article says ~2%) is not modelled: measure it "
+            "(kvgov eval)."
+        )
+    if "spill" in names:
+        lines.extend(_spill_lines(plan, ssd_bytes_per_s))
+    return lines
+
+
+def _spill_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
+    step = plan.step("spill")
+    lines = [
+        f"Spill keeps the blocks of each layer's last {plan.options.spill_hot_tokens:,} tokens on the "
+        "accelerator and moves older sealed blocks to disk; read-back staging buffers count in the reserve."
+    ]
+    if step.disk_bytes_per_sequence > 0:
+        per_step = step.concurrent * step.disk_bytes_per_sequence
+        seconds = per_step / ssd_bytes_per_s
+        lines.append(
+            "Attention still reads every spilled block each decode step: "
+            f"{format_bytes(step.disk_bytes_per_sequence)} per sequence, {format_bytes(per_step)} for all "
+            f"{step.concurrent:,}, i.e. at least {seconds:.3g} s per generated token at "
+            f"{format_bytes(ssd_bytes_per_s)}/s from disk: spill suits batch jobs, not chat."
+        )
+    else:
+        lines.append("No sequence is longer than the hot window, so nothing spills at this step.")
+    return lines
+
+
+def plan_assumptions(plan: Plan, ssd_bytes_per_s: float = DEFAULT_SSD_READ_BYTES_PER_S) -> list[str]:
+    """Every assumption the plan's figures rest on, one sentence or two each."""
+    budget = plan.inputs.budget
+    memory = [
+        f"Memory: {budget.describe()}. The {budget.reserve_fraction:.0%} reserve stands for activations, "
+        "the CUDA context, library workspaces and fragmentation (--reserve)."
+    ]
+    return _geometry_lines(plan) + memory + _length_lines(plan) + _step_lines(plan, ssd_bytes_per_s)

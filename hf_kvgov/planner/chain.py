@@ -1,0 +1,148 @@
+"""The governance chain: techniques applied one after another, each step a CacheSetup.
+
+A chain is a comma-separated list of technique names, e.g. ``static,paged,prefix,int8,h2o,spill`` (the
+default) or the article's order ``static,paged,prefix,h2o,int8,spill``. Each technique is a registry
+entry that turns the previous step's setup into the next one; ``static`` can only come first, and every
+other technique works on paged blocks, so it needs ``paged`` before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hf_kvgov.planner.setup import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_H2O_RECENT,
+    DEFAULT_SPILL_HOT_TOKENS,
+    CacheSetup,
+)
+
+DEFAULT_CHAIN = ("static", "paged", "prefix", "int8", "h2o", "spill")
+DEFAULT_SHARED_FRACTION = 0.5
+DEFAULT_H2O_BUDGET = 0.2
+
+
+@dataclass(frozen=True)
+class ChainOptions:
+    """The knob each technique turns (see CacheSetup for their meaning)."""
+
+    max_len: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_dtype: str = "fp16"
+    shared_fraction: float = DEFAULT_SHARED_FRACTION
+    share_group: int | None = None
+    h2o_budget: float = DEFAULT_H2O_BUDGET
+    h2o_recent: int = DEFAULT_H2O_RECENT
+    spill_hot_tokens: int = DEFAULT_SPILL_HOT_TOKENS
+    sink_blocks: int = 1
+    scale_bytes: int = 2
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        # Every knob is checked up front, even for techniques the chain leaves out.
+        CacheSetup(
+            max_len=self.max_len,
+            block_size=self.block_size,
+            kv_dtype=self.kv_dtype,
+            shared_fraction=self.shared_fraction,
+            share_group=self.share_group,
+            h2o_budget=self.h2o_budget,
+            h2o_recent=self.h2o_recent,
+            spill_hot_tokens=self.spill_hot_tokens,
+            sink_blocks=self.sink_blocks,
+            scale_bytes=self.scale_bytes,
+            group_size=self.group_size,
+        )
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One step of the chain: how it is labelled and how it changes the setup before it."""
+
+    name: str
+    label: Callable[[ChainOptions], str]
+    apply: Callable[[CacheSetup, ChainOptions], CacheSetup]
+
+
+def _static(_: CacheSetup, o: ChainOptions) -> CacheSetup:
+    return CacheSetup(paged=False, max_len=o.max_len, block_size=o.block_size, kv_dtype=o.kv_dtype)
+
+
+def _paged(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+    return dataclasses.replace(s, paged=True, block_size=o.block_size, kv_dtype=o.kv_dtype)
+
+
+def _prefix(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+    return dataclasses.replace(s, shared_fraction=o.shared_fraction, share_group=o.share_group)
+
+
+def _codec(name: str) -> Callable[[CacheSetup, ChainOptions], CacheSetup]:
+    def apply(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+        return dataclasses.replace(
+            s, codec=name, sink_blocks=o.sink_blocks, scale_bytes=o.scale_bytes, group_size=o.group_size
+        )
+
+    return apply
+
+
+def _h2o(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+    return dataclasses.replace(s, h2o_budget=o.h2o_budget, h2o_recent=o.h2o_recent)
+
+
+def _spill(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+    return dataclasses.replace(s, spill_hot_tokens=o.spill_hot_tokens)
+
+
+TECHNIQUES: dict[str, Technique] = {
+    t.name: t
+    for t in (
+        Technique("static", lambda o: f"static pre-allocation ({o.max_len:,} tokens)", _static),
+        Technique("paged", lambda o: f"paged ({o.block_size}-token blocks)", _paged),
+        Technique("prefix", lambda o: f"+ prefix sharing ({o.shared_fraction:.0%} shared)", _prefix),
+        Technique("int8", lambda o: "+ int8 (KIVI)", _codec("int8")),
+        Technique("int4", lambda o: "+ int4 (KIVI)", _codec("int4")),
+        Technique("fp8", lambda o: "+ fp8", _codec("fp8")),
+        Technique("h2o", lambda o: f"+ H2O {o.h2o_budget:.0%}", _h2o),
+        Technique("spill", lambda o: f"+ disk spill (hot {o.spill_hot_tokens:,} tokens)", _spill),
+    )
+}
+_CODECS = {"int8", "int4", "fp8"}
+
+
+def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Technique names from 'static,paged,prefix,int8,h2o,spill' (or a sequence), checked for order."""
+    names = tuple(n.strip().lower() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip())
+    unknown = [n for n in names if n not in TECHNIQUES]
+    if not names or unknown:
+        raise ValueError(
+            f"Unknown chain step(s) {unknown or [spec]}; a chain is a comma-separated list of "
+            f"{', '.join(TECHNIQUES)}, e.g. '{','.join(DEFAULT_CHAIN)}'."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"The chain {','.join(names)} names a step twice; list each technique once.")
+    if "static" in names[1:]:
+        raise ValueError("'static' (pre-allocation) can only be the first step of the chain.")
+    if len(_CODECS.intersection(names)) > 1:
+        raise ValueError(
+            f"The chain {','.join(names)} has more than one codec; pick one of {', '.join(sorted(_CODECS))}."
+        )
+    first_paged = names.index("paged") if "paged" in names else len(names)
+    early = [n for n in names[:first_paged] if n != "static"]
+    if early:
+        raise ValueError(
+            f"Chain step(s) {early} work on paged blocks, so 'paged' must come before them; got {','.join(names)}."
+        )
+    return names
+
+
+def build_chain(names: tuple[str, ...], options: ChainOptions) -> list[tuple[str, str, CacheSetup]]:
+    """(name, label, setup) for each step; every setup is the previous one with one technique added."""
+    setup = CacheSetup(max_len=options.max_len, block_size=options.block_size, kv_dtype=options.kv_dtype)
+    steps = []
+    for name in parse_chain(names):
+        technique = TECHNIQUES[name]
+        setup = technique.apply(setup, options)
+        steps.append((name, technique.label(options), setup))
+    return steps

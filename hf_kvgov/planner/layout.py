@@ -1,0 +1,103 @@
+"""Bytes of one KV block in each storage format, mirroring the packed layouts of ``hf_kvgov.codecs``.
+
+A block holds ``block_size`` (T) tokens of one layer and one KV head, ``head_dim`` (D) channels, for
+keys and values. Per block and KV head::
+
+    full precision (fp32/fp16/bf16, e bytes):  K codes T*D*e   + V codes T*D*e
+    int8 / int4 (KIVI, b bits):                K codes T*D*b/8 + V codes T*D*b/8      (int4: two per byte)
+                                               + K scale & zero per channel:  D       x 2 x s
+                                               + V scale & zero per token:    T x D/g x 2 x s
+    fp8 (e4m3):                                K codes T*D     + V codes T*D
+                                               + one scale per (token, group): 2 x T x D/g x s
+
+``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+def _check_group(group_size: int | None, head_dim: int) -> int:
+    group = head_dim if group_size is None else group_size
+    if group < 1 or head_dim % group:
+        raise ValueError(
+            f"The quantization group size {group_size} does not divide head_dim {head_dim}; use a divisor of "
+            "head_dim, or leave it unset for one group per head."
+        )
+    return group
+
+
+class BlockFormat(Protocol):
+    """Bytes that one block of one layer and one KV head takes in some storage format."""
+
+    @property
+    def name(self) -> str:
+        """The format's name ('fp16', 'int8', ...)."""
+        ...
+
+    def block_bytes(self, block_size: int, head_dim: int) -> int:
+        """Bytes of keys and values (codes and scales) for ``block_size`` tokens."""
+        ...
+
+
+@dataclass(frozen=True)
+class FullPrecision:
+    """Uncompressed keys and values, ``element_bytes`` each (fp32: 4, fp16/bf16: 2)."""
+
+    name: str
+    element_bytes: int
+
+    def block_bytes(self, block_size: int, head_dim: int) -> int:
+        return 2 * block_size * head_dim * self.element_bytes
+
+
+@dataclass(frozen=True)
+class IntegerKIVI:
+    """Asymmetric integer codes: keys per channel, values per token (KIVI), a scale and a zero each."""
+
+    name: str
+    bits: int
+    scale_bytes: int = 2
+    value_group: int | None = None
+
+    def block_bytes(self, block_size: int, head_dim: int) -> int:
+        group = _check_group(self.value_group, head_dim)
+        codes = 2 * math.ceil(block_size * head_dim * self.bits / 8)
+        key_stats = head_dim * 2 * self.scale_bytes
+        value_stats = block_size * (head_dim // group) * 2 * self.scale_bytes
+        return codes + key_stats + value_stats
+
+
+@dataclass(frozen=True)
+class Float8:
+    """One byte per element, one scale (no zero point) per (token, head, group) for keys and values."""
+
+    name: str
+    scale_bytes: int = 2
+    group_size: int | None = None
+
+    def block_bytes(self, block_size: int, head_dim: int) -> int:
+        group = _check_group(self.group_size, head_dim)
+        return 2 * block_size * head_dim + 2 * block_size * (head_dim // group) * self.scale_bytes
+
+
+# Codec name -> factory(scale_bytes, group_size). A registry, so a new codec is one entry, not a branch.
+CODEC_FORMATS: dict[str, Callable[[int, int | None], BlockFormat]] = {
+    "int8": lambda scale_bytes, group: IntegerKIVI("int8", 8, scale_bytes, group),
+    "int4": lambda scale_bytes, group: IntegerKIVI("int4", 4, scale_bytes, group),
+    "fp8": lambda scale_bytes, group: Float8("fp8", scale_bytes, group),
+}
+
+
+def codec_format(name: str, scale_bytes: int = 2, group_size: int | None = None) -> BlockFormat:
+    """The sealed-block format of codec ``name`` ('int8', 'int4', 'fp8')."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in CODEC_FORMATS:
+        raise ValueError(f"Unknown KV codec {name!r}; accepted: {', '.join(CODEC_FORMATS)}.")
+    if scale_bytes not in (2, 4):
+        raise ValueError(f"Quantization scales are stored in fp16 (2 bytes) or fp32 (4 bytes); got {scale_bytes}.")
+    return CODEC_FORMATS[key](scale_bytes, group_size)

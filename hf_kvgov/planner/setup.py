@@ -1,0 +1,98 @@
+"""CacheSetup: every knob of how a cache stores a sequence, at one step of the governance chain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_kvgov.planner.layout import CODEC_FORMATS, BlockFormat, FullPrecision, codec_format
+from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_H2O_RECENT = 64
+DEFAULT_SPILL_HOT_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """How one sequence's KV is stored.
+
+    Args:
+        paged: blocks of ``block_size`` tokens allocated on demand (True) or one buffer of ``max_len``
+            tokens pre-allocated per sequence (False, "static").
+        max_len: tokens a static buffer holds (required when ``paged`` is False).
+        block_size: tokens per block; a sequence of L tokens holds ceil(L / block_size) blocks.
+        kv_dtype: full-precision element type ('fp32', 'fp16', 'bf16').
+        codec: quantization of sealed blocks ('int8', 'int4', 'fp8') or None.
+        scale_bytes / group_size: size of a quantization scale (fp16: 2) and the value group along
+            head_dim (None: one group per head).
+        sink_blocks: leading blocks a quantized cache keeps in full precision.
+        shared_fraction: part of each sequence's tokens that is a prefix shared with other sequences
+            (rounded down to whole blocks; 0 turns sharing off).
+        share_group: sequences that share one stored prefix (None: all concurrent sequences).
+        h2o_budget: fraction of each layer's tokens H2O keeps (recent window included), or None.
+        h2o_recent: most recent tokens H2O always keeps (the budget never goes below it).
+        h2o_score_bytes: bytes of accumulated attention mass H2O keeps per slot and KV head (fp32: 4).
+        spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
+            to disk, or None for no spill.
+    """
+
+    paged: bool = True
+    max_len: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    kv_dtype: str = "fp16"
+    codec: str | None = None
+    scale_bytes: int = 2
+    group_size: int | None = None
+    sink_blocks: int = 1
+    shared_fraction: float = 0.0
+    share_group: int | None = None
+    h2o_budget: float | None = None
+    h2o_recent: int = DEFAULT_H2O_RECENT
+    h2o_score_bytes: int = 4
+    spill_hot_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype, KV_DTYPE_BYTES, "KV cache dtype"))
+        self._check_ints()
+        if self.codec is not None and self.codec not in CODEC_FORMATS:
+            raise ValueError(f"Unknown KV codec {self.codec!r}; accepted: {', '.join(CODEC_FORMATS)}, or None.")
+        if not 0.0 <= self.shared_fraction < 1.0:
+            raise ValueError(
+                "shared_fraction is the part of each sequence that is a shared prefix and must lie in "
+                f"[0, 1) (at least one token of a request is its own); got {self.shared_fraction}."
+            )
+        if self.h2o_budget is not None and not 0.0 < self.h2o_budget <= 1.0:
+            raise ValueError(f"h2o_budget is the fraction of tokens H2O keeps, in (0, 1]; got {self.h2o_budget}.")
+        if not self.paged and self.max_len is None:
+            raise ValueError("A static (pre-allocated) cache needs max_len, the tokens each buffer holds.")
+        if not self.paged and (self.codec or self.shared_fraction or self.h2o_budget or self.spill_hot_tokens):
+            raise ValueError(
+                "hf_kvgov applies quantization, prefix sharing, H2O and spill to paged blocks; a static "
+                "(pre-allocated) setup takes none of them. Set paged=True first."
+            )
+
+    def _check_ints(self) -> None:
+        positive = {"block_size": self.block_size, "max_len": self.max_len, "share_group": self.share_group}
+        positive.update(spill_hot_tokens=self.spill_hot_tokens, group_size=self.group_size)
+        non_negative = {"sink_blocks": self.sink_blocks, "h2o_recent": self.h2o_recent}
+        non_negative["h2o_score_bytes"] = self.h2o_score_bytes
+        for name, value in positive.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CacheSetup.{name} must be a positive int or None; got {value!r}.")
+        for name, value in non_negative.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"CacheSetup.{name} must be an int >= 0; got {value!r}.")
+        if self.scale_bytes not in (2, 4):
+            raise ValueError(f"Quantization scales are fp16 (scale_bytes=2) or fp32 (4); got {self.scale_bytes!r}.")
+
+    @property
+    def full_format(self) -> BlockFormat:
+        """Format of full-precision blocks (all of them without a codec; sink and tail with one)."""
+        return FullPrecision(self.kv_dtype, KV_DTYPE_BYTES[self.kv_dtype])
+
+    @property
+    def sealed_format(self) -> BlockFormat:
+        """Format of sealed (full, non-sink) blocks."""
+        if self.codec is None:
+            return self.full_format
+        return codec_format(self.codec, self.scale_bytes, self.group_size)

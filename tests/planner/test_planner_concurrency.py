@@ -1,0 +1,79 @@
+"""Concurrent sequences that fit, computed by hand for small cases and for the article's setup."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from hf_kvgov.planner import (
+    ChainOptions,
+    LengthDistribution,
+    MemoryBudget,
+    ModelGeometry,
+    Plan,
+    PlanInputs,
+    budget_for_model,
+    fixed,
+    make_plan,
+    parse_memory,
+    resolve_model,
+)
+
+# 10,000 B for KV, no weights, no reserve.
+BUDGET = MemoryBudget(accelerator_bytes=10_000, weight_bytes=0, reserve_fraction=0.0)
+
+
+def _plan(geometry: ModelGeometry, lengths: LengthDistribution, chain: str, **knobs: Any) -> Plan:
+    options = ChainOptions(max_len=16, block_size=4, **knobs)
+    return make_plan(PlanInputs(geometry, BUDGET, lengths), chain, options)
+
+
+def test_static_paged_prefix_counts_by_hand(unit: ModelGeometry) -> None:
+    plan = _plan(unit, fixed(10), "static,paged,prefix", shared_fraction=0.5)
+    # static: 16 slots x 32 B = 512 B -> floor(10000 / 512) = 19.
+    # paged: 10 tokens -> 3 blocks x 128 B = 384 B -> floor(10000 / 384) = 26.
+    # prefix: 4 shared tokens stored once (128 B), 2 own blocks (256 B) -> floor((10000 - 128) / 256) = 38.
+    assert [s.concurrent for s in plan.steps] == [19, 26, 38]
+    assert plan.step("paged").vs_previous == pytest.approx(26 / 19)
+    assert plan.step("prefix").vs_first == pytest.approx(38 / 19)
+    assert plan.step("static").bytes_per_sequence == 512
+    assert plan.step("static").bytes_per_token == pytest.approx(51.2)
+
+
+def test_share_groups_store_one_prefix_per_group(unit: ModelGeometry) -> None:
+    plan = _plan(unit, fixed(10), "paged,prefix", shared_fraction=0.5, share_group=4)
+    # 256 N + ceil(N / 4) x 128 <= 10000: N = 34 uses 8704 + 9 x 128 = 9856; N = 35 would use 10112.
+    assert plan.step("prefix").concurrent == 34
+
+
+def test_length_distribution_uses_mean_blocks(unit: ModelGeometry) -> None:
+    lengths = LengthDistribution("three", (4, 8, 12))
+    plan = _plan(unit, lengths, "static,paged")
+    # paged: 1, 2, 3 blocks -> mean 256 B -> 39; static: 512 B each -> 19.
+    assert [s.concurrent for s in plan.steps] == [19, 39]
+    assert plan.step("paged").bytes_per_token == pytest.approx(256 / 8)
+
+
+def test_disk_capacity_limits_spill(unit: ModelGeometry) -> None:
+    options = ChainOptions(max_len=64, block_size=4, spill_hot_tokens=8)
+    inputs = PlanInputs(unit, BUDGET, fixed(40), disk_bytes=2_000)
+    spill = make_plan(inputs, "paged,spill", options).step("spill")
+    # 10 blocks: 2 hot (256 B on device), 8 cold (1024 B on disk): the disk holds 1 sequence's worth.
+    assert (spill.bytes_per_sequence, spill.disk_bytes_per_sequence) == (256, 1024)
+    assert (spill.concurrent, spill.limited_by) == (1, "disk")
+
+
+def test_llama_13b_on_80gib_a100_holds_30_full_length_users() -> None:
+    geometry = resolve_model("LLaMA-13B")
+    budget = budget_for_model(geometry, parse_memory("80GiB"), "fp16", 0.10)
+    # 80 x 2^30 - 10% reserve - 13,015,864,320 x 2 B of weights.
+    assert budget.kv_bytes == 85_899_345_920 - 8_589_934_592 - 26_031_728_640
+    plan = make_plan(PlanInputs(geometry, budget, fixed(2048)), "static,paged", ChainOptions(max_len=2048))
+    # 51,277,682,688 // 1,677,721,600 = 30: paging cannot help when every user is as long as the buffer.
+    assert [s.concurrent for s in plan.steps] == [30, 30]
+
+
+def test_static_buffer_shorter_than_longest_sequence_is_an_error(unit: ModelGeometry) -> None:
+    with pytest.raises(ValueError, match=r"longest sequence \(20 tokens\) is longer than the static buffer"):
+        _plan(unit, fixed(20), "static,paged")
