@@ -21,7 +21,6 @@ from torch import nn
 
 from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, PagedView
-from hf_kvgov.kernels import dispatch
 
 ATTENTION_NAME = "kvgov_paged"
 _registered = False
@@ -45,18 +44,7 @@ def kvgov_attention_forward(
         raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by kvgov_paged.")
     if view is None:
         return _sdpa_fallback(module, query, key, value, attention_mask, scale, softcap), None
-    view.consumed = True
-    out = dispatch.paged_attention(
-        query,
-        view.key_cache,
-        view.value_cache,
-        view.block_table,
-        view.kv_length,
-        scale,
-        mask=attention_mask,
-        softcap=softcap,
-    )
-    return out, None
+    return view.attend(query, attention_mask, scale, softcap), None
 
 
 def _sdpa_fallback(

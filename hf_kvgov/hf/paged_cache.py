@@ -26,6 +26,7 @@ from hf_kvgov.hf.compat import (
     layer_kinds,
     model_dtype_and_device,
 )
+from hf_kvgov.kernels import dispatch
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
@@ -36,13 +37,35 @@ PAGED_VIEW_KEY = "kvgov_paged_view"
 
 @dataclass
 class PagedView:
-    """What the paged attention reads for one layer: the pool's tensors and the batch's block table."""
+    """What the paged attention reads for one layer: the pool's tensors and the batch's block table.
+
+    Caches that store blocks differently (e.g. quantized) subclass it and override `attend`.
+    """
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     value_cache: torch.Tensor
     block_table: torch.Tensor  # long [batch, blocks]
     kv_length: int
     consumed: bool = False
+
+    def attend(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    ) -> torch.Tensor:
+        """Attention of `query` `[batch, q_heads, q_len, head_dim]` over this layer's blocks.
+
+        Returns `[batch, q_len, q_heads, head_dim]`.
+        """
+        self.consumed = True
+        return dispatch.paged_attention(
+            query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.kv_length,
+            scale,
+            mask=mask,
+            softcap=softcap,
+        )
 
 
 @dataclass(frozen=True)
@@ -182,13 +205,29 @@ class PagedCache(Cache):
                 f"for {self.num_kv_heads} KV heads of dim {self.head_dim}."
             )
         slots = self.tables.slots_for(batch, layer.length, q_len)
+        self._write_tokens(layer, slots, key_states, value_states)
+        layer.length += q_len
+        if self.attention == "contiguous":
+            return self._contiguous_kv(layer)
+        return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+
+    # Extension points: a cache that stores blocks differently (quantized codes, a disk tier) overrides
+    # these two and inherits the block tables, generate's bookkeeping and the accounting.
+
+    def _write_tokens(
+        self, layer: PagedLayer, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Store `[batch, kv_heads, q_len, head_dim]` K/V into `slots` (long `[batch * q_len]`)."""
+        assert self.pool is not None
+        heads, head_dim = key_states.shape[1], key_states.shape[3]
         new_k = key_states.transpose(1, 2).reshape(-1, heads, head_dim)
         new_v = value_states.transpose(1, 2).reshape(-1, heads, head_dim)
         self.pool.write(layer.index, slots, new_k, new_v)
-        layer.length += q_len
-        if self.attention == "contiguous":
-            return self.pool.gather(layer.index, self.tables.tensor(), layer.length)
-        return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+
+    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K/V as `[batch, kv_heads, length, head_dim]` for any attention implementation."""
+        assert self.pool is not None and self.tables is not None
+        return self.pool.gather(layer.index, self.tables.tensor(), layer.length)
 
     def _hand_view_to_attention(
         self,
