@@ -236,7 +236,7 @@ class BlockPool:
     def _checked_live(self, block_ids: Iterable[int], action: str) -> list[int]:
         """Validate every id before changing anything, so a bad id leaves all counts as they were."""
         ids = list(block_ids)
-        remaining = {}
+        remaining: dict[int, int] = {}
         for block_id in ids:
             if isinstance(block_id, bool) or not 0 <= block_id < self.capacity:
                 raise ValueError(f"Cannot {action} block {block_id!r}: block ids are ints in [0, {self.capacity}).")
