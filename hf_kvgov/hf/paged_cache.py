@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.compat import (
     Cache,
     CacheLayerMixin,
@@ -26,7 +27,9 @@ from hf_kvgov.hf.compat import (
     layer_kinds,
     model_dtype_and_device,
 )
+from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.kernels import dispatch
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
@@ -134,6 +137,8 @@ class PagedCache(Cache):
         max_tokens / max_bytes: cap of the pool it creates; exceeding it raises `PoolExhausted`.
         pool: an existing pool to draw blocks from (shared by many caches); its geometry must match.
         attention: "contiguous" or "paged" (see the module docstring).
+        prefix: a `PrefixCache` shared across requests; enables `match` and `publish` (its pool is used).
+        namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
     """
 
     def __init__(
@@ -144,6 +149,8 @@ class PagedCache(Cache):
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
         attention: AttentionPath = "contiguous",
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
@@ -156,6 +163,15 @@ class PagedCache(Cache):
         self.pool: BlockPool | None = None
         self.tables: BlockTables | None = None
         self._pending_view: PagedView | None = None
+        self.prefix = prefix
+        self.namespace = namespace
+        self._prefix_locks: list[int] = []
+        self._row_layouts: list[RowLayout] | None = None
+        self._expand_rows_on_next_forward = False
+        if prefix is not None:
+            if pool is not None and pool is not prefix.pool:
+                raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
+            pool = prefix.pool
         if pool is not None:
             self._adopt_pool(pool)
         else:
@@ -204,12 +220,24 @@ class PagedCache(Cache):
                 f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built "
                 f"for {self.num_kv_heads} KV heads of dim {self.head_dim}."
             )
+        if self._expand_rows_on_next_forward:
+            self._expand_matched_rows(batch)
         slots = self.tables.slots_for(batch, layer.length, q_len)
         self._write_tokens(layer, slots, key_states, value_states)
         layer.length += q_len
         if self.attention == "contiguous":
             return self._contiguous_kv(layer)
         return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+
+    def _expand_matched_rows(self, batch: int) -> None:
+        """generate expands inputs for beams / num_return_sequences but not a cache it was given."""
+        assert self.tables is not None
+        self._expand_rows_on_next_forward = False
+        rows = self.tables.batch_size
+        if batch != rows and batch % rows == 0:
+            self.batch_repeat_interleave(batch // rows)
+            if self._row_layouts is not None:
+                self._row_layouts = [row for row in self._row_layouts for _ in range(batch // rows)]
 
     # Extension points: a cache that stores blocks differently (quantized codes, a disk tier) overrides
     # these two and inherits the block tables, generate's bookkeeping and the accounting.
@@ -292,12 +320,29 @@ class PagedCache(Cache):
         self.release()
 
     def release(self) -> None:
-        """Return every block this cache holds to the pool."""
+        """Return every block this cache holds to the pool (blocks published to a prefix cache stay there)."""
         if self.tables is not None:
             self.tables.release()
+        paged_prefix.release_prefix_locks(self)
+        self._expand_rows_on_next_forward = False
         for layer in self.layers:
             layer.reset()
         self._pending_view = None
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def match(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """Fill this empty cache with each row's longest cached prefix; returns the inputs for generate.
+
+        See `hf_kvgov.hf.paged_prefix.match`.
+        """
+        return paged_prefix.match(self, input_ids, attention_mask, pad_token_id)
+
+    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered."""
+        return paged_prefix.publish(self, sequences, attention_mask)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
