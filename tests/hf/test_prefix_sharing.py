@@ -69,7 +69,7 @@ def assert_same(got, expected) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_warm_tree_equals_cold_and_reuses_whole_blocks() -> None:
-    pool, prefix = shared_pool()
+    _, prefix = shared_pool()
     prompt = tokens(37, seed=1)
     expected = reference([prompt])
     cold = warm_run(prefix, [prompt])
