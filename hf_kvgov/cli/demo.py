@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from hf_kvgov import models
+from hf_kvgov.data_text import demo_text
 from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.registry import CACHES, get_cache_spec, kv_bytes
 
@@ -44,8 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def default_prompt() -> str:
-    text = resources.files("hf_kvgov").joinpath("data/demo_text.txt").read_text(encoding="utf-8")
-    return text + "\nSummarize the passage above in one sentence:"
+    return demo_text(max_chars=2500) + "\nSummarize the passage above in one sentence:"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,9 +64,7 @@ def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayo
     cache.tables.rows = []
     for hit, count in zip(hits, pads, strict=True):
         pad_blocks = [next(fresh) for _ in range(count)]
-        for layer in range(cache.pool.geometry.num_layers):  # masked, but never stale NaNs
-            cache.pool.keys[layer][pad_blocks] = 0
-            cache.pool.values[layer][pad_blocks] = 0
+        cache.pool.zero_blocks(pad_blocks)  # masked, but must never hold stale non-finite values
         cache.tables.rows.append(BlockTable(cache.pool, hit + pad_blocks))
     cache.tables.num_tokens = longest
     cache.tables._changed()

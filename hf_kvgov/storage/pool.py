@@ -204,6 +204,12 @@ class BlockPool:
             raise PoolExhausted(n, len(self._free), self.max_blocks or self.capacity, self.block_size)
 
     def _grow(self, extra: int) -> None:
+        # Pool memory outlives any one forward pass: allocate it as normal tensors even when the first
+        # allocation happens under torch.inference_mode(), or later in-place writes outside it would fail.
+        with torch.inference_mode(False):
+            self._grow_tensors(extra)
+
+    def _grow_tensors(self, extra: int) -> None:
         start = self.capacity
         g = self.geometry
         shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
@@ -263,6 +269,13 @@ class BlockPool:
             self.copy_block(block_id, new_id)
             self.decref([block_id])
             return new_id
+
+    def zero_blocks(self, block_ids: Sequence[int]) -> None:
+        """Clear blocks of every layer (used for padding blocks, which are masked but must stay finite)."""
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.geometry.device)
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer].index_fill_(0, ids, 0)
+            self.values[layer].index_fill_(0, ids, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         for layer in range(self.geometry.num_layers):

@@ -430,3 +430,13 @@ def test_geometry_is_frozen() -> None:
 
     with pytest.raises(FrozenInstanceError):
         TINY.num_layers = 3  # type: ignore[misc]
+
+
+def test_pool_grown_under_inference_mode_is_writable_outside_it() -> None:
+    pool = BlockPool(KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4), block_size=2)
+    with torch.inference_mode():
+        ids = pool.allocate(3)
+    pool.zero_blocks(ids)
+    pool.write(1, torch.tensor([0, 5]), torch.ones(2, 1, 4), torch.full((2, 1, 4), 2.0))
+    assert pool.keys[1].view(-1, 1, 4)[5].tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    assert pool.values[1].view(-1, 1, 4)[0].tolist() == [[2.0, 2.0, 2.0, 2.0]]
