@@ -75,3 +75,31 @@ def test_gemma3_sliding_and_full_layers(gemma3, austen_text, path: str) -> None:
     inputs = tokenizer(austen_text[50000:53500], return_tensors="pt")
     assert inputs["input_ids"].shape[1] > 700
     assert_lossless(model, inputs, path, max_new_tokens=12, do_sample=False)
+
+
+def test_prefix_sharing_is_exact_on_smollm2(smollm2, austen_text) -> None:  # type: ignore[no-untyped-def]
+    """Document QA: warm-tree answers equal cold ones; the document's KV is computed once."""
+    from hf_kvgov import BlockPool
+    from hf_kvgov.prefix.sharing import PrefixCache
+
+    model, tokenizer = smollm2
+    document = austen_text[60000:63000]
+    asks = ["Who is speaking?", "Where does this happen, and what time of day is it?", "Summarize it."]
+    prompts = [tokenizer(f"{document}\n\n{q}\nAnswer:", return_tensors="pt") for q in asks]
+    pool = BlockPool(PagedCache(model).pool.geometry, block_size=16)  # type: ignore[union-attr]
+    prefix = PrefixCache(pool)
+    reused = []
+    for inputs in prompts:
+        expected = generate(model, DynamicCache(config=model.config), inputs, max_new_tokens=16, do_sample=False)
+        cache = PagedCache(model, prefix=prefix)
+        warm = cache.match(inputs["input_ids"], inputs["attention_mask"])
+        reused.append(cache.get_seq_length())
+        got = generate(model, cache, warm, max_new_tokens=16, do_sample=False)
+        assert torch.equal(got.sequences, expected.sequences)
+        worst = max((g - e).abs().max().item() for g, e in zip(got.logits, expected.logits, strict=True))
+        assert worst <= 1e-4, f"logits differ by {worst}"
+        cache.publish(got.sequences)
+        cache.release()
+    document_tokens = len(tokenizer(document)["input_ids"])
+    assert reused[0] == 0
+    assert min(reused[1:]) >= (document_tokens - 16) // 16 * 16
