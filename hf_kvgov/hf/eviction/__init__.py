@@ -1,0 +1,29 @@
+"""Eviction caches: H2O (`HeavyHitterCache`) and StreamingLLM (`SinkCache`) on a fixed KV budget.
+
+Both keep different tokens in each KV head, so they need the hf_kvgov eviction attention::
+
+    from hf_kvgov import HeavyHitterCache, eviction_attention
+
+    cache = HeavyHitterCache(model, budget=0.2)
+    with eviction_attention(model):
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    print(cache.stats())
+"""
+
+from hf_kvgov.hf.eviction.attention import eviction_attention, use_eviction_attention
+from hf_kvgov.hf.eviction.cache import EvictionCache, EvictionLayer
+from hf_kvgov.hf.eviction.heavy_hitter import HeavyHitterCache
+from hf_kvgov.hf.eviction.sink import SinkCache
+from hf_kvgov.hf.eviction.stats import EvictionStats
+from hf_kvgov.hf.eviction.view import ATTENTION_NAME
+
+__all__ = [
+    "ATTENTION_NAME",
+    "EvictionCache",
+    "EvictionLayer",
+    "EvictionStats",
+    "HeavyHitterCache",
+    "SinkCache",
+    "eviction_attention",
+    "use_eviction_attention",
+]

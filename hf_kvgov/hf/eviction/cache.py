@@ -1,0 +1,279 @@
+"""`EvictionCache`: the transformers `Cache` that H2O and StreamingLLM share.
+
+Each layer holds dense per-slot tensors; a slot is one kept token of one (sequence, KV head)::
+
+    keys, values   [batch, kv_heads, slots, head_dim]   as the model cached them (after RoPE)
+    positions      long  [batch, kv_heads, slots]         the RoPE position each key was rotated at
+    valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
+    scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
+
+Heads keep different tokens, so the layer's attention is the hf_kvgov eviction attention, which applies
+this validity itself (see `slot_attention`). A step goes: ``update`` stages kept + new slots in an
+`EvictionView` -> the attention reads the view, attends and records mass -> the view commits, and the
+cache keeps ``policy.select(...)`` of the slots once they exceed the budget. Memory therefore never
+exceeds ``budget + q_len`` slots per (sequence, head) during a step and ``budget`` between steps.
+
+transformers' bookkeeping: ``get_seq_length()`` is the absolute number of tokens processed (generate slices
+prompts and derives positions from it); ``update`` returns only the new K/V and ``get_mask_sizes(q)`` says
+so, ``(q, tokens seen)``, which makes transformers' mask exactly the causal + padding mask of the new tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.compat import Cache, CacheLayerMixin, kv_heads_and_head_dim
+from hf_kvgov.hf.eviction.budget import BudgetSpec, resolve_budget
+from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, new_token_positions
+from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
+from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView, KeyReader
+from hf_kvgov.policies import EvictionPolicy, gather_kept
+
+PolicyFactory = Callable[[int], EvictionPolicy]
+
+
+class EvictionLayer(CacheLayerMixin):
+    """One decoder layer's kept slots (see the module docstring for the tensors)."""
+
+    is_compileable = False
+    is_croppable = False  # evicted tokens cannot come back, so a rollback would not restore the state
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner: EvictionCache, index: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.positions: Tensor | None = None
+        self.valid: Tensor | None = None
+        self.scores: Tensor | None = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.is_initialized = True  # the tensors are created by the first commit
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._stage(self, key_states, value_states, kwargs.get("kwargs"))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def reset(self) -> None:
+        self.keys = self.values = self.positions = self.valid = self.scores = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes old row ``beam_idx[i]``, every per-slot tensor (mass included) with it."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.keys is not None:
+            self._select_rows(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"{type(self.owner).__name__} cannot crop {abs(tokens_to_remove)} token(s): tokens it evicted cannot "
+                "be restored, so the cache would not return to its earlier state. Assisted and prompt-lookup "
+                "decoding need a croppable cache such as DynamicCache or PagedCache."
+            )
+
+    def _select_rows(self, rows: Tensor) -> None:
+        if self.keys is None:
+            return
+        rows = rows.to(self.keys.device)
+        self.keys = self.keys.index_select(0, rows)
+        self.values = self.values.index_select(0, rows) if self.values is not None else None
+        self.positions = self.positions.index_select(0, rows) if self.positions is not None else None
+        self.valid = self.valid.index_select(0, rows) if self.valid is not None else None
+        self.scores = self.scores.index_select(0, rows) if self.scores is not None else None
+
+
+class EvictionCache(Cache):
+    """A fixed budget of slots per (sequence, KV head), kept by an eviction policy.
+
+    Use a subclass (`HeavyHitterCache`, `SinkCache`) under ``with hf_kvgov.eviction_attention(model):``.
+
+    Args:
+        model: the transformers model the cache serves (attention-only decoder, no sliding-window layers).
+        budget: slots per (sequence, KV head), or a float fraction of the first chunk seen (the prompt).
+        policy_for: budget -> the policy that chooses kept slots.
+        min_budget: the smallest budget the policy accepts; a fractional budget is raised to it.
+        read_keys: optional hook turning stored keys into the keys attention reads.
+        query_chunk: queries attended at a time (memory O(query_chunk x slots)).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        budget: BudgetSpec,
+        policy_for: PolicyFactory,
+        min_budget: int,
+        read_keys: KeyReader | None = None,
+        query_chunk: int = DEFAULT_QUERY_CHUNK,
+    ) -> None:
+        config = checked_decoder_config(model, type(self).__name__)
+        self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
+        if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+            raise ValueError(f"query_chunk must be a positive int number of queries; got {query_chunk!r}.")
+        self._config = config
+        self._budget_spec = budget
+        self._policy_for = policy_for
+        self._min_budget = min_budget
+        self._read_keys = read_keys
+        self.query_chunk = query_chunk
+        self.budget: int | None = budget if isinstance(budget, int) else None
+        self.policy: EvictionPolicy | None = policy_for(budget) if isinstance(budget, int) else None
+        self._awaiting_attention: int | None = None  # the layer whose staged step attention has not read
+        super().__init__(layers=[EvictionLayer(self, i) for i in range(int(config.num_hidden_layers))])
+
+    # ------------------------------------------------------------------ one step
+
+    def _stage(
+        self, layer: EvictionLayer, key_states: Tensor, value_states: Tensor, attn_kwargs: dict[str, Any] | None
+    ) -> tuple[Tensor, Tensor]:
+        """Hand attention the kept + new slots of ``[batch, kv_heads, q_len, head_dim]`` new K/V."""
+        attn_kwargs = self._check_attention(attn_kwargs)
+        self._check_shapes(layer, key_states)
+        if self.policy is None:
+            self._resolve_budget(key_states.shape[2])
+        batch, _, q_len, _ = key_states.shape
+        new_positions = new_token_positions(
+            attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
+        )
+        keys, values, positions, kept_valid = _with_new_slots(layer, key_states, value_states, new_positions)
+        assert self.policy is not None
+        view = EvictionView(
+            keys=keys,
+            values=values,
+            positions=positions,
+            kept_valid=kept_valid,
+            scores=layer.scores,
+            want_scores=self.policy.needs_scores,
+            read_keys=self._read_keys,
+            commit=functools.partial(self._commit, layer, q_len),
+            chunk=self.query_chunk,
+        )
+        attn_kwargs[VIEW_KEY] = view
+        self._awaiting_attention = layer.index
+        return key_states, value_states
+
+    def _commit(
+        self,
+        layer: EvictionLayer,
+        q_len: int,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        valid: Tensor,
+        scores: Tensor | None,
+    ) -> None:
+        """Store the attended slots, then keep the policy's choice once they exceed the budget."""
+        assert self.policy is not None and self.budget is not None
+        if keys.shape[2] > self.budget:
+            keep = self.policy.select(scores, positions, valid, self.budget)
+            keys, values = gather_kept(keys, keep), gather_kept(values, keep)
+            positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
+            scores = None if scores is None else gather_kept(scores, keep)
+        layer.keys, layer.values, layer.positions, layer.valid, layer.scores = keys, values, positions, valid, scores
+        layer.seen += q_len
+        self._awaiting_attention = None
+
+    def _resolve_budget(self, first_length: int) -> None:
+        self.budget = resolve_budget(self._budget_spec, first_length, self._min_budget)
+        self.policy = self._policy_for(self.budget)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_attention(self, attn_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        name = type(self).__name__
+        current = self._config._attn_implementation
+        if current != ATTENTION_NAME:
+            raise RuntimeError(
+                f"{name} keeps different tokens in each KV head, so the model must attend with the hf_kvgov "
+                f"eviction attention ({ATTENTION_NAME!r}), but it uses {current!r}. Wrap generation in "
+                "`with hf_kvgov.eviction_attention(model):`."
+            )
+        if self._awaiting_attention is not None:
+            raise RuntimeError(
+                f"{name} handed layer {self._awaiting_attention}'s slots to attention, but attention did not read "
+                "them (it saw only the newest tokens). The model must call the attention registered as "
+                f"{ATTENTION_NAME!r} for every layer; models routing attention elsewhere cannot use an eviction cache."
+            )
+        if attn_kwargs is None:
+            raise RuntimeError(
+                f"{name} needs the model to pass its attention kwargs to cache.update (transformers >= 5 "
+                "decoder models do); this model does not, so it cannot use an eviction cache."
+            )
+        return attn_kwargs
+
+    def _check_shapes(self, layer: EvictionLayer, key_states: Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        if (heads, head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built for "
+                f"{self.num_kv_heads} KV heads of dim {self.head_dim}."
+            )
+        if layer.keys is not None and layer.keys.shape[0] != batch:
+            raise ValueError(
+                f"{type(self).__name__} holds a batch of {layer.keys.shape[0]} sequences but got a batch of {batch}; "
+                "call reset() before starting another batch."
+            )
+
+    # ------------------------------------------------------------------ generate's bookkeeping
+
+    def crop(self, tokens_to_remove: int) -> None:
+        for layer in self.layers:
+            if isinstance(layer, EvictionLayer):
+                layer.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """Forget every token; a fractional budget is resolved again on the next first chunk."""
+        super().reset()
+        self._awaiting_attention = None
+        if not isinstance(self._budget_spec, int):
+            self.budget, self.policy = None, None
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> EvictionStats:
+        """Tokens seen, tokens kept per layer and KV head, and bytes held."""
+        layers = [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
+        return layer_stats(layers, self.budget, self.num_kv_heads)
+
+
+def _with_new_slots(
+    layer: EvictionLayer, key_states: Tensor, value_states: Tensor, new_positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Kept slots followed by the new ones: keys, values, positions ``[b, h, kept + q, ...]``, kept validity."""
+    batch, heads, q_len, _ = key_states.shape
+    positions = new_positions[:, None].expand(batch, heads, q_len)
+    if layer.keys is None:
+        kept_valid = torch.zeros(batch, heads, 0, dtype=torch.bool, device=key_states.device)
+        return key_states, value_states, positions, kept_valid
+    assert layer.values is not None and layer.positions is not None and layer.valid is not None
+    keys = torch.cat((layer.keys, key_states), dim=2)
+    values = torch.cat((layer.values, value_states), dim=2)
+    return keys, values, torch.cat((layer.positions, positions), dim=2), layer.valid

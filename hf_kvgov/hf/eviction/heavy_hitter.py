@@ -1,0 +1,72 @@
+"""`HeavyHitterCache`: H2O (Zhang et al., 2023) on a fixed KV budget per (sequence, KV head)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_kvgov.hf.eviction.budget import BudgetSpec, check_budget_spec, fraction_of
+from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.policies import HeavyHitter
+
+_NAME = "HeavyHitterCache"
+
+
+class HeavyHitterCache(EvictionCache):
+    """Keep a recent window plus the tokens that collected the most attention, separately in each KV head.
+
+    Every query's softmax probabilities are added to the mass of the slots it read (summed over the query
+    heads that share a KV head); once a (sequence, head) holds more than ``budget`` slots, the slots with the
+    least mass outside the recent window go. The prompt is attended in full first, then cut to the budget;
+    each decode step then evicts one token per head. Keys keep the positions they were rotated at.
+
+    Use it under ``with hf_kvgov.eviction_attention(model):`` (it refuses to run otherwise)::
+
+        cache = HeavyHitterCache(model, budget=0.2)
+        with eviction_attention(model):
+            model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+    Args:
+        model: the model to serve (attention-only decoder without sliding-window layers).
+        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (the first chunk
+            the cache sees), resolved then and raised to the int parts below if smaller.
+        recent: most recent tokens always kept: an int, or a float fraction of the budget (default: half,
+            H2O's split).
+        heavy: heavy-hitter slots: an int, a float fraction of the budget, or None for the rest of the
+            budget. When ``heavy + recent`` is below the budget the recent window takes the difference.
+        query_chunk: queries attended at a time; memory for the mass is O(query_chunk x slots).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        budget: BudgetSpec = 0.2,
+        recent: BudgetSpec = 0.5,
+        heavy: BudgetSpec | None = None,
+        *,
+        query_chunk: int = DEFAULT_QUERY_CHUNK,
+    ) -> None:
+        check_budget_spec(_NAME, "budget", budget)
+        check_budget_spec(_NAME, "recent", recent, allow_zero=True)
+        if heavy is not None:
+            check_budget_spec(_NAME, "heavy", heavy, allow_zero=True)
+        if isinstance(recent, float) and isinstance(heavy, float) and recent + heavy > 1.0 + 1e-9:
+            raise ValueError(
+                f"{_NAME}: recent={recent} and heavy={heavy} are fractions of the budget adding up to "
+                f"{recent + heavy:g}, more than the whole budget; they may add up to at most 1."
+            )
+        self.recent = recent
+        self.heavy = heavy
+        fixed = sum(part for part in (recent, heavy) if isinstance(part, int))
+        super().__init__(model, budget, self._policy, min_budget=max(fixed, 1), query_chunk=query_chunk)
+
+    def _policy(self, budget: int) -> HeavyHitter:
+        """The H2O policy for a resolved budget; raises if the recent and heavy parts do not fit in it."""
+        recent = fraction_of(self.recent, budget)
+        heavy = max(budget - recent, 0) if self.heavy is None else fraction_of(self.heavy, budget)
+        if recent + heavy > budget:
+            raise ValueError(
+                f"{_NAME}(recent={self.recent!r}, heavy={self.heavy!r}) keeps {recent} recent + {heavy} heavy-hitter "
+                f"= {recent + heavy} slots, so the budget must be at least {recent + heavy}; got a budget of {budget}."
+            )
+        return HeavyHitter(heavy=heavy, recent=recent)

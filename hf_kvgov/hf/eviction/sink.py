@@ -1,0 +1,134 @@
+"""`SinkCache`: StreamingLLM (Xiao et al., 2023): attention sinks plus a recent window, past any context length.
+
+Why and how keys are re-rotated
+-------------------------------
+transformers caches keys after RoPE, each rotated at its own absolute position, and RoPE scores depend only
+on the query-key distance. StreamingLLM numbers positions inside the cache instead: the sinks sit right
+before the window, so no query-key distance exceeds the cache size. Re-rotating every key to in-cache
+positions is wrong here (and wasteful): window keys are contiguous and end at the query, so their true
+distances already are the in-cache distances. Only the sinks are displaced: after evictions, sink ``j``
+(of ``n``) must be read as if it were at ``w0 - n + j``, where ``w0`` is the oldest window position.
+
+This cache stores every key exactly as the model rotated it and re-rotates the ``n`` sink keys at read
+time, from their stored rotation straight to the target (`hf_kvgov.policies.rerotate`, float64 angles).
+Nothing is ever rotated twice, so no rounding error accumulates over a long stream, and the work per step
+is ``n_sink`` keys per head. Queries keep the absolute positions transformers gives them (it derives them
+from ``get_seq_length()``); the model's rotary embedding computes their angles in float32, which loses
+precision gradually at positions in the millions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.hf.eviction.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
+
+_NAME = "SinkCache"
+# RoPE variants whose frequencies change with the sequence length: a key rotated earlier could not be
+# moved with today's frequencies.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class SinkCache(EvictionCache):
+    """Keep the first ``n_sink`` real tokens and the most recent ones, in every KV head.
+
+    Use it under ``with hf_kvgov.eviction_attention(model):`` (it refuses to run otherwise)::
+
+        cache = SinkCache(model, n_sink=4, window=1020)
+        with eviction_attention(model):
+            model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
+
+    Args:
+        model: the model to serve: a RoPE (``rotate_half``) attention-only decoder without sliding-window
+            layers.
+        n_sink: sink tokens kept at the start (StreamingLLM uses 4). Left padding is never a sink.
+        window: most recent tokens always kept.
+        budget: slots per (sequence, KV head); defaults to ``n_sink + window``. A larger int widens the window;
+            a float is a fraction of the prompt (the first chunk seen), raised to ``n_sink + window`` if below.
+        query_chunk: queries attended at a time (memory O(query_chunk x slots)).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        n_sink: int = 4,
+        window: int = 1020,
+        budget: BudgetSpec | None = None,
+        *,
+        query_chunk: int = DEFAULT_QUERY_CHUNK,
+    ) -> None:
+        policy = SinkWindow(n_sink=n_sink, window=window)
+        budget = policy.min_budget if budget is None else budget
+        check_budget_spec(_NAME, "budget", budget)
+        if isinstance(budget, int) and budget < n_sink + window:
+            raise ValueError(
+                f"{_NAME}(n_sink={n_sink}, window={window}) always keeps {n_sink} sink + {window} window = "
+                f"{n_sink + window} slots, so the budget must be at least {n_sink + window}; got a budget of {budget}."
+            )
+        self.n_sink = n_sink
+        self.window = window
+        self.inv_freq = rotary_inv_freq(model)
+        super().__init__(
+            model,
+            budget,
+            lambda _budget: policy,
+            min_budget=policy.min_budget,
+            read_keys=self._read_keys,
+            query_chunk=query_chunk,
+        )
+
+    def _read_keys(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+        """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""
+        delta = sink_shift(positions, valid, self.n_sink)
+        moved = delta != 0
+        if not bool(moved.any()):
+            return keys
+        turned = rerotate(keys[moved][None, None], delta[moved], self.inv_freq)[0, 0]
+        return keys.index_put((moved,), turned)
+
+
+def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
+    """Long ``[batch, kv_heads, slots]``: how far to move each slot's key; non-zero only for displaced sinks.
+
+    Sinks are the ``n_sink`` oldest valid slots; sink ``j`` goes to ``w0 - n + j``, with ``w0`` the oldest
+    other valid position and ``n`` the sinks present. Valid slots must be stored in ascending position
+    order, which the cache guarantees (policies return kept slots in position order, new tokens come last).
+    """
+    is_sink = oldest_valid(positions, valid, n_sink)
+    rest = valid & ~is_sink
+    oldest_rest = torch.where(rest, positions, torch.iinfo(torch.long).max).amin(dim=-1, keepdim=True)
+    rank = is_sink.long().cumsum(dim=-1) - 1
+    target = oldest_rest - is_sink.sum(dim=-1, keepdim=True) + rank
+    shifted = is_sink & rest.any(dim=-1, keepdim=True)
+    return torch.where(shifted, target - positions, 0)
+
+
+def rotary_inv_freq(model: Any) -> Tensor:
+    """The model's RoPE ``inv_freq`` ``[rotary_dim / 2]``; refuses models a sink cache cannot re-rotate."""
+    config = decoder_config(model)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        raise ValueError(
+            f"{_NAME} re-rotates cached keys, which needs RoPE frequencies that do not depend on the length; "
+            f"this model uses rope_type={rope_type!r}. Supported: default, linear, llama3, yarn and other static types."
+        )
+    found = [module.inv_freq for module in model.modules() if isinstance(getattr(module, "inv_freq", None), Tensor)]
+    if not found:
+        raise ValueError(
+            f"{_NAME} re-rotates sink keys with the model's rotary embedding, but {type(model).__name__} has none "
+            "(no module with an inv_freq buffer); StreamingLLM's position shift needs a RoPE model."
+        )
+    if any(freq.shape != found[0].shape or not torch.equal(freq, found[0]) for freq in found[1:]):
+        raise ValueError(
+            f"{_NAME} found several different rotary embeddings in {type(model).__name__}; it supports models "
+            "whose layers share one RoPE."
+        )
+    return found[0].detach().clone()

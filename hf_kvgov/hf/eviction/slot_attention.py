@@ -1,0 +1,111 @@
+"""Attention over an eviction cache's slots, with each KV head keeping different tokens.
+
+After an eviction, KV head 0 of a row may keep tokens {0, 1, 7, 9} while head 1 keeps {0, 4, 8, 9}, so
+no single ``[batch, 1, q_len, kv_len]`` mask (what transformers builds) can describe them. What the cache
+knows instead is per slot: the kept slots' validity (False for left padding and empty fillers), and that
+the newest ``q_len`` slots are this step's tokens, causal among themselves::
+
+    slots of one (row, KV head):   kept slots (any order)  |  new slots (this step)
+    query i attends to:            every valid kept slot   |  new slot j if j <= i and j is not padding
+
+Queries are processed ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length, and
+the softmax probabilities of each chunk are added to the heavy-hitter scores with
+:func:`hf_kvgov.policies.accumulate_attention`: the mass is exact, prefill included.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.policies import accumulate_attention
+
+DEFAULT_QUERY_CHUNK = 256
+
+
+def attend_slots(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kept_valid: Tensor,
+    new_mask: Tensor | None,
+    scale: float,
+    *,
+    softcap: float | None = None,
+    scores: Tensor | None = None,
+    want_scores: bool = False,
+    chunk: int = DEFAULT_QUERY_CHUNK,
+) -> tuple[Tensor, Tensor | None]:
+    """Attention of this step's queries over kept + new slots, and optionally the updated attention mass.
+
+    Args:
+        query: ``[batch, q_heads, q_len, head_dim]`` after RoPE; query head ``i`` reads KV head
+            ``i // (q_heads // kv_heads)`` (transformers' ``repeat_kv`` layout).
+        keys, values: ``[batch, kv_heads, kept + q_len, head_dim]``: the kept slots, then the new ones.
+        kept_valid: bool ``[batch, kv_heads, kept]``; False slots are never attended.
+        new_mask: bool ``[batch, q_len, q_len]``: may query ``i`` attend new slot ``j`` (causal and padding,
+            as transformers' sdpa mask builds it), or None for a plain causal mask without padding. A query
+            whose own slot is masked (its diagonal entry is False) is padding and attends to nothing.
+        scale: logit scale (usually ``head_dim ** -0.5``).
+        softcap: optional logit soft-capping, ``softcap * tanh(logits / softcap)``.
+        scores: running mass ``[batch, kv_heads, kept]`` of the kept slots, or None (zero).
+        want_scores: whether to return the updated mass.
+        chunk: queries per chunk.
+
+    Returns:
+        ``([batch, q_len, q_heads, head_dim]`` in the query's dtype, float ``[batch, kv_heads, kept + q_len]``
+        mass or None). Padding queries return zeros and add no mass.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    work = torch.promote_types(query.dtype, torch.float32)
+    grouped = query.reshape(batch, kv_heads, group, q_len, head_dim).to(work)
+    keys_t = keys.to(work).transpose(-1, -2).unsqueeze(2)  # [b, hk, 1, d, slots]
+    vals = values.to(work).unsqueeze(2)  # [b, hk, 1, slots, d]
+    out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
+    running = scores if want_scores else None
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len)
+        rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
+        allowed = _allowed(kept_valid, rows, start)  # [b, hk, 1, c, slots]
+        logits = (grouped[:, :, :, start:end] @ keys_t) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing.
+        probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
+        out[:, :, :, start:end] = probs @ vals
+        if want_scores:
+            weights = probs.reshape(batch, q_heads, end - start, slots)
+            running = accumulate_attention(running, weights, group)
+    result = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype)
+    return result, running
+
+
+def new_tokens_valid(new_mask: Tensor | None, batch: int, q_len: int, device: torch.device) -> Tensor:
+    """Bool ``[batch, q_len]``: which of this step's tokens are real (a token attends to itself unless padding)."""
+    if new_mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    return new_mask.diagonal(dim1=-2, dim2=-1)
+
+
+def _mask_rows(new_mask: Tensor | None, start: int, end: int, q_len: int, batch: int, device: torch.device) -> Tensor:
+    """Bool ``[batch, end - start, q_len]``: the new-slot mask of queries ``start..end-1`` (causal if None)."""
+    if new_mask is not None:
+        return new_mask[:, start:end]
+    rows = torch.arange(start, end, device=device)[:, None] >= torch.arange(q_len, device=device)[None, :]
+    return rows.expand(batch, end - start, q_len)
+
+
+def _allowed(kept_valid: Tensor, rows: Tensor, start: int) -> Tensor:
+    """Bool ``[batch, kv_heads, 1, chunk, slots]``: which slots each query of the chunk may read.
+
+    ``rows`` is the chunk's new-slot mask ``[batch, chunk, q_len]``; the chunk starts at query ``start``.
+    """
+    batch, kv_heads, kept = kept_valid.shape
+    chunk = rows.shape[1]
+    own = rows.diagonal(offset=start, dim1=-2, dim2=-1)  # [b, c]: is each query itself a real token
+    old = kept_valid[:, :, None, None, :] & own[:, None, None, :, None]
+    new = rows[:, None, None].expand(batch, kv_heads, 1, chunk, rows.shape[-1])
+    return torch.cat((old.expand(batch, kv_heads, 1, chunk, kept), new), dim=-1)

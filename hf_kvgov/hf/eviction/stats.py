@@ -1,0 +1,71 @@
+"""What an eviction cache holds: tokens seen, tokens kept per layer and KV head, bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+class _Layer(Protocol):
+    keys: Tensor | None
+    values: Tensor | None
+    positions: Tensor | None
+    valid: Tensor | None
+    scores: Tensor | None
+    seen: int
+
+
+@dataclass(frozen=True)
+class EvictionStats:
+    """A snapshot of an eviction cache.
+
+    ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
+    keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
+    fillers included: at most ``budget`` between steps. ``bytes_used`` is everything the cache holds:
+    ``kv_bytes`` (keys and values) plus ``metadata_bytes`` (positions, validity, attention mass).
+    """
+
+    sequences: int
+    tokens_seen: int  # tokens processed per sequence (left padding included), as get_seq_length() reports
+    budget: int | None  # None until a fractional budget is resolved by the first chunk
+    slots: int  # the most slots any layer stores per (sequence, KV head)
+    kept: tuple[tuple[int, ...], ...]
+    kv_bytes: int
+    metadata_bytes: int
+    bytes_used: int
+    bytes_per_token: float  # bytes_used / (sequences x tokens_seen): what one processed token costs now
+
+
+def layer_stats(layers: Sequence[_Layer], budget: int | None, kv_heads: int) -> EvictionStats:
+    """Build `EvictionStats` from the layers of one cache."""
+    kv_bytes = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in layers)
+    metadata = sum(_nbytes(layer.positions) + _nbytes(layer.valid) + _nbytes(layer.scores) for layer in layers)
+    kept = tuple(_kept(layer.valid, kv_heads) for layer in layers)
+    sequences = max((int(layer.keys.shape[0]) for layer in layers if layer.keys is not None), default=0)
+    seen = layers[0].seen if layers else 0
+    slots = max((int(layer.keys.shape[2]) for layer in layers if layer.keys is not None), default=0)
+    tokens = sequences * seen
+    return EvictionStats(
+        sequences=sequences,
+        tokens_seen=seen,
+        budget=budget,
+        slots=slots,
+        kept=kept,
+        kv_bytes=kv_bytes,
+        metadata_bytes=metadata,
+        bytes_used=kv_bytes + metadata,
+        bytes_per_token=(kv_bytes + metadata) / tokens if tokens else 0.0,
+    )
+
+
+def _kept(valid: Tensor | None, kv_heads: int) -> tuple[int, ...]:
+    if valid is None:
+        return (0,) * kv_heads
+    return tuple(int(n) for n in valid.sum(dim=(0, 2)).tolist())
+
+
+def _nbytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()

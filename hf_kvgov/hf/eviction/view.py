@@ -1,0 +1,91 @@
+"""What an eviction cache hands to the hf_kvgov eviction attention for one layer and one step.
+
+transformers calls ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then splats that same ``kwargs``
+dict into the attention call. The cache's ``update`` stages the step (kept + new slots) in an
+`EvictionView` under `VIEW_KEY`; the attention reads it, attends, and calls the view's ``commit`` with the
+new tokens' validity and the attention mass, which is when the cache stores the step and evicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK, attend_slots, new_tokens_valid
+
+ATTENTION_NAME = "kvgov_evict"
+VIEW_KEY = "kvgov_eviction_view"
+
+# commit(keys, values, positions, valid, scores): store the attended slots and evict down to the budget.
+Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], None]
+# read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
+KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class EvictionView:
+    """One layer's slots for one step.
+
+    ``keys``/``values`` ``[batch, kv_heads, kept + q_len, head_dim]`` (as stored: rotated at each token's
+    own position); ``positions`` long ``[batch, kv_heads, kept + q_len]`` (RoPE positions); ``kept_valid``
+    bool ``[batch, kv_heads, kept]``; ``scores`` the kept slots' mass or None; ``read_keys`` an optional
+    hook giving the keys attention reads, once the new tokens' validity is known.
+    """
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    kept_valid: Tensor
+    scores: Tensor | None
+    want_scores: bool
+    read_keys: KeyReader | None
+    commit: Commit
+    chunk: int = DEFAULT_QUERY_CHUNK
+    consumed: bool = False
+
+    def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
+        """Attention of ``query`` ``[batch, q_heads, q_len, head_dim]``; returns ``[batch, q_len, q_heads, head_dim]``.
+
+        ``mask`` is the mask transformers built for the new tokens only, bool ``[batch, 1, q_len, q_len]``
+        (the cache reports ``get_mask_sizes(q) = (q, tokens seen)``), or None when it is plainly causal.
+        """
+        if self.consumed:
+            raise RuntimeError("An eviction cache's attention view was read twice; each step is attended once.")
+        self.consumed = True
+        batch, _, q_len, _ = query.shape
+        new_mask = _new_token_mask(mask, batch, q_len)
+        new_valid = new_tokens_valid(new_mask, batch, q_len, query.device)
+        kv_heads = self.kept_valid.shape[1]
+        valid = torch.cat((self.kept_valid, new_valid[:, None, :].expand(batch, kv_heads, q_len)), dim=-1)
+        keys = self.keys if self.read_keys is None else self.read_keys(self.keys, self.positions, valid)
+        out, scores = attend_slots(
+            query,
+            keys,
+            self.values,
+            self.kept_valid,
+            new_mask,
+            scale,
+            softcap=softcap,
+            scores=self.scores,
+            want_scores=self.want_scores,
+            chunk=self.chunk,
+        )
+        self.commit(self.keys, self.values, self.positions, valid, scores)
+        return out
+
+
+def _new_token_mask(mask: Tensor | None, batch: int, q_len: int) -> Tensor | None:
+    """transformers' ``[batch, 1, q_len, q_len]`` mask (bool or additive float) as bool ``[batch, q_len, q_len]``."""
+    if mask is None:
+        return None
+    if mask.dim() != 4 or mask.shape[-2:] != (q_len, q_len) or mask.shape[1] != 1:
+        raise ValueError(
+            "An eviction cache builds its own attention mask from a 2-D attention_mask; it got a mask of shape "
+            f"{tuple(mask.shape)} where [batch, 1, {q_len}, {q_len}] was expected. Pass a 2-D attention_mask "
+            "[batch, tokens seen + new tokens] (or none), not a prepared 4-D mask."
+        )
+    allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    return allowed[:, 0].expand(batch, q_len, q_len)
