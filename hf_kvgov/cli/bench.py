@@ -18,7 +18,10 @@ def _prefix(args: argparse.Namespace) -> int:
     model, tokenizer = models.load_model(args.model)
     document = demo_text(max_chars=args.document_chars)
     asks = prefix_qa.questions(args.requests)
-    results = [prefix_qa.run_mode(model, tokenizer, document, asks, share, args.new_tokens) for share in (False, True)]
+    results = [
+        prefix_qa.run_mode(model, tokenizer, document, asks, share, args.new_tokens, args.block_size)
+        for share in (False, True)
+    ]
     print(prefix_qa.render(results, len(document)))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
@@ -39,5 +42,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--document-chars", type=int, default=5000)
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--json", help="also write the results as JSON to this path")
     parser.set_defaults(func=lambda args: BENCHMARKS[args.name][1](args))
