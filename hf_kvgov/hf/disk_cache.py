@@ -1,0 +1,324 @@
+"""`DiskOffloadCache`: a `PagedCache` whose cold blocks spill to a file on SSD and come back ahead of need.
+
+In memory (the pool) stay the first block, the blocks holding the latest `hot_tokens` tokens, and the
+tail being written. Every older block is sealed (full) and cold: at the start of each forward step the
+blocks that became cold are written to the disk tier once, their pool blocks are freed, and their table
+entries point at disk. Each layer then reads its spilled blocks back, mostly from read-ahead buffers that
+a background thread filled while the previous layer computed.
+
+Blocks round-trip bit for bit (raw bytes, CRC-32 checked), so the output is PagedCache's, which is
+DynamicCache's. Memory: `resident_bytes` (pool blocks held + read-ahead buffers) stays under
+`max_resident_bytes`, which caps the pool the cache creates. The pool must hold the hot window plus the
+tokens of one forward step: feed long prompts in chunks (``generate(..., prefill_chunk_size=512)``).
+Not counted: the one layer of K/V handed to attention, which every cache materialises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.tiers.accounting import TierStats
+from hf_kvgov.tiers.block_table import TieredBlockTables
+from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier, TierLayout
+from hf_kvgov.tiers.kv_segments import SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes, spilled_id
+from hf_kvgov.tiers.moves import bring_back, spill
+from hf_kvgov.tiers.prefetch import LayerPrefetcher
+from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
+
+RESIDENT_FIRST_BLOCKS = 1  # the attention-sink block: read by every query, so never worth a round trip
+_NO_TIER = TierStats(None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # before the first K/V arrives
+
+
+@dataclass(frozen=True)
+class DiskCacheStats(CacheStats):
+    """`CacheStats` plus the disk tier's accounting.
+
+    Here `bytes_used` (and `bytes_per_token`) count memory only: `resident_bytes`, the pool blocks this
+    cache holds plus the read-ahead buffers. A fetch reads one layer of a run of adjacent blocks;
+    write amplification is bytes written / KV bytes spilled (1.0 unless a write failed halfway).
+    """
+
+    resident_blocks: int
+    spilled_blocks: int
+    resident_bytes: int
+    read_buffer_bytes: int
+    disk_bytes: int  # live slots x slot size
+    disk_file_bytes: int  # reserved on disk
+    spills: int  # blocks written
+    bytes_written: int
+    kv_bytes_spilled: int
+    write_amplification: float
+    fetches: int
+    blocks_fetched: int  # (block, layer) segments read back
+    bytes_read: int
+    prefetched: int  # segments served by the read-ahead
+    fetched_on_demand: int  # segments read when their layer asked
+    fetch_latency_mean_s: float
+    fetch_latency_p99_s: float
+    fetch_wait_s: float  # time layers waited for spilled blocks (I/O the read-ahead did not hide)
+    spilling: bool
+    stop_reason: str | None
+    spill_path: str | None
+
+
+class DiskOffloadCache(PagedCache):
+    """Lossless KV cache whose sealed blocks older than a hot window live in a file on disk.
+
+    Args:
+        model_or_config: as for `PagedCache`.
+        path: directory for the spill file (created if missing; each cache creates its own file in it).
+            None: a private temporary directory, deleted by `release()` or garbage collection.
+        hot_tokens: the latest tokens kept in memory (with the first block and the tail).
+        max_resident_bytes: cap on pool blocks + read-ahead buffers; the pool is capped at the rest and
+            raises `PoolExhausted` if one step's tokens do not fit. None: no cap.
+        max_write_bytes: cap on bytes ever written to disk (SSD wear). None: no cap.
+        block_size: tokens per block.
+        read_buffer_bytes: read-ahead memory (default: a quarter of max_resident_bytes, else 16 MiB).
+        prefetch: read the next layer's spilled blocks in a background thread.
+        on_full: "raise" (`SpillSpaceExhausted` when the disk or the budget is full) or "keep_resident"
+            (stop spilling; blocks stay in memory).
+        attention: "contiguous" or "paged", as for `PagedCache`.
+        extent_blocks: blocks reserved on disk per file growth step.
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        path: str | Path | None = None,
+        hot_tokens: int = DEFAULT_HOT_TOKENS,
+        max_resident_bytes: int | None = None,
+        max_write_bytes: int | None = None,
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        read_buffer_bytes: int | None = None,
+        prefetch: bool = True,
+        on_full: str = "raise",
+        attention: AttentionPath = "contiguous",
+        extent_blocks: int = DEFAULT_EXTENT_SLOTS,
+    ) -> None:
+        self.disk = DiskCacheConfig(
+            path=None if path is None else str(path),
+            hot_tokens=hot_tokens,
+            max_resident_bytes=max_resident_bytes,
+            max_write_bytes=max_write_bytes,
+            read_buffer_bytes=read_buffer_bytes,
+            prefetch=prefetch,
+            on_full=on_full,
+            extent_blocks=extent_blocks,
+        )
+        self.tier: DiskTier | None = None
+        self.prefetcher: LayerPrefetcher | None = None
+        self.stop_reason: str | None = None
+        self._layout_key: torch.Tensor | None = None
+        self._layout: SpilledLayout | None = None
+        self._kv_bytes_spilled = 0
+        super().__init__(model_or_config, block_size=block_size, max_bytes=self.disk.pool_bytes, attention=attention)
+
+    # ------------------------------------------------------------------ pool and tier
+
+    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._check_pool_budget(self._geometry(dtype, device))
+        super()._create_pool(dtype, device)
+
+    def _check_pool_budget(self, geometry: KVGeometry) -> None:
+        pool_bytes, block_size = self.disk.pool_bytes, self._pool_args["block_size"]
+        if pool_bytes is None or block_size is None:
+            return
+        blocks = RESIDENT_FIRST_BLOCKS + math.ceil(self.disk.hot_tokens / block_size) + 2  # + tail + one step
+        needed = blocks * geometry.bytes_per_token * block_size
+        if pool_bytes < needed:
+            raise ValueError(
+                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for the pool after "
+                f"{self.disk.buffer_bytes} of read-ahead buffers, but the first block, a {self.disk.hot_tokens}-token "
+                f"hot window and one decode step need {blocks} blocks = {needed} bytes at this geometry. Raise "
+                "max_resident_bytes, or lower hot_tokens or read_buffer_bytes."
+            )
+
+    def _adopt_pool(self, pool: BlockPool) -> None:
+        super()._adopt_pool(pool)
+        layout = TierLayout(
+            pool.geometry.num_layers, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
+        )
+        self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
+        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.geometry.device)
+        self.tables = TieredBlockTables(pool, self.tier)
+
+    def _parts(self) -> tuple[BlockPool, TieredBlockTables, DiskTier, LayerPrefetcher]:
+        assert self.pool is not None and isinstance(self.tables, TieredBlockTables)
+        assert self.tier is not None and self.prefetcher is not None
+        return self.pool, self.tables, self.tier, self.prefetcher
+
+    # ------------------------------------------------------------------ spilling
+
+    def _update_layer(
+        self,
+        layer: PagedLayer,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        attn_kwargs: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.index == 0:  # every layer has finished the previous step: its blocks are complete
+            self._spill_cold_blocks()
+        return super()._update_layer(layer, key_states, value_states, attn_kwargs)
+
+    def _spill_cold_blocks(self) -> None:
+        """Write the sealed blocks older than the hot window to disk once, then free their pool blocks."""
+        pool, tables, tier, _ = self._parts()
+        if self.stop_reason is not None or not tables.rows:
+            return
+        stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+        keep_resident = self.disk.on_full == "keep_resident"
+        try:
+            moved, cold = spill(pool, tables, tier, RESIDENT_FIRST_BLOCKS, stop, within_budget=keep_resident)
+        except SpillSpaceExhausted as err:
+            if not keep_resident:
+                raise
+            self.stop_reason = str(err)
+            return
+        self._kv_bytes_spilled += moved * pool.bytes_per_block
+        if moved < cold:
+            self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
+
+    # ------------------------------------------------------------------ reading back
+
+    def _spilled_layout(self) -> SpilledLayout | None:
+        """Where the batch's blocks live, or None when nothing has spilled (cached until the tables change)."""
+        tables = self._parts()[1]
+        table = tables.tensor()
+        if self._layout_key is not table:
+            self._layout_key = table
+            self._layout = SpilledLayout.of(table) if tables.has_spilled() else None
+        return self._layout
+
+    def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
+        """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
+        prefetcher = self._parts()[3]
+
+        def read(outs: list[torch.Tensor]) -> None:
+            try:
+                prefetcher.take(layer, layout.handles, outs)
+            except SpillCorrupted as err:
+                raise self._located(err) from err
+            prefetcher.request((layer + 1) % self.num_layers, layout.handles)
+
+        return read
+
+    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = self._spilled_layout()
+        if layout is None:
+            return super()._contiguous_kv(layer)
+        pool, i = self._parts()[0], layer.index
+        return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length, self._reader(i, layout))
+
+    def _hand_view_to_attention(
+        self,
+        layer: PagedLayer,
+        attn_kwargs: dict[str, Any] | None,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+        layout = self._spilled_layout()
+        if layout is not None and attn_kwargs is not None:
+            view = attn_kwargs[PAGED_VIEW_KEY]  # spilled blocks are appended after the pool's
+            capacity, caches = view.key_cache.shape[0], []
+            for pool_layer in (view.key_cache, view.value_cache):
+                cache = pool_layer.new_empty((capacity + len(layout.handles), *pool_layer.shape[1:]))
+                cache[:capacity] = pool_layer
+                caches.append(cache)
+            self._reader(layer.index, layout)([cache[capacity:] for cache in caches])
+            view.key_cache, view.value_cache = caches
+            view.block_table = layout.paged_table(capacity)
+        return result
+
+    def _located(self, err: SpillCorrupted) -> SpillCorrupted:
+        """The same error, naming the token positions the damaged block holds."""
+        _, tables, _, _ = self._parts()
+        bs = self._pool_args["block_size"] or 1
+        for row in tables.rows:
+            if spilled_id(err.block) in row.block_ids:
+                index = row.block_ids.index(spilled_id(err.block))
+                return SpillCorrupted(err.block, err.layer, err.path, err.offset, (index * bs, (index + 1) * bs))
+        return err
+
+    # ------------------------------------------------------------------ generate's bookkeeping
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
+        if self.tables is not None and self.tables.rows:
+            self._bring_back_tail()
+
+    def _bring_back_tail(self) -> None:
+        """A crop may end inside a spilled block; the next write lands there, so it returns to the pool."""
+        pool, tables, tier, prefetcher = self._parts()
+        if tables.num_tokens % pool.block_size:
+            try:
+                bring_back(pool, tables, tier, tables.num_tokens // pool.block_size)
+            except SpillCorrupted as err:
+                raise self._located(err) from err
+        prefetcher.clear()
+
+    def reset(self) -> None:
+        """Forget every token: blocks return to the pool, disk slots to the spill file (which stays)."""
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+        super().release()
+        self.stop_reason = None
+
+    def release(self) -> None:
+        """Forget every token, stop the reader thread, delete the spill file (and a private directory)."""
+        self.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.tier is not None:
+            self.tier.close()
+
+    def drop_page_cache(self) -> None:
+        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
+        if self.tier is not None:
+            self.tier.drop_page_cache()
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> DiskCacheStats:
+        base = super().stats()
+        held = {b for row in self.tables.rows for b in row.block_ids} if self.tables is not None else set()
+        resident_blocks = sum(1 for b in held if b >= 0)
+        reader = self.prefetcher
+        buffers = reader.buffer_bytes if reader is not None else 0
+        resident = resident_blocks * (self.pool.bytes_per_block if self.pool is not None else 0) + buffers
+        t = self.tier.stats() if self.tier is not None else _NO_TIER
+        per_token = resident / base.tokens if base.tokens else 0.0
+        return DiskCacheStats(
+            **(dataclasses.asdict(base) | {"bytes_used": resident, "bytes_per_token": per_token}),
+            resident_blocks=resident_blocks,
+            spilled_blocks=len(held) - resident_blocks,
+            resident_bytes=resident,
+            read_buffer_bytes=buffers,
+            disk_bytes=t.slots_in_use * t.slot_bytes,
+            disk_file_bytes=t.file_bytes,
+            spills=t.blocks_written,
+            bytes_written=t.bytes_written,
+            kv_bytes_spilled=self._kv_bytes_spilled,
+            write_amplification=t.bytes_written / self._kv_bytes_spilled if self._kv_bytes_spilled else 0.0,
+            fetches=t.fetches,
+            blocks_fetched=t.blocks_fetched,
+            bytes_read=t.bytes_read,
+            prefetched=reader.prefetched if reader is not None else 0,
+            fetched_on_demand=reader.on_demand if reader is not None else 0,
+            fetch_latency_mean_s=t.fetch_latency_mean_s,
+            fetch_latency_p99_s=t.fetch_latency_p99_s,
+            fetch_wait_s=reader.wait_s if reader is not None else 0.0,
+            spilling=self.stop_reason is None,
+            stop_reason=self.stop_reason,
+            spill_path=t.path,
+        )

@@ -1,0 +1,90 @@
+"""Block tables whose entries are pool ids or spilled blocks of a `DiskTier`.
+
+An entry `b >= 0` is a pool block, as in `BlockTable`; an entry `b < 0` is the spilled block with handle
+`-1 - b`. References work the same in both tiers: forking a row takes one more reference on each of its
+blocks wherever they live, truncating or releasing drops them, so a spilled block shared by several
+beams is one handle with several references, and its disk slot is freed with the last one.
+
+Only sealed blocks spill and writes only touch the tail, so a write never lands on a spilled block;
+the cache brings a block back into the pool before that could happen (after a crop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hf_kvgov.storage.block_table import BlockTable, BlockTables
+from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.tiers.disk_tier import DiskTier
+from hf_kvgov.tiers.kv_segments import handle_of
+
+
+class TieredBlockTable(BlockTable):
+    """One sequence's blocks, each in the pool (id >= 0) or on disk (id < 0)."""
+
+    def __init__(self, pool: BlockPool, tier: DiskTier, block_ids: Sequence[int] = ()) -> None:
+        super().__init__(pool, block_ids)
+        self.tier = tier
+
+    def fork(self) -> TieredBlockTable:
+        self.pool.incref([b for b in self.block_ids if b >= 0])
+        self.tier.incref([handle_of(b) for b in self.block_ids if b < 0])
+        return TieredBlockTable(self.pool, self.tier, self.block_ids)
+
+    def write_plan(self, start: int, end: int, copied_away: dict[int, int]) -> tuple[list[int], int]:
+        bs = self.pool.block_size
+        touched = self.block_ids[start // bs : -(-end // bs)] if end > start else []
+        assert all(b >= 0 for b in touched), "a write reached a spilled block; it must be brought back first"
+        return super().write_plan(start, end, copied_away)
+
+    def truncate(self, num_tokens: int) -> None:
+        keep = -(-num_tokens // self.pool.block_size)
+        dropped = self.block_ids[keep:]
+        del self.block_ids[keep:]
+        self._drop(dropped)
+
+    def release(self) -> None:
+        dropped, self.block_ids = self.block_ids, []
+        self._drop(dropped)
+
+    def _drop(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self.pool.decref([b for b in ids if b >= 0])
+        self.tier.decref([handle_of(b) for b in ids if b < 0])
+
+
+class TieredBlockTables(BlockTables):
+    """`BlockTables` of `TieredBlockTable` rows, plus the two moves between tiers."""
+
+    def __init__(self, pool: BlockPool, tier: DiskTier) -> None:
+        super().__init__(pool)
+        self.tier = tier
+
+    def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
+        if not self.rows:
+            self.rows = [TieredBlockTable(self.pool, self.tier) for _ in range(batch)]
+            self._changed()
+        return super().slots_for(batch, start, count)
+
+    def references(self, first: int, stop: int, spilled: bool) -> dict[int, int]:
+        """Entries of block indices [first, stop) of every row (pool ids, or spilled ones) -> references.
+
+        In order of first appearance (row 0's blocks first), so older blocks come first.
+        """
+        counts: dict[int, int] = {}
+        for row in self.rows:
+            for block in row.block_ids[first:stop]:
+                if (block < 0) == spilled:
+                    counts[block] = counts.get(block, 0) + 1
+        return counts
+
+    def replace(self, mapping: dict[int, int]) -> None:
+        """Swap entries in every row (a block moved between tiers); references are the caller's business."""
+        for row in self.rows:
+            row.block_ids = [mapping.get(b, b) for b in row.block_ids]
+        self._changed()
+
+    def has_spilled(self) -> bool:
+        return any(b < 0 for row in self.rows for b in row.block_ids)

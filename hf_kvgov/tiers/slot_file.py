@@ -1,0 +1,154 @@
+"""One preallocated file of fixed-size block slots: where spilled KV blocks live on disk.
+
+A block spans every layer (as in the pool) and is cut into one segment per layer, so that the layer
+about to run can be read without the others; a segment is a few parts (raw K/V: the keys, the values).
+The file grows by whole extents, each reserved up front with ``posix_fallocate`` so that a full disk
+shows up when an extent is added, not halfway through a block::
+
+    file        = extent 0 | extent 1 | extent 2 | ...
+    extent e    = layer 0 | layer 1 | ... | layer L-1                  (C slots each)
+    layer l     = part 0 of slots eC .. eC+C-1 | part 1 of the same slots | ...
+    (slot s, layer l, part p) -> (s // C) * C*S*L + l * C*S + C * (P_0 + .. + P_{p-1}) + (s % C) * P_p
+
+    C = extent_slots, L = layers, P_p = bytes of part p, S = P_0 + P_1 + ... (one segment)
+
+Why this order: reads are per layer, over many blocks, into one buffer per part (the K stack, the V
+stack). Part p of consecutive slots is one contiguous range of the file, so a run of blocks is one
+``preadv`` per part, straight into the caller's buffer, whatever the number of blocks.
+
+The file is created with ``mkstemp`` (``O_CREAT | O_EXCL``, mode 0600), so two caches never share a
+file, even in the same directory. It is closed and deleted by `close()` or when garbage collected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+from hf_kvgov.errors import SpillFileLost
+
+IOV_MAX = 1024  # POSIX minimum for preadv/pwritev; Linux's limit too
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def _close_and_remove(fd: int, path: str, remove_dir: str | None) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    if remove_dir is not None:
+        shutil.rmtree(remove_dir, ignore_errors=True)
+
+
+class SlotFile:
+    """Fixed-size slots of `layers` segments made of parts of `part_bytes`, in one growing file.
+
+    Args:
+        directory: where the file is created (must exist).
+        remove_directory: also delete `directory` when the file is closed (a private temporary one).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        layers: int,
+        part_bytes: Sequence[int],
+        extent_slots: int,
+        remove_directory: bool = False,
+    ) -> None:
+        self.layers = layers
+        self.part_bytes = tuple(part_bytes)
+        self.extent_slots = extent_slots
+        self._layer_bytes = extent_slots * sum(self.part_bytes)
+        self._part_starts = [extent_slots * sum(self.part_bytes[:p]) for p in range(len(self.part_bytes))]
+        self.extent_bytes = layers * self._layer_bytes
+        try:
+            self._fd, path = tempfile.mkstemp(prefix="kvgov-", suffix=".spill", dir=directory)
+        except OSError as err:
+            raise SpillFileLost(str(directory), f"cannot create a spill file there: {err.strerror}") from err
+        self.path = path
+        self.capacity = 0  # slots reserved on disk
+        self.bytes_written = 0  # every byte handed to the OS, including those of a write that later failed
+        self.bytes_read = 0
+        owned = str(directory) if remove_directory else None
+        self._finalizer = weakref.finalize(self, _close_and_remove, self._fd, path, owned)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def offset(self, slot: int, layer: int, part: int = 0) -> int:
+        extent, index = divmod(slot, self.extent_slots)
+        start = extent * self.extent_bytes + layer * self._layer_bytes + self._part_starts[part]
+        return start + index * self.part_bytes[part]
+
+    def add_extent(self) -> None:
+        """Reserve `extent_slots` more slots on disk; raises OSError (e.g. ENOSPC) and changes nothing."""
+        start = self.capacity // self.extent_slots * self.extent_bytes
+        try:
+            os.posix_fallocate(self._fd, start, self.extent_bytes)
+        except OSError as err:
+            if err.errno not in _NO_FALLOCATE:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, start)  # give back a partial reservation
+                raise
+            os.ftruncate(self._fd, start + self.extent_bytes)  # file systems without fallocate: sparse
+        self.capacity += self.extent_slots
+
+    def write_at(self, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Write `buffers` back to back from `offset` (short writes are resumed; errors raise OSError)."""
+        views = [buffer.cast("B") for buffer in buffers]
+        while views:
+            written = os.pwritev(self._fd, views[:IOV_MAX], offset)
+            self.bytes_written += written
+            offset += written
+            views = _advance(views, written)
+
+    def read_at(self, offset: int, buffer: memoryview) -> None:
+        """Fill `buffer` from `offset`; a file shorter than that raises `SpillFileLost`."""
+        view = buffer.cast("B")
+        while view:
+            got = os.preadv(self._fd, [view], offset)
+            if got == 0:
+                raise SpillFileLost(self.path, f"the file ends before offset {offset}; it was truncated")
+            self.bytes_read += got
+            offset += got
+            view = view[got:]
+
+    def check(self) -> None:
+        """Raise `SpillFileLost` if the file was deleted (or its directory removed) underneath us."""
+        if self.closed:
+            raise SpillFileLost(self.path, "the spill file was already closed")
+        try:
+            links = os.fstat(self._fd).st_nlink
+        except OSError as err:
+            raise SpillFileLost(self.path, err.strerror or "fstat failed") from err
+        if links == 0:
+            raise SpillFileLost(self.path, "the file or its directory was deleted")
+
+    def drop_page_cache(self) -> None:
+        """Flush the file and ask the OS to forget its pages, so the next reads come from the device."""
+        os.fsync(self._fd)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close and delete the file (and a private directory); idempotent."""
+        self._finalizer()
+
+
+def _advance(views: list[memoryview], done: int) -> list[memoryview]:
+    """The part of `views` not yet transferred after a (possibly short) transfer of `done` bytes."""
+    index = 0
+    while index < len(views) and done >= len(views[index]):
+        done -= len(views[index])
+        index += 1
+    rest = views[index:]
+    if rest and done:
+        rest[0] = rest[0][done:]
+    return rest

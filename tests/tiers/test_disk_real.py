@@ -1,0 +1,55 @@
+"""DiskOffloadCache is lossless on SmolLM2: a 2,048-token context with a 128-token hot window in memory
+generates the same tokens as DynamicCache, logits within 1e-4 (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov.hf.disk_cache import DiskOffloadCache
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture
+def one_thread():  # type: ignore[no-untyped-def]
+    """Torch on one thread: on a shared 2-core machine, two intra-op threads stall on each other whenever
+    another process takes a core, which can triple this test's time; results do not depend on it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_greedy_2048_context_128_hot_tokens(smollm2, austen_text, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = smollm2
+    ids = tokenizer(austen_text[40_000:60_000], return_tensors="pt")["input_ids"][:, :2048]
+    assert ids.shape[1] == 2048 and model.dtype == torch.float32
+    # One prefill of 2,047 tokens serves both caches (it is the slow part on CPU): DynamicCache computes
+    # it, and the disk cache receives the same K/V through `update`, 512 tokens at a time as a chunked
+    # prefill would store them, spilling and reading back blocks as it goes. generate feeds the rest.
+    reference = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids[:, :-1], past_key_values=reference)
+    cache = DiskOffloadCache(model, tmp_path, hot_tokens=128)
+    for start in range(0, 2047, 512):
+        for index, layer in enumerate(reference.layers):
+            cache.update(layer.keys[:, :, start : start + 512], layer.values[:, :, start : start + 512], index)
+    # The last chunk started at 1,536 tokens: (1536 - 128) // 16 = 88, so blocks 1..87 had spilled.
+    assert cache.get_seq_length() == 2047 and cache.stats().spilled_blocks == 87
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
+    expected = model.generate(ids, past_key_values=reference, **kwargs)
+    got = model.generate(ids, past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    worst = max((g - e).abs().max().item() for g, e in zip(got.logits, expected.logits, strict=True))
+    assert worst <= 1e-4, f"logits differ by {worst}"
+    stats = cache.stats()
+    # The last step started at 2,054 tokens: (2054 - 128) // 16 = 120, so blocks 1..119 are on disk, and
+    # block 0 + blocks 120..128 (up to token 2,054) are in memory.
+    assert (stats.spilled_blocks, stats.resident_blocks) == (119, 10)
+    assert stats.write_amplification == 1.0 and stats.blocks_fetched >= 30 * 119 * 8
+    cache.release()
