@@ -99,8 +99,15 @@ def speed_report(caches: list[str], batches: list[int], contexts: list[int], ste
         base = statistics.median(samples["dynamic"])
         for name in caches:
             speed = statistics.median(samples[name])
-            rows.append({"batch": batch, "context": context, "cache": name, "tokens_per_s": speed,
-                         "ratio_vs_dynamic": speed / base})
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "cache": name,
+                    "tokens_per_s": speed,
+                    "ratio_vs_dynamic": speed / base,
+                }
+            )
     return rows
 
 
@@ -112,13 +119,23 @@ def markdown(report: dict[str, Any]) -> str:
         "| layout | tokens | slots reserved | waste |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for key, label in (("static", "pre-allocate 4,096"), ("paged_16", "paged, block 16"), ("paged_256", "paged, block 256")):
+    for key, label in (
+        ("static", "pre-allocate 4,096"),
+        ("paged_16", "paged, block 16"),
+        ("paged_256", "paged, block 256"),
+    ):
         lines.append(f"| {label} | {u[key]['tokens']:,} | {u[key]['slots']:,} | {100 * u[key]['waste']:.1f}% |")
     if report.get("speed"):
-        lines += ["", "| batch | context | cache | decode tokens/s | ratio vs DynamicCache |", "| ---: | ---: | --- | ---: | ---: |"]
+        lines += [
+            "",
+            "| batch | context | cache | decode tokens/s | ratio vs DynamicCache |",
+            "| ---: | ---: | --- | ---: | ---: |",
+        ]
         for row in report["speed"]:
-            lines.append(f"| {row['batch']} | {row['context']} | {row['cache']} | {row['tokens_per_s']:.1f} | "
-                         f"{row['ratio_vs_dynamic']:.2f} |")
+            lines.append(
+                f"| {row['batch']} | {row['context']} | {row['cache']} | {row['tokens_per_s']:.1f} | "
+                f"{row['ratio_vs_dynamic']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -139,8 +156,13 @@ def main() -> None:
     if not args.skip_speed:
         caches = args.caches.split(",")
         assert caches[0] == "dynamic", "DynamicCache must be measured first: ratios are relative to it"
-        report["speed"] = speed_report(caches, [int(b) for b in args.batches.split(",")],
-                                       [int(c) for c in args.contexts.split(",")], args.steps, args.rounds)
+        report["speed"] = speed_report(
+            caches,
+            [int(b) for b in args.batches.split(",")],
+            [int(c) for c in args.contexts.split(",")],
+            args.steps,
+            args.rounds,
+        )
     OUT.mkdir(exist_ok=True)
     (OUT / "bench_paged.json").write_text(json.dumps(report, indent=2))
     print(markdown(report))
