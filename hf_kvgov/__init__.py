@@ -24,6 +24,17 @@ _EXPORTS = {
     "use_paged_attention": "hf_kvgov.hf.attention",
     "restore_attention": "hf_kvgov.hf.attention",
     "load_model": "hf_kvgov.models",
+    "PrefixCache": "hf_kvgov.prefix.sharing",
+    "HeavyHitterCache": "hf_kvgov.hf.eviction",
+    "SinkCache": "hf_kvgov.hf.eviction",
+    "EvictionStats": "hf_kvgov.hf.eviction",
+    "eviction_attention": "hf_kvgov.hf.eviction",
+    "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
+    "DiskCacheStats": "hf_kvgov.hf.disk_cache",
+    "SpillError": "hf_kvgov.errors",
+    "SpillSpaceExhausted": "hf_kvgov.errors",
+    "SpillCorrupted": "hf_kvgov.errors",
+    "SpillFileLost": "hf_kvgov.errors",
 }
 
 __all__ = [
@@ -31,10 +42,21 @@ __all__ = [
     "BlockTable",
     "BlockTables",
     "CacheStats",
+    "DiskCacheStats",
+    "DiskOffloadCache",
+    "EvictionStats",
+    "HeavyHitterCache",
     "KVGeometry",
     "KVGovError",
     "PagedCache",
     "PoolExhausted",
+    "PrefixCache",
+    "SinkCache",
+    "SpillCorrupted",
+    "SpillError",
+    "SpillFileLost",
+    "SpillSpaceExhausted",
+    "eviction_attention",
     "load_model",
     "paged_attention",
     "restore_attention",
@@ -42,10 +64,20 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from hf_kvgov.errors import KVGovError, PoolExhausted
+    from hf_kvgov.errors import (
+        KVGovError,
+        PoolExhausted,
+        SpillCorrupted,
+        SpillError,
+        SpillFileLost,
+        SpillSpaceExhausted,
+    )
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
+    from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
+    from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, SinkCache, eviction_attention
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
     from hf_kvgov.models import load_model
+    from hf_kvgov.prefix.sharing import PrefixCache
     from hf_kvgov.storage.block_table import BlockTable, BlockTables
     from hf_kvgov.storage.pool import BlockPool, KVGeometry
 

@@ -1,20 +1,30 @@
 """Name -> cache factory: how the CLI, the demo and the eval suite ask for a cache.
 
-A `CacheSpec` builds a fresh cache for a model and says which attention implementation it needs, so
-orchestration code never branches on cache types. Later caches register themselves here.
+A `CacheSpec` builds a fresh cache for a model and says which attention context it needs around
+`generate`, so orchestration code never branches on cache types. A new cache adds one `register_cache`
+line below.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import DynamicCache
 
 from hf_kvgov.hf.attention import paged_attention
+from hf_kvgov.hf.disk_cache import DiskOffloadCache
+from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
+
+AttentionContext = Callable[[Any], AbstractContextManager[Any]]
+
+
+def _no_context(model: Any) -> AbstractContextManager[Any]:
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -23,16 +33,11 @@ class CacheSpec:
     description: str
     build: Callable[[Any], Any]  # model -> a fresh transformers Cache
     lossless: bool
-    paged_attention: bool = False  # needs the hf_kvgov attention implementation
+    attention_context: AttentionContext = _no_context  # what generate must run under
 
-    @contextlib.contextmanager
-    def attention(self, model: Any) -> Iterator[None]:
+    def attention(self, model: Any) -> AbstractContextManager[Any]:
         """The attention context the cache needs around `generate` (nothing for most caches)."""
-        if self.paged_attention:
-            with paged_attention(model):
-                yield
-        else:
-            yield
+        return self.attention_context(model)
 
 
 CACHES: dict[str, CacheSpec] = {}
@@ -60,16 +65,36 @@ def kv_bytes(cache: Any) -> int:
     return total
 
 
-register_cache(
-    CacheSpec("dynamic", "transformers DynamicCache (the reference)", lambda m: DynamicCache(config=m.config), True)
-)
-register_cache(CacheSpec("paged", "PagedCache, 16-token blocks, contiguous K/V for any attention", PagedCache, True))
-register_cache(
+for _spec in (
+    CacheSpec("dynamic", "transformers DynamicCache (the reference)", lambda m: DynamicCache(config=m.config), True),
+    CacheSpec("paged", "PagedCache, 16-token blocks, contiguous K/V for any attention", PagedCache, True),
     CacheSpec(
         "paged-attn",
         "PagedCache read in place by the hf_kvgov paged attention",
         lambda m: PagedCache(m, attention="paged"),
         True,
-        paged_attention=True,
-    )
-)
+        paged_attention,
+    ),
+    # Eviction caches keep different tokens per KV head: generate must run under the eviction attention.
+    CacheSpec(
+        "h2o",
+        "HeavyHitterCache (H2O): 20% of the prompt per KV head, half recent window, half heavy hitters",
+        lambda m: HeavyHitterCache(m, budget=0.2),
+        False,
+        eviction_attention,
+    ),
+    CacheSpec(
+        "sink",
+        "SinkCache (StreamingLLM): 4 sinks + recent window, 20% of the prompt (at least 64 slots) per KV head",
+        lambda m: SinkCache(m, n_sink=4, window=60, budget=0.2),
+        False,
+        eviction_attention,
+    ),
+    CacheSpec(
+        "disk",
+        "DiskOffloadCache: blocks older than a 512-token hot window spill to a private temp file",
+        DiskOffloadCache,
+        True,
+    ),
+):
+    register_cache(_spec)
