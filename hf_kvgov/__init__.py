@@ -35,6 +35,12 @@ _EXPORTS = {
     "SpillSpaceExhausted": "hf_kvgov.errors",
     "SpillCorrupted": "hf_kvgov.errors",
     "SpillFileLost": "hf_kvgov.errors",
+    "QuantizedCache": "hf_kvgov.hf.quantized_cache",
+    "QuantizedCacheStats": "hf_kvgov.hf.quantized_cache",
+    "QuantConfig": "hf_kvgov.hf.quant_config",
+    "QuantizedBlockPool": "hf_kvgov.storage.quantized_pool",
+    "check_quantization": "hf_kvgov.quality",
+    "CheckOptions": "hf_kvgov.quality",
 }
 
 __all__ = [
@@ -42,6 +48,7 @@ __all__ = [
     "BlockTable",
     "BlockTables",
     "CacheStats",
+    "CheckOptions",
     "DiskCacheStats",
     "DiskOffloadCache",
     "EvictionStats",
@@ -51,11 +58,16 @@ __all__ = [
     "PagedCache",
     "PoolExhausted",
     "PrefixCache",
+    "QuantConfig",
+    "QuantizedBlockPool",
+    "QuantizedCache",
+    "QuantizedCacheStats",
     "SinkCache",
     "SpillCorrupted",
     "SpillError",
     "SpillFileLost",
     "SpillSpaceExhausted",
+    "check_quantization",
     "eviction_attention",
     "load_model",
     "paged_attention",
@@ -76,10 +88,14 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, SinkCache, eviction_attention
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
+    from hf_kvgov.hf.quant_config import QuantConfig
+    from hf_kvgov.hf.quantized_cache import QuantizedCache, QuantizedCacheStats
     from hf_kvgov.models import load_model
     from hf_kvgov.prefix.sharing import PrefixCache
+    from hf_kvgov.quality import CheckOptions, check_quantization
     from hf_kvgov.storage.block_table import BlockTable, BlockTables
     from hf_kvgov.storage.pool import BlockPool, KVGeometry
+    from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,7 @@ from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.quantized_cache import QuantizedCache
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 
@@ -74,6 +75,24 @@ for _spec in (
         lambda m: PagedCache(m, attention="paged"),
         True,
         paged_attention,
+    ),
+    CacheSpec(
+        "int8",
+        "QuantizedCache int8: keys per channel, values per token; sink and tail blocks in full precision",
+        lambda m: QuantizedCache(m, bits=8),
+        False,
+    ),
+    CacheSpec(
+        "int4",
+        "QuantizedCache int4, two codes per byte: keys per channel, values per token",
+        lambda m: QuantizedCache(m, bits=4),
+        False,
+    ),
+    CacheSpec(
+        "fp8",
+        "QuantizedCache fp8 e4m3 with one scale per channel (keys) or per token (values)",
+        lambda m: QuantizedCache(m, bits=8, fmt="fp8"),
+        False,
     ),
     # Eviction caches keep different tokens per KV head: generate must run under the eviction attention.
     CacheSpec(

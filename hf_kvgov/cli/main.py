@@ -8,7 +8,13 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules; each defines add_parser(subparsers) which sets `func` on its parser.
-SUBCOMMANDS = ("hf_kvgov.cli.demo", "hf_kvgov.cli.bench", "hf_kvgov.cli.fetch", "hf_kvgov.cli.plan")
+SUBCOMMANDS = (
+    "hf_kvgov.cli.demo",
+    "hf_kvgov.cli.bench",
+    "hf_kvgov.cli.check_quant",
+    "hf_kvgov.cli.fetch",
+    "hf_kvgov.cli.plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

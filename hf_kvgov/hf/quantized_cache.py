@@ -1,0 +1,273 @@
+"""`QuantizedCache`: a `PagedCache` whose full blocks are sealed into int8 / int4 / fp8 codes.
+
+Keys are quantized per channel over a block's tokens and values per token (KIVI), by the codecs in
+`hf_kvgov.codecs`. What stays in full precision, per row::
+
+    block:    0        1        2       ...      n-2      n-1       n
+           [ sink ][ sealed ][ sealed ]  ...  [ sealed ][ resid. ][ tail ]
+             fp       codes + scales (one block id, all layers)     fp      fp: being written
+
+A block is sealed when it is full and older than the `residual` window, at the end of the forward step
+that filled it (after the last layer attended, so every layer of one step sees the same K/V). Sealing
+encodes the block once, even when beams share it, and hands its full-precision memory back to the pool;
+`stats()` counts what is really held: codes + scales + the remaining full-precision blocks.
+
+Everything else is PagedCache's: block tables, beams (sealed blocks are immutable and stay shared),
+left padding, crop (a crop into a sealed block decodes it back into a writable full-precision block),
+and both attention paths. The paged path decodes one chunk of blocks at a time
+(`kernels.quantized_reference`); it never builds a full-precision copy of the cache.
+
+Memory: a step holds its own new tokens in full precision until it ends, so a long prompt fed in one
+forward briefly needs full-precision blocks for all of it; `generate(..., prefill_chunk_size=n)` bounds
+that peak. `max_tokens` / `max_bytes` cap those full-precision blocks; sealed blocks are not capped.
+Known limit: the sink is the first block of every row, so a row with more than a block of left padding
+has its first real tokens quantized.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer, PagedView
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized, quantized_paged_attention_reference
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
+
+
+@dataclass
+class QuantizedView(PagedView):
+    """The paged attention's view of one layer whose table holds sealed (negative) entries."""
+
+    read_sealed: SealedReader | None = None
+    after_attend: Callable[[], None] | None = None  # the last layer seals the blocks this step filled
+
+    def attend(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    ) -> torch.Tensor:
+        """Attention of `query` `[batch, q_heads, q_len, head_dim]`; returns `[batch, q_len, q_heads, head_dim]`."""
+        assert self.read_sealed is not None, "a QuantizedView is built with its sealed-block reader"
+        self.consumed = True
+        out = quantized_paged_attention_reference(
+            query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.kv_length,
+            scale,
+            self.read_sealed,
+            mask=mask,
+            softcap=softcap,
+        )
+        if self.after_attend is not None:
+            self.after_attend()
+        return out
+
+
+@dataclass(frozen=True)
+class QuantizedCacheStats(CacheStats):
+    """`CacheStats` whose bytes are the real bytes held: codes + scales + full-precision blocks."""
+
+    codec: str
+    full_precision_blocks: int
+    sealed_blocks: int
+    full_precision_bytes: int
+    sealed_bytes: int
+    unquantized_bytes: int  # what a PagedCache would hold for the same blocks
+    compression: float  # unquantized_bytes / bytes_used
+
+
+class QuantizedCache(PagedCache):
+    """KV cache in blocks; full blocks are stored as int8 / int4 / fp8 codes plus scales.
+
+    Args:
+        model_or_config: the model (its dtype and device are used) or its config.
+        bits, fmt, residual, sink_blocks, full_precision_layers, group_size: see `QuantConfig`.
+        block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
+        pool: a `QuantizedBlockPool` shared by several caches with the same configuration.
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        bits: int = 8,
+        fmt: str = "int",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        residual: int = 0,
+        sink_blocks: int = 1,
+        full_precision_layers: Iterable[int] = (),
+        group_size: int | None = None,
+        max_tokens: int | None = None,
+        max_bytes: int | None = None,
+        pool: BlockPool | None = None,
+        attention: AttentionPath = "contiguous",
+    ) -> None:
+        self.quant = QuantConfig(bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size)
+        config = decoder_config(model_or_config)
+        kv_heads, head_dim = kv_heads_and_head_dim(config)
+        size = pool.block_size if pool is not None else block_size
+        self.quant.check_model(int(config.num_hidden_layers), kv_heads, head_dim, size)
+        self._sealed_columns = sink_blocks  # block columns [sink_blocks, _sealed_columns) are sealed in every row
+        super().__init__(model_or_config, block_size, max_tokens, max_bytes, pool, attention)
+
+    # ------------------------------------------------------------------ pool
+
+    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
+        formats = self.quant.formats(self.num_layers, dtype)
+        pool = QuantizedBlockPool(self._geometry(dtype, device), formats, **self._pool_args)  # type: ignore[arg-type]
+        self._adopt_pool(pool)
+
+    def _adopt_pool(self, pool: BlockPool) -> None:
+        if not isinstance(pool, QuantizedBlockPool):
+            raise TypeError(
+                f"QuantizedCache stores sealed blocks in a QuantizedBlockPool; got a {type(pool).__name__}. "
+                "Pass a QuantizedBlockPool built with the same formats, or no pool."
+            )
+        wanted = tuple(f.name for f in self.quant.formats(self.num_layers, pool.geometry.dtype))
+        if pool.format_names != wanted:
+            raise ValueError(
+                f"The pool stores layers as {pool.format_names} but this cache's configuration "
+                f"({self.quant.describe()}) needs {wanted}; share a pool only between caches configured alike."
+            )
+        super()._adopt_pool(pool)
+
+    @property
+    def _quantized_pool(self) -> QuantizedBlockPool:
+        assert isinstance(self.pool, QuantizedBlockPool), "the pool is created before any K/V is stored"
+        return self.pool
+
+    def _reader(self, layer: int) -> SealedReader:
+        return functools.partial(self._quantized_pool.read_sealed, layer)
+
+    # ------------------------------------------------------------------ the hot path
+
+    def _update_layer(
+        self,
+        layer: PagedLayer,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        attn_kwargs: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.index == 0:
+            # Normally a no-op: the previous step's last layer sealed already. This catches a model whose
+            # last layer does not call update (shared-KV layers) or a step that was interrupted.
+            self._seal_ready_blocks()
+        kv = super()._update_layer(layer, key_states, value_states, attn_kwargs)
+        if self.attention == "contiguous" and layer.index == self.num_layers - 1:
+            self._seal_ready_blocks()  # kv is already a copy: sealing cannot change what attention reads
+        return kv
+
+    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = self._quantized_pool
+        assert self.tables is not None
+        return gather_quantized(
+            pool.keys[layer.index],
+            pool.values[layer.index],
+            self.tables.tensor(),
+            layer.length,
+            self._reader(layer.index),
+            pool.geometry.dtype,
+        )
+
+    def _hand_view_to_attention(
+        self,
+        layer: PagedLayer,
+        attn_kwargs: dict[str, Any] | None,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # PagedCache checks the previous view was read and puts a plain view in the kwargs; replace it by
+        # one that decodes sealed blocks.
+        kv = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+        assert attn_kwargs is not None
+        plain: PagedView = attn_kwargs[PAGED_VIEW_KEY]
+        last = layer.index == self.num_layers - 1
+        view = QuantizedView(
+            plain.key_cache,
+            plain.value_cache,
+            plain.block_table,
+            plain.kv_length,
+            read_sealed=self._reader(layer.index),
+            after_attend=self._seal_ready_blocks if last else None,
+        )
+        attn_kwargs[PAGED_VIEW_KEY] = view
+        self._pending_view = view
+        return kv
+
+    def _seal_ready_blocks(self) -> None:
+        """Seal, in every row, the full blocks that left the residual window since the last call."""
+        tables = self.tables
+        if tables is None or not tables.rows:
+            return
+        pool = self._quantized_pool
+        length = min(layer.length for layer in self.layers if isinstance(layer, PagedLayer))
+        ready = max(0, length - self.quant.residual) // pool.block_size
+        first = self._sealed_columns
+        if ready <= first:
+            return
+        columns = range(first, ready)
+        ids = [row.block_ids[c] for row in tables.rows for c in columns]
+        assert not any(is_sealed(b) for b in ids), "columns past the sealed frontier are full precision"
+        sealed = iter(pool.seal(ids))
+        for row in tables.rows:
+            for c in columns:
+                row.block_ids[c] = next(sealed)
+        tables._changed()  # the cached block-table tensor names the released full-precision blocks
+        self._sealed_columns = ready
+
+    # ------------------------------------------------------------------ generate's bookkeeping
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens; a sealed block that must take writes again is decoded."""
+        super().crop(tokens_to_remove)
+        if self.tables is None or self.pool is None:
+            return
+        length = self.get_seq_length()
+        bs = self.pool.block_size
+        whole = length // bs
+        if length % bs and self.quant.sink_blocks <= whole < self._sealed_columns:
+            pool = self._quantized_pool
+            for row in self.tables.rows:
+                row.block_ids[whole] = pool.unseal(row.block_ids[whole])
+            self.tables._changed()
+        self._sealed_columns = max(self.quant.sink_blocks, min(self._sealed_columns, whole))
+
+    def release(self) -> None:
+        super().release()
+        self._sealed_columns = self.quant.sink_blocks
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> QuantizedCacheStats:
+        base = super().stats()
+        pool = self.pool if isinstance(self.pool, QuantizedBlockPool) else None
+        rows = self.tables.rows if self.tables is not None else []
+        distinct = {block for row in rows for block in row.block_ids}
+        sealed = sum(1 for block in distinct if is_sealed(block))
+        full_bytes = (len(distinct) - sealed) * (pool.bytes_per_block if pool else 0)
+        sealed_bytes = sealed * (pool.sealed.bytes_per_block if pool else 0)
+        used = full_bytes + sealed_bytes
+        store = pool.sealed_stats() if pool else None
+        fields = asdict(base)
+        fields.update(
+            bytes_used=used,
+            bytes_per_token=used / base.tokens if base.tokens else 0.0,
+            pool_blocks_reserved=base.pool_blocks_reserved + (store.capacity_blocks if store else 0),
+            pool_bytes_reserved=base.pool_bytes_reserved + (store.bytes_reserved if store else 0),
+        )
+        return QuantizedCacheStats(
+            **fields,
+            codec=self.quant.codec_name,
+            full_precision_blocks=len(distinct) - sealed,
+            sealed_blocks=sealed,
+            full_precision_bytes=full_bytes,
+            sealed_bytes=sealed_bytes,
+            unquantized_bytes=base.bytes_used,
+            compression=base.bytes_used / used if used else 1.0,
+        )

@@ -1,0 +1,211 @@
+"""The quantization sanity check: measure what int8 / int4 / fp8 KV costs on *this* model and text.
+
+    report = check_quantization(model, tokenizer)                  # built-in text, int8 / fp8 / int4
+    print(report.render()); report.passed                          # False when a format exceeds the gate
+
+Steps, all against a lossless `PagedCache` on the same tokens (see `lockstep`):
+
+1. every format with the cache in the loop: perplexity, KL of next-token distributions, top-1 agreement,
+   real bytes per token;
+2. the keys' outlier-channel ratio per layer (from the reference cache);
+3. a per-layer scan: one layer quantized at a time (the lowest-bit format, on the first `scan_tokens`);
+4. when that format fails, its most sensitive layers kept in full precision, verified on the whole text;
+5. a verdict and the cheapest configuration within the tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
+from hf_kvgov.quality.lockstep import CacheBuilder, CacheScore, LockstepResult, score_in_lockstep
+from hf_kvgov.quality.outliers import key_outlier_ratios
+from hf_kvgov.quality.recommend import layers_to_protect, recommend
+from hf_kvgov.quality.report import QuantCheckReport, SensitivityScan
+
+# Format names accepted by the check -> QuantizedCache(bits=..., fmt=...).
+FORMAT_OPTIONS: dict[str, dict[str, Any]] = {
+    "int8": {"bits": 8, "fmt": "int"},
+    "int4": {"bits": 4, "fmt": "int"},
+    "fp8": {"bits": 8, "fmt": "fp8"},
+    "fp8_e5m2": {"bits": 8, "fmt": "fp8_e5m2"},
+}
+DEFAULT_TOLERANCE_PCT = 0.5
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What the check measures.
+
+    Attributes:
+        formats: names from `FORMAT_OPTIONS`.
+        max_tokens: tokens of the text used (the text is cut there).
+        block_size, residual, sink_blocks: the QuantizedCache settings under test.
+        chunk_tokens: tokens per forward step; None = block_size, which reproduces generation exactly.
+        max_ppl_increase: the gate, in percent: `passed` is False when a listed format exceeds it.
+        scan, scan_format, scan_tokens: the per-layer scan (scan_format None: the format with fewest bits).
+        max_rows: caches scored per batched pass (memory grows with it).
+    """
+
+    formats: tuple[str, ...] = ("int8", "fp8", "int4")
+    max_tokens: int = 2048
+    block_size: int = 16
+    residual: int = 0
+    sink_blocks: int = 1
+    chunk_tokens: int | None = None
+    max_ppl_increase: float | None = None
+    scan: bool = True
+    scan_format: str | None = None
+    scan_tokens: int = 512
+    max_rows: int = 8
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in (*self.formats, self.scan_format) if f is not None and f not in FORMAT_OPTIONS]
+        if unknown or not self.formats:
+            raise ValueError(f"Unknown or no formats {unknown or '()'}; accepted: {', '.join(FORMAT_OPTIONS)}.")
+        for name in ("max_tokens", "block_size", "scan_tokens", "max_rows"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be at least 2; got {getattr(self, name)}.")
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be positive (or None for block_size); got {self.chunk_tokens}.")
+        if self.max_ppl_increase is not None and self.max_ppl_increase < 0:
+            raise ValueError(f"max_ppl_increase is a percentage >= 0; got {self.max_ppl_increase}.")
+        self.config("int8")  # validates residual and sink_blocks
+
+    @property
+    def tolerance_pct(self) -> float:
+        return DEFAULT_TOLERANCE_PCT if self.max_ppl_increase is None else self.max_ppl_increase
+
+    @property
+    def chunk(self) -> int:
+        return self.chunk_tokens or self.block_size
+
+    @property
+    def lowest_bit_format(self) -> str:
+        return self.scan_format or min(self.formats, key=lambda f: FORMAT_OPTIONS[f]["bits"])
+
+    def config(self, fmt: str, full_precision_layers: tuple[int, ...] = ()) -> QuantConfig:
+        return QuantConfig(
+            residual=self.residual,
+            sink_blocks=self.sink_blocks,
+            full_precision_layers=full_precision_layers,
+            **FORMAT_OPTIONS[fmt],
+        )
+
+
+def check_quantization(
+    model: Any,
+    tokenizer: Any,
+    text: str | None = None,
+    options: CheckOptions | None = None,
+    model_name: str | None = None,
+    progress: bool = False,
+) -> QuantCheckReport:
+    """Run the sanity check of the module docstring; `text` defaults to the built-in passage.
+
+    `progress` shows a progress bar on stderr for each pass over the text.
+    """
+    options = options or CheckOptions()
+    ids = tokenize(tokenizer, BUILTIN_TEXT if text is None else text, options.max_tokens, options.block_size)
+    runner = _Runner(model, options, progress)
+    scores, outliers = _measure_formats(runner, ids)
+    scan = _scan(runner, ids) if options.scan else None
+    protected = _protected_run(runner, ids, scan, scores) if scan is not None else None
+    configs = {fmt: options.config(fmt) for fmt in options.formats}
+    candidates = list(scores)
+    if protected is not None:
+        configs[protected[0].name] = protected[1]
+        candidates.append(protected[0])
+    kwargs = {name: _kwargs(config, options) for name, config in configs.items()}
+    threshold = options.max_ppl_increase
+    return QuantCheckReport(
+        model=model_name or type(model).__name__,
+        tokens=int(ids.shape[1]),
+        block_size=options.block_size,
+        chunk_tokens=options.chunk,
+        reference_perplexity=scores[0].reference_perplexity,
+        formats=tuple(scores),
+        key_outlier_ratios=outliers,
+        sensitivity=scan,
+        protected=protected[0] if protected is not None else None,
+        recommendation=recommend(candidates, kwargs, options.tolerance_pct),
+        tolerance_pct=options.tolerance_pct,
+        threshold_pct=threshold,
+        gate_failures=tuple(s.name for s in scores if threshold is not None and s.ppl_increase_pct > threshold),
+    )
+
+
+def tokenize(tokenizer: Any, text: str, max_tokens: int, block_size: int) -> torch.Tensor:
+    """The first `max_tokens` tokens of `text` as long `[1, n]`; the text must span two blocks at least."""
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :max_tokens]
+    if ids.shape[1] < 2 * block_size + 1:
+        raise ValueError(
+            f"The text has {ids.shape[1]} tokens; the check needs more than two blocks ({2 * block_size + 1} "
+            "tokens) for any block to be quantized. Pass a longer text (a few thousand tokens is best)."
+        )
+    return ids
+
+
+@dataclass(frozen=True)
+class _Runner:
+    """Scores QuantConfigs of one model against the full cache, with the check's options."""
+
+    model: Any
+    options: CheckOptions
+    progress: bool
+
+    def score(self, ids: torch.Tensor, configs: dict[str, QuantConfig], label: str) -> LockstepResult:
+        o = self.options
+        builders: dict[str, CacheBuilder] = {
+            name: functools.partial(QuantizedCache, self.model, block_size=o.block_size, **asdict(config))
+            for name, config in configs.items()
+        }
+        shown = label if self.progress else None
+        return score_in_lockstep(self.model, ids, builders, o.chunk, o.block_size, o.max_rows, shown)
+
+
+def _kwargs(config: QuantConfig, options: CheckOptions) -> dict[str, Any]:
+    """The QuantizedCache keyword arguments that differ from the defaults, plus the block size."""
+    defaults = asdict(QuantConfig())
+    chosen = {key: value for key, value in asdict(config).items() if value != defaults[key] or key in ("bits", "fmt")}
+    return {**chosen, "block_size": options.block_size}
+
+
+def _measure_formats(runner: _Runner, ids: torch.Tensor) -> tuple[list[CacheScore], tuple[float, ...]]:
+    """Every listed format against the full cache, and the full cache's key outlier ratios per layer."""
+    formats = runner.options.formats
+    result = runner.score(ids, {fmt: runner.options.config(fmt) for fmt in formats}, ", ".join(formats))
+    return [result.scores[fmt] for fmt in formats], tuple(key_outlier_ratios(result.reference))
+
+
+def _scan(runner: _Runner, ids: torch.Tensor) -> SensitivityScan:
+    """Quantize one layer at a time (all others full precision) with the lowest-bit format."""
+    options = runner.options
+    fmt = options.lowest_bit_format
+    every = tuple(range(int(runner.model.config.get_text_config(decoder=True).num_hidden_layers)))
+    configs = {f"layer {layer}": options.config(fmt, tuple(i for i in every if i != layer)) for layer in every}
+    scan_ids = ids[:, : max(options.scan_tokens, 2 * options.block_size + 1)]
+    result = runner.score(scan_ids, configs, f"{fmt} one layer at a time")
+    return SensitivityScan(fmt, int(scan_ids.shape[1]), tuple(result.scores[name] for name in configs))
+
+
+def _protected_run(
+    runner: _Runner, ids: torch.Tensor, scan: SensitivityScan, scores: list[CacheScore]
+) -> tuple[CacheScore, QuantConfig] | None:
+    """When the scanned format fails, keep its most sensitive layers in full precision and measure that."""
+    tolerance = runner.options.tolerance_pct
+    scanned = [s for s in scores if s.name == scan.format]
+    if scanned and scanned[0].ppl_increase_pct <= tolerance:
+        return None
+    protect = layers_to_protect([s.ppl_increase_pct for s in scan.layers], tolerance)
+    if not protect:
+        return None
+    config = runner.options.config(scan.format, protect)
+    name = f"{scan.format} + full-precision layers {', '.join(map(str, protect))}"
+    return runner.score(ids, {name: config}, name).scores[name], config

@@ -1,0 +1,37 @@
+"""Outlier channels of cached keys: why per-token key scales fail and int8 is not free on every model.
+
+For one layer's keys `[batch, kv_heads, tokens, head_dim]` (after RoPE, as cached), each (head, channel)
+has a magnitude ``a[h, d] = max over tokens of |K[.., h, t, d]|``. The layer's outlier ratio is::
+
+    ratio = max over (h, d) of a  /  median over (h, d) of a
+
+A ratio near 1-3 means channels of similar scale. DESIGN.md measured 15x in a Qwen2.5 first layer: a
+per-token scale is then set by the outlier channel and flattens the others to a few levels, which is
+why keys are quantized per channel here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.paged_cache import PagedCache
+
+DEFAULT_OUTLIER_RATIO = 10.0  # a layer at or above this is flagged in reports
+
+
+def outlier_ratio(keys: Tensor) -> float:
+    """Max / median per-channel magnitude of keys `[batch, kv_heads, tokens, head_dim]`."""
+    if keys.dim() != 4 or keys.shape[2] == 0:
+        raise ValueError(f"keys must be [batch, kv_heads, tokens, head_dim] with tokens > 0; got {tuple(keys.shape)}.")
+    magnitude = keys.detach().abs().float().amax(dim=(0, 2)).flatten()  # [kv_heads * head_dim]
+    median = magnitude.median()
+    return float(magnitude.max() / median.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def key_outlier_ratios(cache: PagedCache) -> list[float]:
+    """`outlier_ratio` of every layer's keys held by a (lossless) `PagedCache`."""
+    if cache.pool is None or cache.tables is None or cache.get_seq_length() == 0:
+        raise ValueError("The cache holds no tokens yet; run the model on some text first.")
+    table, length = cache.tables.tensor(), cache.get_seq_length()
+    return [outlier_ratio(cache.pool.gather(layer, table, length)[0]) for layer in range(cache.num_layers)]

@@ -1,0 +1,165 @@
+"""The sealed-block store: encoded K/V blocks indexed by a sealed id, with reference counts.
+
+Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (int8 shown)::
+
+    pieces[layer]["key_codes"]   : uint8 [capacity, block_size, H, D]
+    pieces[layer]["key_scale"]   : fp16  [capacity, 1, H, D]          one scale per channel per block
+    pieces[layer]["key_zero"]    : fp16  [capacity, 1, H, D]
+    pieces[layer]["value_codes"] : uint8 [capacity, block_size, H, D]
+    pieces[layer]["value_scale"] : fp16  [capacity, block_size, H, D // g]
+    pieces[layer]["value_zero"]  : fp16  [capacity, block_size, H, D // g]
+
+    sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
+
+Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`). Metadata
+mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
+`QuantizedBlockPool`, calls it under the pool's lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.storage.sealed_formats import SealedFormat
+
+DEFAULT_SEALED_GROWTH = 64
+
+
+@dataclass(frozen=True)
+class SealedStats:
+    capacity_blocks: int
+    used_blocks: int
+    bytes_per_block: int  # all layers, keys and values, codes + scales + zero points
+    bytes_used: int
+    bytes_reserved: int
+
+
+class SealedBlockStore:
+    """Sealed blocks of every layer, encoded by each layer's `SealedFormat`.
+
+    Args:
+        formats: one format per layer.
+        block_size, num_kv_heads, head_dim: the block geometry (as the pool's).
+        device: where the pieces live.
+        growth_blocks: blocks added per growth step (the store at least doubles).
+    """
+
+    def __init__(
+        self,
+        formats: Sequence[SealedFormat],
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        growth_blocks: int = DEFAULT_SEALED_GROWTH,
+    ) -> None:
+        if not formats:
+            raise ValueError("A sealed store needs one SealedFormat per layer; got an empty list.")
+        if growth_blocks <= 0:
+            raise ValueError(f"growth_blocks must be positive; got {growth_blocks}.")
+        self.formats = tuple(formats)
+        self.block_size = block_size
+        self.device = device
+        self._growth = growth_blocks
+        self._layouts = [f.layout(block_size, num_kv_heads, head_dim) for f in self.formats]
+        self.pieces: list[dict[str, Tensor]] = [
+            {name: torch.empty((0, *shape), dtype=dtype, device=device) for name, (shape, dtype) in layout.items()}
+            for layout in self._layouts
+        ]
+        self._ref: list[int] = []
+        self._free: deque[int] = deque()
+        self.bytes_per_block = sum(
+            int(torch.Size(shape).numel()) * dtype.itemsize
+            for layout in self._layouts
+            for shape, dtype in layout.values()
+        )
+
+    # ------------------------------------------------------------------ metadata
+
+    @property
+    def capacity(self) -> int:
+        return len(self._ref)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def ref_count(self, sealed_id: int) -> int:
+        return self._ref[sealed_id]
+
+    def allocate(self, n: int) -> list[int]:
+        """Hand out `n` sealed ids with reference count 1 (the store grows as needed)."""
+        short = n - len(self._free)
+        if short > 0:
+            self._grow(max(short, self._growth, self.capacity))
+        ids = [self._free.popleft() for _ in range(n)]
+        for sealed_id in ids:
+            self._ref[sealed_id] = 1
+        return ids
+
+    def _grow(self, extra: int) -> None:
+        start = self.capacity
+        for layer, layout in enumerate(self._layouts):
+            for name, (shape, dtype) in layout.items():
+                fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.device)
+                self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
+        self._ref.extend([0] * extra)
+        self._free.extend(range(start, start + extra))
+
+    def check_live(self, sealed_ids: Iterable[int], action: str) -> list[int]:
+        """Validate every id (counting repeats when freeing) before anything changes."""
+        ids = list(sealed_ids)
+        remaining: dict[int, int] = {}
+        for sealed_id in ids:
+            if isinstance(sealed_id, bool) or not 0 <= sealed_id < self.capacity:
+                raise ValueError(
+                    f"Cannot {action} sealed block {sealed_id!r}: sealed ids are ints in [0, {self.capacity})."
+                )
+            remaining[sealed_id] = remaining.get(sealed_id, self._ref[sealed_id]) - (action == "free")
+            if self._ref[sealed_id] <= 0 or remaining[sealed_id] < 0:
+                raise ValueError(
+                    f"Cannot {action} sealed block {sealed_id}: it is free (reference count 0); it was freed "
+                    "twice or never sealed."
+                )
+        return ids
+
+    def incref(self, sealed_ids: Iterable[int]) -> None:
+        for sealed_id in self.check_live(sealed_ids, "share"):
+            self._ref[sealed_id] += 1
+
+    def decref(self, sealed_ids: Iterable[int]) -> None:
+        for sealed_id in self.check_live(sealed_ids, "free"):
+            self._ref[sealed_id] -= 1
+            if self._ref[sealed_id] == 0:
+                self._free.append(sealed_id)
+
+    def free_ids(self) -> tuple[int, ...]:
+        """Free sealed ids in reuse order (oldest freed first); for tests and debugging."""
+        return tuple(self._free)
+
+    # ------------------------------------------------------------------ data
+
+    def write(self, layer: int, sealed_ids: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Encode `keys`, `values` `[n, block_size, H, D]` into sealed ids long `[n]` of one layer."""
+        for name, piece in self.formats[layer].encode(keys, values).items():
+            # Item assignment rather than index_copy_: the latter has no CPU kernel for float8 codes.
+            self.pieces[layer][name][sealed_ids] = piece
+
+    def read(self, layer: int, sealed_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Decoded keys, values `[n, block_size, H, D]` of `dtype` for sealed ids long `[n]`."""
+        pieces = {name: t[sealed_ids] for name, t in self.pieces[layer].items()}
+        return self.formats[layer].decode(pieces, dtype)
+
+    def stats(self) -> SealedStats:
+        return SealedStats(
+            capacity_blocks=self.capacity,
+            used_blocks=self.num_used,
+            bytes_per_block=self.bytes_per_block,
+            bytes_used=self.num_used * self.bytes_per_block,
+            bytes_reserved=self.capacity * self.bytes_per_block,
+        )
