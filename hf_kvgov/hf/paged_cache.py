@@ -91,8 +91,16 @@ class PagedView:
             )
         batch, blocks = self.block_table.shape
         shape = (batch, blocks * self.key_cache.shape[1], *self.key_cache.shape[2:])
-        keys = self.key_cache[self.block_table].view(shape)[:, : self.kv_length].transpose(1, 2)
-        values = self.value_cache[self.block_table].view(shape)[:, : self.kv_length].transpose(1, 2)
+        keys = (
+            self.key_cache.index_select(0, self.block_table.reshape(-1))
+            .view(shape)[:, : self.kv_length]
+            .transpose(1, 2)
+        )
+        values = (
+            self.value_cache.index_select(0, self.block_table.reshape(-1))
+            .view(shape)[:, : self.kv_length]
+            .transpose(1, 2)
+        )
         q_len = query.shape[2]
         if mask is None and q_len != self.kv_length:  # causal, with the queries at the end
             mask = torch.ones(q_len, self.kv_length, dtype=torch.bool, device=query.device).tril(self.kv_length - q_len)

@@ -83,8 +83,8 @@ def _read_chunk(
     batch, n = ids.shape
     _, block_size, kv_heads, head_dim = key_cache.shape
     shape = (batch, n * block_size, kv_heads, head_dim)
-    k = key_cache[ids].view(shape)[:, :length].transpose(1, 2).float()
-    v = value_cache[ids].view(shape)[:, :length].transpose(1, 2).float()
+    k = key_cache.index_select(0, ids.reshape(-1)).view(shape)[:, :length].transpose(1, 2).float()
+    v = value_cache.index_select(0, ids.reshape(-1)).view(shape)[:, :length].transpose(1, 2).float()
     return k, v
 
 
