@@ -43,21 +43,28 @@ def kvgov_attention_forward(
     if kwargs.get("s_aux") is not None:
         raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by kvgov_paged.")
     if view is None:
-        return _sdpa_fallback(module, query, key, value, attention_mask, scale, softcap), None
+        return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap), None
     return view.attend(query, attention_mask, scale, softcap), None
 
 
-def _sdpa_fallback(
-    module: nn.Module,
+def sdpa_over_given_kv(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    implementation: str = ATTENTION_NAME,
 ) -> torch.Tensor:
+    """Plain sdpa on the K/V transformers passed, for caches that are not ours: `[batch, q_len, q_heads, dim]`.
+
+    Shared by every hf_kvgov attention implementation, so switching a model to one never breaks other
+    caches.
+    """
     if softcap is not None:
-        raise ValueError("kvgov_paged without a PagedCache cannot apply logit soft-capping; use eager attention.")
+        raise ValueError(
+            f"{implementation} without its hf_kvgov cache cannot apply logit soft-capping; use eager attention."
+        )
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_kvgov.hf.attention import sdpa_over_given_kv
 from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
 from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView
 
@@ -56,18 +57,7 @@ def _sdpa(
     softcap: float | None,
 ) -> torch.Tensor:
     """Plain attention for caches that are not eviction caches: ``[batch, q_len, q_heads, head_dim]``."""
-    if softcap is not None:
-        raise ValueError(
-            f"{ATTENTION_NAME} without an eviction cache cannot apply logit soft-capping; use eager attention."
-        )
-    group = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(group, dim=1)
-    value = value.repeat_interleave(group, dim=1)
-    is_causal = mask is None and query.shape[2] > 1
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, is_causal=is_causal
-    )
-    return out.transpose(1, 2).contiguous()
+    return sdpa_over_given_kv(query, key, value, mask, scale, softcap, ATTENTION_NAME)
 
 
 def register() -> str:
