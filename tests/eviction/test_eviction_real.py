@@ -94,3 +94,37 @@ def test_greedy_32_tokens_equal_dynamic_cache_when_the_budget_covers_everything(
     worst = max((g - e).abs().max().item() for g, e in zip(got.logits, expected.logits, strict=True))
     assert worst <= 1e-3, f"logits differ by {worst}"
     assert cache.stats().slots == prompt["input_ids"].shape[1] + 31
+
+
+GEMMA_KWARGS = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+
+
+@pytest.fixture(scope="module")
+def gemma3_run(gemma3, austen_text):  # type: ignore[no-untyped-def]
+    """A prompt longer than Gemma-3's 512-token window, and DynamicCache's greedy output for it."""
+    model, tokenizer = gemma3
+    prompt = tokenizer(austen_text[60000:64000], return_tensors="pt")
+    prompt = {k: v[:, :560] for k, v in prompt.items()}
+    return prompt, model.generate(**prompt, cache=DynamicCache(config=model.config), **GEMMA_KWARGS)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda m: HeavyHitterCache(m, budget=2048), lambda m: SinkCache(m, n_sink=4, window=2044)],
+    ids=["h2o", "sink"],
+)
+def test_gemma3_sliding_layers_equal_dynamic_cache_past_the_window(gemma3, gemma3_run, make) -> None:  # type: ignore[no-untyped-def]
+    # 5 of every 6 Gemma-3 layers see only the last 512 tokens; the prompt is longer than that, so the
+    # window must be applied to the kept slots exactly as DynamicCache's sliding layers apply it.
+    model, _ = gemma3
+    prompt, expected = gemma3_run
+    window = model.config.get_text_config().sliding_window
+    assert prompt["input_ids"].shape[1] == 560 > window
+    cache = make(model)
+    with eviction_attention(model):
+        got = model.generate(**prompt, cache=cache, **GEMMA_KWARGS)
+    assert torch.equal(got.sequences, expected.sequences)
+    worst = max((g - e).abs().max().item() for g, e in zip(got.logits, expected.logits, strict=True))
+    assert worst <= 1e-3, f"logits differ by {worst}"
+    window_slots = {layer.slots for layer in cache.layers if layer.window is not None}
+    assert window_slots == {window - 1}

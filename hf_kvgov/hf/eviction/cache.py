@@ -29,11 +29,11 @@ from torch import Tensor
 
 from hf_kvgov.hf.compat import Cache, CacheLayerMixin, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.budget import BudgetSpec, resolve_budget
-from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, new_token_positions
+from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
 from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView, KeyReader
-from hf_kvgov.policies import EvictionPolicy, gather_kept
+from hf_kvgov.policies import EvictionPolicy, gather_kept, select_by_priority
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 
@@ -46,10 +46,13 @@ class EvictionLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, owner: EvictionCache, index: int) -> None:
+    def __init__(self, owner: EvictionCache, index: int, window: int | None = None) -> None:
         super().__init__()
         self.owner = owner
         self.index = index
+        # A sliding-window layer: a query at position q reads keys at positions > q - window only.
+        self.window = window
+        self.is_sliding = window is not None
         self.positions: Tensor | None = None
         self.valid: Tensor | None = None
         self.scores: Tensor | None = None
@@ -117,7 +120,10 @@ class EvictionCache(Cache):
     Use a subclass (`HeavyHitterCache`, `SinkCache`) under ``with hf_kvgov.eviction_attention(model):``.
 
     Args:
-        model: the transformers model the cache serves (attention-only decoder, no sliding-window layers).
+        model: the transformers model the cache serves (an attention-only decoder). Sliding-window layers
+            keep at most ``min(budget, window - 1)`` slots, all inside their window: the policy chooses among
+            the tokens the next query can still see, so with a budget of at least the window such a layer
+            holds exactly what `DynamicCache` holds.
         budget: slots per (sequence, KV head), or a float fraction of the first chunk seen (the prompt).
         policy_for: budget -> the policy that chooses kept slots.
         min_budget: the smallest budget the policy accepts; a fractional budget is raised to it.
@@ -147,7 +153,8 @@ class EvictionCache(Cache):
         self.budget: int | None = budget if isinstance(budget, int) else None
         self.policy: EvictionPolicy | None = policy_for(budget) if isinstance(budget, int) else None
         self._awaiting_attention: int | None = None  # the layer whose staged step attention has not read
-        super().__init__(layers=[EvictionLayer(self, i) for i in range(int(config.num_hidden_layers))])
+        windows = layer_windows(config)
+        super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
 
     # ------------------------------------------------------------------ one step
 
@@ -172,9 +179,11 @@ class EvictionCache(Cache):
             kept_valid=kept_valid,
             scores=layer.scores,
             want_scores=self.policy.needs_scores,
-            read_keys=self._read_keys,
+            # Keys moved for attention sinks serve full-context layers; a window layer never reaches the sinks.
+            read_keys=self._read_keys if layer.window is None else None,
             commit=functools.partial(self._commit, layer, q_len),
             chunk=self.query_chunk,
+            window=layer.window,
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
@@ -192,8 +201,13 @@ class EvictionCache(Cache):
     ) -> None:
         """Store the attended slots, then keep the policy's choice once they exceed the budget."""
         assert self.policy is not None and self.budget is not None
-        if keys.shape[2] > self.budget:
-            keep = self.policy.select(scores, positions, valid, self.budget)
+        budget, select = self.budget, self.policy.select
+        if layer.window is not None:
+            valid = _visible_to_next_queries(positions, valid, q_len, layer.window)
+            if budget >= layer.window - 1:  # all the next query can read fits: nothing to choose
+                budget, select = layer.window - 1, _newest
+        if keys.shape[2] > budget:
+            keep = select(scores, positions, valid, budget)
             keys, values = gather_kept(keys, keep), gather_kept(values, keep)
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
             scores = None if scores is None else gather_kept(scores, keep)
@@ -277,3 +291,18 @@ def _with_new_slots(
     keys = torch.cat((layer.keys, key_states), dim=2)
     values = torch.cat((layer.values, value_states), dim=2)
     return keys, values, torch.cat((layer.positions, positions), dim=2), layer.valid
+
+
+def _newest(scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+    """The ``budget`` newest valid slots ``[batch, kv_heads, budget]``, with a policy's ``select`` signature."""
+    return select_by_priority(positions.to(torch.float64), positions, valid, budget)
+
+
+def _visible_to_next_queries(positions: Tensor, valid: Tensor, q_len: int, window: int) -> Tensor:
+    """``valid`` ``[batch, kv_heads, slots]`` minus the slots that no later query of a window layer can read.
+
+    The next query sits one past this step's newest position ``p``; it reads keys at positions
+    ``> p + 1 - window``, and later queries read even fewer of the old ones.
+    """
+    newest = positions[..., -q_len:].amax(dim=-1, keepdim=True)
+    return valid & (positions > newest + 1 - window)

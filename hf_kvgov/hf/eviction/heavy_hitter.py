@@ -27,7 +27,7 @@ class HeavyHitterCache(EvictionCache):
             model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
     Args:
-        model: the model to serve (attention-only decoder without sliding-window layers).
+        model: the model to serve (an attention-only decoder; sliding-window layers keep only their window).
         budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (the first chunk
             the cache sees), resolved then and raised to the int parts below if smaller.
         recent: most recent tokens always kept: an int, or a float fraction of the budget (default: half,

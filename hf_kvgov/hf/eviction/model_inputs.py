@@ -12,20 +12,18 @@ from hf_kvgov.hf.compat import decoder_config, layer_kinds
 
 
 def checked_decoder_config(model: Any, owner: str) -> Any:
-    """The decoder config of ``model``, refusing models an eviction cache cannot serve."""
+    """The decoder config of ``model``, refusing what an eviction cache cannot serve."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"{owner} needs the transformers model it will serve (its config and rotary embedding); "
             f"got {type(model).__name__}."
         )
-    config = decoder_config(model)
-    windows = sorted({kind.sliding_window for kind in layer_kinds(config) if kind.sliding_window is not None})
-    if windows:
-        raise ValueError(
-            f"{owner} supports models whose layers all attend to the full context; this model has "
-            f"sliding-window layers (window {windows[0]}), which need their own window on top of the budget."
-        )
-    return config
+    return decoder_config(model)
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Per decoder layer: its sliding window in tokens, or None for a layer that sees the whole context."""
+    return [kind.sliding_window for kind in layer_kinds(config)]
 
 
 def new_token_positions(position_ids: Any, batch: int, q_len: int, seen: int, device: torch.device) -> Tensor:

@@ -46,8 +46,8 @@ class SinkCache(EvictionCache):
             model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
 
     Args:
-        model: the model to serve: a RoPE (``rotate_half``) attention-only decoder without sliding-window
-            layers.
+        model: the model to serve: a RoPE (``rotate_half``) attention-only decoder. Sliding-window layers
+            (Gemma-3) keep only their window, read without moving any key.
         n_sink: sink tokens kept at the start (StreamingLLM uses 4). Left padding is never a sink.
         window: most recent tokens always kept.
         budget: slots per (sequence, KV head); defaults to ``n_sink + window``. A larger int widens the window;
@@ -114,13 +114,15 @@ def rotary_inv_freq(model: Any) -> Tensor:
     """The model's RoPE ``inv_freq`` ``[rotary_dim / 2]``; refuses models a sink cache cannot re-rotate."""
     config = decoder_config(model)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]  # per-layer-type RoPE (Gemma-3): the sinks live in full-attention layers
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type in _LENGTH_DEPENDENT_ROPE:
         raise ValueError(
             f"{_NAME} re-rotates cached keys, which needs RoPE frequencies that do not depend on the length; "
             f"this model uses rope_type={rope_type!r}. Supported: default, linear, llama3, yarn and other static types."
         )
-    found = [module.inv_freq for module in model.modules() if isinstance(getattr(module, "inv_freq", None), Tensor)]
+    found = [freq for module in model.modules() if (freq := _full_attention_inv_freq(module)) is not None]
     if not found:
         raise ValueError(
             f"{_NAME} re-rotates sink keys with the model's rotary embedding, but {type(model).__name__} has none "
@@ -129,6 +131,19 @@ def rotary_inv_freq(model: Any) -> Tensor:
     if any(freq.shape != found[0].shape or not torch.equal(freq, found[0]) for freq in found[1:]):
         raise ValueError(
             f"{_NAME} found several different rotary embeddings in {type(model).__name__}; it supports models "
-            "whose layers share one RoPE."
+            "whose full-attention layers share one RoPE."
         )
     return found[0].detach().clone()
+
+
+def _full_attention_inv_freq(module: Any) -> Tensor | None:
+    """The RoPE frequencies a module applies on full-attention layers, if it is a rotary embedding.
+
+    Most models hold ``inv_freq``; models with per-layer-type RoPE (Gemma-3) hold one buffer per type, and
+    only full-attention layers keep sinks (a sliding-window layer never reads them).
+    """
+    for name in ("inv_freq", "full_attention_inv_freq"):
+        freq = getattr(module, name, None)
+        if isinstance(freq, Tensor):
+            return freq
+    return None

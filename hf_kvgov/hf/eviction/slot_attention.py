@@ -35,6 +35,7 @@ def attend_slots(
     scores: Tensor | None = None,
     want_scores: bool = False,
     chunk: int = DEFAULT_QUERY_CHUNK,
+    window: tuple[int, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Attention of this step's queries over kept + new slots, and optionally the updated attention mass.
 
@@ -51,6 +52,9 @@ def attend_slots(
         scores: running mass ``[batch, kv_heads, kept]`` of the kept slots, or None (zero).
         want_scores: whether to return the updated mass.
         chunk: queries per chunk.
+        window: for a sliding-window layer, ``(w, positions)`` with positions long ``[batch, kv_heads, kept +
+            q_len]``: query at position ``q`` also needs kept slot position ``> q - w`` (transformers' sliding
+            mask, which already limits the new slots ``new_mask``).
 
     Returns:
         ``([batch, q_len, q_heads, head_dim]`` in the query's dtype, float ``[batch, kv_heads, kept + q_len]``
@@ -68,7 +72,7 @@ def attend_slots(
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
-        allowed = _allowed(kept_valid, rows, start)  # [b, hk, 1, c, slots]
+        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
         logits = (grouped[:, :, :, start:end] @ keys_t) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
@@ -98,14 +102,27 @@ def _mask_rows(new_mask: Tensor | None, start: int, end: int, q_len: int, batch:
     return rows.expand(batch, end - start, q_len)
 
 
+def _in_window(kept_valid: Tensor, window: tuple[int, Tensor] | None, start: int, end: int) -> Tensor:
+    """Bool ``[batch, kv_heads, kept]`` (any layer) or ``[batch, kv_heads, chunk, kept]`` (window layer):
+    the kept slots that queries ``start..end-1`` may read."""
+    if window is None:
+        return kept_valid
+    size, positions = window
+    kept = kept_valid.shape[-1]
+    queries = positions[:, :, kept + start : kept + end, None]  # [b, hk, c, 1]
+    return kept_valid[:, :, None, :] & (positions[:, :, None, :kept] > queries - size)
+
+
 def _allowed(kept_valid: Tensor, rows: Tensor, start: int) -> Tensor:
     """Bool ``[batch, kv_heads, 1, chunk, slots]``: which slots each query of the chunk may read.
 
-    ``rows`` is the chunk's new-slot mask ``[batch, chunk, q_len]``; the chunk starts at query ``start``.
+    ``rows`` is the chunk's new-slot mask ``[batch, chunk, q_len]``; the chunk starts at query ``start``;
+    ``kept_valid`` is ``[batch, kv_heads, kept]``, or ``[batch, kv_heads, chunk, kept]`` per query.
     """
-    batch, kv_heads, kept = kept_valid.shape
+    batch, kv_heads, kept = kept_valid.shape[0], kept_valid.shape[1], kept_valid.shape[-1]
     chunk = rows.shape[1]
     own = rows.diagonal(offset=start, dim1=-2, dim2=-1)  # [b, c]: is each query itself a real token
-    old = kept_valid[:, :, None, None, :] & own[:, None, None, :, None]
+    per_query = kept_valid if kept_valid.dim() == 4 else kept_valid[:, :, None, :]
+    old = per_query[:, :, None] & own[:, None, None, :, None]
     new = rows[:, None, None].expand(batch, kv_heads, 1, chunk, rows.shape[-1])
     return torch.cat((old.expand(batch, kv_heads, 1, chunk, kept), new), dim=-1)

@@ -32,7 +32,8 @@ class EvictionView:
     ``keys``/``values`` ``[batch, kv_heads, kept + q_len, head_dim]`` (as stored: rotated at each token's
     own position); ``positions`` long ``[batch, kv_heads, kept + q_len]`` (RoPE positions); ``kept_valid``
     bool ``[batch, kv_heads, kept]``; ``scores`` the kept slots' mass or None; ``read_keys`` an optional
-    hook giving the keys attention reads, once the new tokens' validity is known.
+    hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the layer's
+    sliding window (None: the layer reads every kept slot).
     """
 
     keys: Tensor
@@ -44,6 +45,7 @@ class EvictionView:
     read_keys: KeyReader | None
     commit: Commit
     chunk: int = DEFAULT_QUERY_CHUNK
+    window: int | None = None  # a sliding-window layer's window: kept slots older than it are not read
     consumed: bool = False
 
     def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -72,6 +74,7 @@ class EvictionView:
             scores=self.scores,
             want_scores=self.want_scores,
             chunk=self.chunk,
+            window=None if self.window is None else (self.window, self.positions),
         )
         self.commit(self.keys, self.values, self.positions, valid, scores)
         return out
