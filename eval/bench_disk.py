@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from hf_kvgov.bench.timing import interleaved, machine_description
 from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
@@ -102,10 +102,7 @@ def run(caches: list[str], context: int, steps: int, rounds: int, hot: int) -> l
     model, _ = load_model("smollm2")
     with quiet_generate_warnings(), torch.inference_mode():
         reference, token = prefill(model, context)
-        samples: dict[str, list[dict]] = {name: [] for name in caches}
-        for _ in range(rounds):  # interleaved, so drifts in machine load hit every cache alike
-            for name in caches:
-                samples[name].append(measure(model, name, reference, token, steps, hot))
+        samples = interleaved(caches, rounds, lambda name: measure(model, name, reference, token, steps, hot))
     rows = []
     for name in caches:
         row = dict(samples[name][-1])
@@ -154,7 +151,7 @@ def main() -> None:
     if caches[0] != "paged":
         parser.error("the first cache must be 'paged': ratios are relative to it")
     report: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": machine_description(),
         "context": args.context,
         "hot_tokens": args.hot_tokens,
         "steps": args.steps,

@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hf_kvgov.bench.timing import interleaved, machine_description
 from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.models import load_model
 from hf_kvgov.registry import get_cache_spec
@@ -92,10 +93,7 @@ def speed_report(caches: list[str], batches: list[int], contexts: list[int], ste
     configs = [(b, c) for b in batches for c in contexts]
     for batch, context in tqdm(configs, desc="decode configs"):
         ids = torch.randint(100, 20000, (batch, context), generator=generator)
-        samples: dict[str, list[float]] = {name: [] for name in caches}
-        for _ in range(rounds):  # interleaved, so drifts in machine load hit every cache alike
-            for name in caches:
-                samples[name].append(decode_tokens_per_s(model, name, ids, steps))
+        samples = interleaved(caches, rounds, functools.partial(decode_tokens_per_s, model, ids=ids, steps=steps))
         base = statistics.median(samples["dynamic"])
         for name in caches:
             speed = statistics.median(samples[name])
@@ -150,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     report: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": machine_description(),
         "utilization": utilization_report(long_tailed_lengths(), 4096),
     }
     if not args.skip_speed:

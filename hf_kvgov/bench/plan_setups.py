@@ -1,0 +1,139 @@
+"""The planner's model of a built cache: which `CacheSetup` stores a sequence the way that cache does.
+
+`kvgov bench capacity` sets what really fits beside what `kvgov plan` predicts; this module makes the
+prediction for the cache under test. The setup is read from the cache object itself (block size, codec,
+hot window, budget), not from the registry name, so a cache registered with other options is planned
+with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
+of type tests; a class with no entry gets no prediction (None).
+
+What the planner does not model, and so shows up as a gap between prediction and measurement:
+eviction caches' position and validity metadata, a disk cache's first block and read-ahead buffers,
+quantized caches' `residual` window and full-precision layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov.hf.disk_cache import DiskOffloadCache
+from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
+from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.planner.config_loading import geometry_from_config
+from hf_kvgov.planner.geometry import ModelGeometry
+from hf_kvgov.planner.lengths import LengthDistribution
+from hf_kvgov.planner.memory import MemoryBudget
+from hf_kvgov.planner.planner import PlanInputs, StepResult, evaluate
+from hf_kvgov.planner.setup import CacheSetup
+from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
+
+# QuantConfig codec names -> the planner's codec names (both fp8 variants store one byte plus scales).
+_PLANNER_CODECS = {"int8": "int8", "int4": "int4", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+# Quantization scales are fp16 in hf_kvgov's codecs.
+_SCALE_BYTES = 2
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str | None:
+    """The planner's name of a K/V dtype ('fp32', 'fp16', 'bf16'), or None for one it does not know."""
+    try:
+        return normalize_dtype(str(dtype), KV_DTYPE_BYTES, "KV cache dtype")
+    except ValueError:
+        return None
+
+
+def planner_geometry(model: Any, name: str = "") -> ModelGeometry | None:
+    """The planner's geometry of a loaded transformers model (layers, KV heads, head dim, windows), or None
+    when its config lacks what the planner reads (then the benchmark reports no prediction)."""
+    try:
+        return geometry_from_config(model.config.to_dict(), name or type(model).__name__)
+    except ValueError:
+        return None
+
+
+@functools.singledispatch
+def planner_setup(cache: Any, kv_dtype: str) -> CacheSetup | None:
+    """The `CacheSetup` that holds a sequence as `cache` does, or None when the planner has no model of it."""
+    return None
+
+
+@planner_setup.register
+def _dynamic(cache: DynamicCache, kv_dtype: str) -> CacheSetup | None:
+    # Exactly the tokens stored, no rounding: paged blocks of one token.
+    return CacheSetup(paged=True, block_size=1, kv_dtype=kv_dtype)
+
+
+@planner_setup.register
+def _paged(cache: PagedCache, kv_dtype: str) -> CacheSetup | None:
+    if cache.pool is None:
+        return None
+    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype)
+
+
+@planner_setup.register
+def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
+    codec = _PLANNER_CODECS.get(cache.quant.codec_name)
+    if cache.pool is None or codec is None:
+        return None
+    return CacheSetup(
+        paged=True,
+        block_size=cache.pool.block_size,
+        kv_dtype=kv_dtype,
+        codec=codec,
+        scale_bytes=_SCALE_BYTES,
+        group_size=cache.quant.group_size,
+        sink_blocks=cache.quant.sink_blocks,
+    )
+
+
+@planner_setup.register
+def _disk(cache: DiskOffloadCache, kv_dtype: str) -> CacheSetup | None:
+    if cache.pool is None:
+        return None
+    return CacheSetup(
+        paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, spill_hot_tokens=cache.disk.hot_tokens
+    )
+
+
+def _fractional_budget(cache: Any) -> float | None:
+    # The planner models a budget as a fraction of each sequence's tokens; an int budget has no such form.
+    # The spec is private to the eviction cache (it is resolved into `budget` on the first chunk).
+    spec = getattr(cache, "_budget_spec", None)
+    return spec if isinstance(spec, float) else None
+
+
+@planner_setup.register
+def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
+    fraction = _fractional_budget(cache)
+    if fraction is None:
+        return None
+    # Slots are not paged (block size 1); each kept slot carries an fp32 attention mass.
+    return CacheSetup(
+        paged=True,
+        block_size=1,
+        kv_dtype=kv_dtype,
+        h2o_budget=fraction,
+        h2o_recent=cache._min_budget,
+        h2o_score_bytes=4,
+    )
+
+
+@planner_setup.register
+def _sink(cache: SinkCache, kv_dtype: str) -> CacheSetup | None:
+    fraction = _fractional_budget(cache)
+    if fraction is None:
+        return None
+    # A sink + window cache is a fixed-fraction budget that never drops below n_sink + window, with no scores.
+    recent = cache.n_sink + cache.window
+    return CacheSetup(
+        paged=True, block_size=1, kv_dtype=kv_dtype, h2o_budget=fraction, h2o_recent=recent, h2o_score_bytes=0
+    )
+
+
+def predict(geometry: ModelGeometry, setup: CacheSetup, lengths: LengthDistribution, budget_bytes: int) -> StepResult:
+    """What `kvgov plan` computes for `setup` when the whole of `budget_bytes` is for the KV cache."""
+    budget = MemoryBudget(budget_bytes, weight_bytes=0, reserve_fraction=0.0, description="KV budget only")
+    return evaluate(PlanInputs(geometry, budget, lengths), setup)
