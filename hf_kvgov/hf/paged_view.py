@@ -49,10 +49,11 @@ class PagedView:
     def _prefill(
         self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
     ) -> torch.Tensor:
-        """Prefill (many queries): gather the blocks once and run sdpa, which is exact and far faster on
-        every device than the block-chunked reference at O(queries x chunk) scores; decode steps, where
-        the gather would dominate, read the blocks in place."""
-        if softcap is not None:
+        """Prefill (many queries): a fast backend that serves it (flash-attn) reads the blocks in place;
+        otherwise gather the blocks once and run sdpa, which is exact and far faster on every device than
+        the block-chunked reference at O(queries x chunk) scores; decode steps, where the gather would
+        dominate, read the blocks in place."""
+        if softcap is not None or dispatch.choose_backend(query, self.key_cache, mask) != "torch":
             return dispatch.paged_attention(
                 query,
                 self.key_cache,

@@ -36,7 +36,9 @@ import torch
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer, PagedView
 from hf_kvgov.hf.quant_config import QuantConfig
-from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized, quantized_paged_attention_reference
+from hf_kvgov.kernels import dispatch
+from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
@@ -46,6 +48,7 @@ class QuantizedView(PagedView):
     """The paged attention's view of one layer whose table holds sealed (negative) entries."""
 
     read_sealed: SealedReader | None = None
+    sealed: SealedBlocks | None = None  # the same blocks as stored, for kernels that read codes in place
     after_attend: Callable[[], None] | None = None  # the last layer seals the blocks this step filled
 
     def attend(
@@ -54,7 +57,7 @@ class QuantizedView(PagedView):
         """Attention of `query` `[batch, q_heads, q_len, head_dim]`; returns `[batch, q_len, q_heads, head_dim]`."""
         assert self.read_sealed is not None, "a QuantizedView is built with its sealed-block reader"
         self.consumed = True
-        out = quantized_paged_attention_reference(
+        out = dispatch.quantized_paged_attention(
             query,
             self.key_cache,
             self.value_cache,
@@ -62,6 +65,7 @@ class QuantizedView(PagedView):
             self.kv_length,
             scale,
             self.read_sealed,
+            self.sealed,
             mask=mask,
             softcap=softcap,
         )
@@ -145,6 +149,10 @@ class QuantizedCache(PagedCache):
     def _reader(self, layer: int) -> SealedReader:
         return functools.partial(self._quantized_pool.read_sealed, layer)
 
+    def _sealed_blocks(self, layer: int) -> SealedBlocks:
+        store = self._quantized_pool.sealed
+        return SealedBlocks(store.formats[layer].name, store.pieces[layer])
+
     # ------------------------------------------------------------------ the hot path
 
     def _update_layer(
@@ -194,6 +202,7 @@ class QuantizedCache(PagedCache):
             plain.block_table,
             plain.kv_length,
             read_sealed=self._reader(layer.index),
+            sealed=self._sealed_blocks(layer.index),
             after_attend=self._seal_ready_blocks if last else None,
         )
         attn_kwargs[PAGED_VIEW_KEY] = view

@@ -1,101 +1,228 @@
-"""One dispatch point for attention over block tables.
+"""One dispatch point for attention over block tables, chosen per call.
 
-Backends, by name:
-- "torch": the reference (`kernels.reference`), the specification; serves every call.
-- "triton": the paged decode kernel (`kernels.triton_paged`), registered when triton is installed. Its
-  module is imported on first use, so importing hf_kvgov does not pay for triton, and a
-  `TRITON_INTERPRET=1` set before that first use still takes effect.
+Two paths, each a registry from backend name to a `Backend` record:
+- "paged" (`paged_attention`): full-precision blocks, `PagedView.attend`.
+  "torch" the reference (`kernels.reference`), the specification, serves every call;
+  "triton" the paged decode kernel (`kernels.triton_paged`), when triton is installed;
+  "flash_attn" flash-attn 2's `flash_attn_with_kvcache(block_table=...)` (`kernels.flash_paged`), when
+  flash-attn is installed: CUDA, fp16/bf16, blocks a multiple of 256 tokens, no explicit mask.
+- "quantized" (`quantized_paged_attention`): tables mixing full-precision and sealed blocks,
+  `QuantizedView.attend`. "torch" the reference (`kernels.quantized_reference`); "triton" the kernel that
+  dequantizes sealed blocks in registers (`kernels.triton_quantized`), decode only: prefill keeps the
+  reference.
+Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
+flash-attn, and a `TRITON_INTERPRET=1` set before that first use still takes effect.
 
-Automatic choice: "triton" for CUDA tensors when `triton_paged.supports(...)` accepts the call (decode,
-q_len == 1, power-of-two head_dim, ...), else "torch". On the CPU the torch reference stays the default
-even where the Triton interpreter could run the kernel: the interpreter is exact but slow.
+Automatic choice: among the backends whose `auto_devices` list the query's device type, the highest
+`priority` that accepts the call (`refuses` returns None); else "torch". On CUDA that is flash-attn, then
+Triton, then torch. On the CPU the torch reference stays the default even where the Triton interpreter
+could run a kernel: the interpreter is exact but slow.
 
-`set_backend(name)` forces a backend; calls it cannot serve (prefill on "triton", CPU tensors without the
-interpreter) still run on "torch". `last_backend()` names the backend that actually ran.
+Override: `set_backend(name)`, or `KVGOV_ATTENTION_BACKEND=torch|triton|flash_attn` read once when this
+module is imported (unset, empty or "auto" means automatic), forces one backend on every path that has
+it; calls it cannot serve (prefill on "triton", CPU tensors without the interpreter, a block size
+flash-attn refuses) still run on "torch". `set_backend(None)` returns to the automatic choice.
 
-Environment: `KVGOV_ATTENTION_BACKEND=torch|triton`, read once when this module is imported, forces a
-backend as `set_backend` does; unset, empty or "auto" means automatic. `set_backend(None)` returns to
-the automatic choice.
+Visibility: `last_backend()` names the backend that served the latest call, `backend_counts()` counts
+calls per "path/backend", and the logger `hf_kvgov.kernels.dispatch` says at DEBUG level, whenever the
+backend serving a path changes, which one now serves it and why a preferred one refused.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
-from collections.abc import Callable
-from typing import Any
+from collections import Counter
 
 import torch
 
-from hf_kvgov.kernels.reference import paged_attention_reference
+from hf_kvgov.kernels import flash_paged
+from hf_kvgov.kernels.backends import (
+    FLASH_ATTN,
+    TORCH,
+    TORCH_QUANTIZED,
+    TRITON,
+    TRITON_QUANTIZED,
+    Backend,
+    Probe,
+)
+from hf_kvgov.kernels.quantized_reference import SealedReader
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 
-PagedAttentionFn = Callable[..., torch.Tensor]
-SupportsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], bool]
+logger = logging.getLogger(__name__)
+
 ENV_VAR = "KVGOV_ATTENTION_BACKEND"
+PAGED, QUANTIZED = "paged", "quantized"
 
 
-def _triton_attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-    from hf_kvgov.kernels.triton_paged import paged_attention_triton
-
-    return paged_attention_triton(*args, **kwargs)
-
-
-def _triton_supports(query: torch.Tensor, key_cache: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    from hf_kvgov.kernels.triton_paged import supports
-
-    return supports(query, key_cache, mask)
-
-
-BACKENDS: dict[str, PagedAttentionFn] = {"torch": paged_attention_reference}
-# Which calls a fast backend can serve; a backend missing here serves every call.
-SUPPORTS: dict[str, SupportsFn] = {}
+_REGISTRY: dict[str, dict[str, Backend]] = {PAGED: {"torch": TORCH}, QUANTIZED: {"torch": TORCH_QUANTIZED}}
 if importlib.util.find_spec("triton") is not None:
-    BACKENDS["triton"] = _triton_attention
-    SUPPORTS["triton"] = _triton_supports
+    _REGISTRY[PAGED]["triton"] = TRITON
+    _REGISTRY[QUANTIZED]["triton"] = TRITON_QUANTIZED
+if flash_paged.is_installed():
+    _REGISTRY[PAGED]["flash_attn"] = FLASH_ATTN
+
+
+def register_backend(path: str, backend: Backend) -> None:
+    """Add (or replace) `backend` on `path` ("paged" or "quantized"); "torch" cannot be replaced."""
+    registry = _registry(path)
+    if backend.name == "torch":
+        raise ValueError("The 'torch' backend is the reference every fallback relies on; it cannot be replaced.")
+    registry[backend.name] = backend
+
+
+def unregister_backend(path: str, name: str) -> None:
+    """Remove backend `name` from `path` (a no-op when it is not there); "torch" stays."""
+    if name == "torch":
+        raise ValueError("The 'torch' backend is the reference every fallback relies on; it cannot be removed.")
+    _registry(path).pop(name, None)
+
+
+def available_backends(path: str = PAGED) -> tuple[str, ...]:
+    """The backend names registered on `path`, sorted."""
+    return tuple(sorted(_registry(path)))
+
+
+def _registry(path: str) -> dict[str, Backend]:
+    registry = _REGISTRY.get(path)
+    if registry is None:
+        raise ValueError(f"Unknown attention path {path!r}; the paths are {sorted(_REGISTRY)}.")
+    return registry
+
+
+def _all_names() -> list[str]:
+    return sorted({name for registry in _REGISTRY.values() for name in registry})
+
+
+# ---------------------------------------------------------------- forcing a backend
 
 
 def _backend_from_environment() -> str | None:
     value = os.environ.get(ENV_VAR, "").strip().lower()
     if value in ("", "auto"):
         return None
-    if value not in BACKENDS:
+    if value not in _all_names():
         raise ValueError(
             f"{ENV_VAR}={value!r} is not an available paged attention backend; "
-            f"accepted: {sorted(BACKENDS)}, 'auto' or unset."
+            f"accepted: {_all_names()}, 'auto' or unset."
         )
     return value
 
 
 _forced: str | None = _backend_from_environment()
 _last: str | None = None
+_serving: dict[str, str] = {}  # path -> the backend that served its latest call (for the change log)
+_counts: Counter[str] = Counter()
 
 
 def set_backend(name: str | None) -> None:
-    """Force one backend by name (None restores automatic choice)."""
+    """Force one backend by name on every path that has it (None restores the automatic choice)."""
     global _forced
-    if name is not None and name not in BACKENDS:
-        raise ValueError(f"Unknown paged attention backend {name!r}; available: {sorted(BACKENDS)}.")
+    if name is not None and name not in _all_names():
+        raise ValueError(f"Unknown paged attention backend {name!r}; available: {_all_names()}.")
     _forced = name
 
 
+def forced_backend() -> str | None:
+    """The backend forced by `set_backend` or the environment, None when the choice is automatic."""
+    return _forced
+
+
+# ---------------------------------------------------------------- choosing
+
+
+def choose_backend(
+    query: torch.Tensor,
+    key_cache: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    path: str = PAGED,
+    sealed: SealedBlocks | None = None,
+) -> str:
+    """The backend that will serve a call with these inputs (without `key_cache`, only "torch" is sure)."""
+    return _choose(_registry(path), query, key_cache, mask, sealed)[0]
+
+
+def refusals(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    path: str = PAGED,
+    sealed: SealedBlocks | None = None,
+) -> dict[str, str | None]:
+    """Every backend of `path` -> why it would refuse this call (None: it would serve it). For debugging."""
+    probe = Probe(query, key_cache, mask, sealed)
+    return {name: (b.refuses(probe) if b.refuses else None) for name, b in sorted(_registry(path).items())}
+
+
+def _choose(
+    registry: dict[str, Backend],
+    query: torch.Tensor,
+    key_cache: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    sealed: SealedBlocks | None,
+) -> tuple[str, str]:
+    """(backend name, why) for one call."""
+    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed)
+    if _forced is not None:
+        return _forced_choice(registry, probe)
+    why = "automatic choice"
+    candidates = [b for b in registry.values() if query.device.type in b.auto_devices]
+    for backend in sorted(candidates, key=lambda b: -b.priority):
+        reason = _refusal(backend, probe)
+        if reason is None:
+            return backend.name, why
+        why = f"{why}; {backend.name} refused: {reason}"
+    return "torch", why
+
+
+def _forced_choice(registry: dict[str, Backend], probe: Probe | None) -> tuple[str, str]:
+    assert _forced is not None
+    backend = registry.get(_forced)
+    if backend is None:
+        return "torch", f"forced {_forced!r} has no implementation on this path"
+    reason = _refusal(backend, probe)
+    if reason is None:
+        return backend.name, f"forced {_forced!r}"
+    return "torch", f"forced {_forced!r} refused: {reason}"
+
+
+def _refusal(backend: Backend, probe: Probe | None) -> str | None:
+    if backend.refuses is None:
+        return None
+    if probe is None:
+        return "the call's key_cache was not given"
+    return backend.refuses(probe)
+
+
+def _record(path: str, name: str, why: str) -> None:
+    global _last
+    _last = name
+    _counts[f"{path}/{name}"] += 1
+    if _serving.get(path) != name:
+        _serving[path] = name
+        logger.debug("%s attention is now served by %r (%s).", path, name, why)
+
+
 def last_backend() -> str | None:
-    """The backend that served the latest call (for stats and debugging)."""
+    """The backend that served the latest call, on either path (for stats and debugging)."""
     return _last
 
 
-def choose_backend(query: torch.Tensor, key_cache: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> str:
-    """The backend that will serve a call with these inputs (without `key_cache`, only "torch" is sure)."""
-    wanted = _forced if _forced is not None else _automatic(query)
-    supports = SUPPORTS.get(wanted)
-    if supports is None:
-        return wanted
-    if key_cache is None or not supports(query, key_cache, mask):
-        return "torch"
-    return wanted
+def backend_counts() -> dict[str, int]:
+    """Calls served since the last reset, keyed "path/backend" (e.g. "quantized/triton")."""
+    return dict(_counts)
 
 
-def _automatic(query: torch.Tensor) -> str:
-    return "triton" if query.is_cuda and "triton" in BACKENDS else "torch"
+def reset_backend_counts() -> None:
+    """Forget the counts, and which backend served each path (the next call of each path logs again)."""
+    _counts.clear()
+    _serving.clear()
+
+
+# ---------------------------------------------------------------- the calls
 
 
 def paged_attention(
@@ -109,7 +236,30 @@ def paged_attention(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """See `paged_attention_reference` for shapes; returns `[batch, q_len, q_heads, head_dim]`."""
-    global _last
-    name = choose_backend(query, key_cache, mask)
-    _last = name
-    return BACKENDS[name](query, key_cache, value_cache, block_table, kv_length, scale, mask=mask, softcap=softcap)
+    registry = _registry(PAGED)
+    name, why = _choose(registry, query, key_cache, mask, None)
+    _record(PAGED, name, why)
+    attend = registry[name].attend
+    return attend(query, key_cache, value_cache, block_table, kv_length, scale, mask=mask, softcap=softcap)
+
+
+def quantized_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_length: int,
+    scale: float,
+    read_sealed: SealedReader,
+    sealed: SealedBlocks | None = None,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """See `quantized_paged_attention_reference` for shapes; `sealed` (the layer's sealed pieces) lets a
+    kernel read codes in place, `read_sealed` decodes them for the reference. Returns `[batch, q_len,
+    q_heads, head_dim]`."""
+    registry = _registry(QUANTIZED)
+    name, why = _choose(registry, query, key_cache, mask, sealed)
+    _record(QUANTIZED, name, why)
+    args = (query, key_cache, value_cache, block_table, kv_length, scale)
+    return registry[name].attend(*args, read_sealed=read_sealed, sealed=sealed, mask=mask, softcap=softcap)

@@ -19,8 +19,10 @@ Reductions go through `tl.reduce` with triton's own max/sum combine functions in
 happened before `TRITON_INTERPRET=1` was set (transformers imports triton through torch._dynamo), the
 interpreter cannot call them. It recognises the combine functions themselves and reduces with numpy.
 
-K/V tiles are loaded through `_load_kv_tile`, keyed by the constexpr `KV_FORMAT`; a quantized cache adds
-a format there (load codes and scales, dequantize to fp32) without touching the attention math.
+K/V tiles of this kernel are loaded through `_load_kv_tile` (`KV_FORMAT_NATIVE`: K/V in the query's
+dtype). The attention math of one tile (`_tile_tokens`, `_logits`, `_online_softmax_update`,
+`_store_partial`) is shared with the kernel over sealed (quantized) blocks in `triton_quantized_kernel.py`,
+which only loads and dequantizes its tiles differently.
 """
 
 from __future__ import annotations
@@ -71,9 +73,92 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr):
 @triton.jit
 def _load_kv_tile(base_ptr, slot_offsets, dims, valid, stride_d, KV_FORMAT: tl.constexpr):
     """`[BLOCK_N, HEAD_DIM]` keys or values of one KV head; invalid tokens read as 0 (never from memory)."""
-    tl.static_assert(KV_FORMAT == 0, "only the native K/V format is implemented")
+    tl.static_assert(KV_FORMAT == 0, "K/V in the query's dtype only; sealed blocks: triton_quantized_kernel")
     ptrs = base_ptr + slot_offsets[:, None] + dims[None, :] * stride_d
     return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _load_query(
+    q_ptr, row, kv_head, stride_qb, stride_qh, stride_qd,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The `GROUP` query heads sharing `kv_head`, as the rows of a `[BLOCK_H, HEAD_DIM]` tile (padding = 0).
+
+    Returns (q, q_head `[BLOCK_H]` head indices, head_ok `[BLOCK_H]` rows that are real heads).
+    """
+    heads = tl.arange(0, BLOCK_H)
+    head_ok = heads < GROUP
+    q_head = kv_head * GROUP + heads
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + row * stride_qb + q_head[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)
+    return q, q_head, head_ok
+
+
+@triton.jit
+def _split_range(lens_ptr, row, kv_length, split_tokens):
+    """[start, stop) of this program's key positions: its split, cut at the row's length."""
+    length = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), kv_length)
+    start = tl.program_id(2) * split_tokens
+    return start, tl.minimum(start + split_tokens, length)
+
+
+@triton.jit
+def _tile_tokens(tile, stop, mask_ptr, row, stride_mb, stride_mt, BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr):
+    """Positions `[BLOCK_N]` of one key tile and which of them are attended (inside the split, and allowed
+    by a bool mask: keys a bool mask hides are never loaded)."""
+    tokens = tile + tl.arange(0, BLOCK_N)
+    valid = tokens < stop
+    if MASK_MODE == 1:
+        allowed = tl.load(mask_ptr + row * stride_mb + tokens * stride_mt, mask=valid, other=0)
+        valid = valid & (allowed != 0)
+    return tokens, valid
+
+
+@triton.jit
+def _logits(
+    q, k, scale, softcap, mask_ptr, row, stride_mb, stride_mt, tokens, valid,
+    MASK_MODE: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
+):  # fmt: skip
+    """Scores `[BLOCK_H, BLOCK_N]` fp32 of the query tile against key tile `k` `[BLOCK_N, HEAD_DIM]` (same
+    dtype as q): scaled, soft-capped, additive mask added, -inf where a key is not attended."""
+    s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_BF16) * scale
+    if USE_SOFTCAP:
+        s = _tanh(s / softcap) * softcap
+    if MASK_MODE == 2:
+        bias = tl.load(mask_ptr + row * stride_mb + tokens * stride_mt, mask=valid, other=0.0)
+        s = s + bias[None, :]
+    return tl.where(valid[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr):
+    """Fold one tile's scores `s` `[BLOCK_H, BLOCK_N]` and values `v` `[BLOCK_N, HEAD_DIM]` into the running
+    max `m_i`, denominator `l_i` `[BLOCK_H]` and unnormalized output `acc` `[BLOCK_H, HEAD_DIM]` (fp32)."""
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+    # A row with every key so far masked has m_new = -inf: shift by 0 there to avoid -inf - -inf.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, WIDEN_BF16)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    m_ptr, l_ptr, acc_ptr, row, q_head, head_ok, m_i, l_i, acc, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Write one program's state into m, l `[batch, q_heads, splits]` and acc `[batch, q_heads, splits,
+    HEAD_DIM]` (contiguous fp32 buffers)."""
+    num_splits = tl.num_programs(2)
+    q_heads = tl.num_programs(1) * GROUP
+    state = (row * q_heads + q_head) * num_splits + tl.program_id(2)  # [BLOCK_H] index into m, l
+    dims = tl.arange(0, HEAD_DIM)
+    tl.store(m_ptr + state, m_i, mask=head_ok)
+    tl.store(l_ptr + state, l_i, mask=head_ok)
+    tl.store(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
 
 
 @triton.jit
@@ -121,30 +206,15 @@ def paged_decode_split_kernel(
     `[batch, q_heads, splits, HEAD_DIM]` (contiguous fp32 buffers)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-    q_heads = tl.num_programs(1) * GROUP
-
-    heads = tl.arange(0, BLOCK_H)
-    head_ok = heads < GROUP
-    q_head = kv_head * GROUP + heads
+    q, q_head, head_ok = _load_query(q_ptr, row, kv_head, stride_qb, stride_qh, stride_qd, GROUP, BLOCK_H, HEAD_DIM)
     dims = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + row * stride_qb + q_head[:, None] * stride_qh + dims[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=head_ok[:, None], other=0.0)  # [BLOCK_H, HEAD_DIM]
-
-    length = tl.minimum(tl.load(lens_ptr + row).to(tl.int32), kv_length)
-    start = split * split_tokens
-    stop = tl.minimum(start + split_tokens, length)
+    start, stop = _split_range(lens_ptr, row, kv_length, split_tokens)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, tl.float32)
     acc = tl.full([BLOCK_H, HEAD_DIM], 0.0, tl.float32)
     for tile in range(start, stop, BLOCK_N):
-        tokens = tile + tl.arange(0, BLOCK_N)
-        valid = tokens < stop
-        if MASK_MODE == 1:
-            allowed = tl.load(mask_ptr + row * stride_mb + tokens * stride_mt, mask=valid, other=0)
-            valid = valid & (allowed != 0)
+        tokens, valid = _tile_tokens(tile, stop, mask_ptr, row, stride_mb, stride_mt, BLOCK_N, MASK_MODE)
         # Physical block of every token (a tile may span several blocks, or be part of one).
         block = tl.load(table_ptr + row * stride_tb + (tokens // PAGE) * stride_tn, mask=valid, other=0)
         block = block.to(tl.int64)
@@ -152,30 +222,15 @@ def paged_decode_split_kernel(
         k = _load_kv_tile(
             k_ptr + kv_head * stride_kh, block * stride_kb + slot * stride_ks, dims, valid, stride_kd, KV_FORMAT
         )
-        s = _dot(q, tl.trans(k), DOT_PRECISION, WIDEN_BF16) * scale  # [BLOCK_H, BLOCK_N] fp32
-        if USE_SOFTCAP:
-            s = _tanh(s / softcap) * softcap
-        if MASK_MODE == 2:
-            bias = tl.load(mask_ptr + row * stride_mb + tokens * stride_mt, mask=valid, other=0.0)
-            s = s + bias[None, :]
-        s = tl.where(valid[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        # A row with every key so far masked has m_new = -inf: shift by 0 there to avoid -inf - -inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        s = _logits(
+            q, k, scale, softcap, mask_ptr, row, stride_mb, stride_mt, tokens, valid,
+            MASK_MODE, USE_SOFTCAP, DOT_PRECISION, WIDEN_BF16,
+        )  # fmt: skip
         v = _load_kv_tile(
             v_ptr + kv_head * stride_vh, block * stride_vb + slot * stride_vs, dims, valid, stride_vd, KV_FORMAT
         )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, WIDEN_BF16)
-        m_i = m_new
-
-    state = (row * q_heads + q_head) * num_splits + split  # [BLOCK_H] index into m, l
-    tl.store(m_ptr + state, m_i, mask=head_ok)
-    tl.store(l_ptr + state, l_i, mask=head_ok)
-    tl.store(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+        m_i, l_i, acc = _online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION, WIDEN_BF16)
+    _store_partial(m_ptr, l_ptr, acc_ptr, row, q_head, head_ok, m_i, l_i, acc, GROUP, HEAD_DIM)
 
 
 @triton.jit
