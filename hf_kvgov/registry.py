@@ -3,11 +3,18 @@
 A `CacheSpec` builds a fresh cache for a model and says which attention context it needs around
 `generate`, so orchestration code never branches on cache types. A new cache adds one `register_cache`
 line below.
+
+Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
+`<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
+`sink@4+252` (sinks + window), `int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
+(hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -35,10 +42,25 @@ class CacheSpec:
     build: Callable[[Any], Any]  # model -> a fresh transformers Cache
     lossless: bool
     attention_context: AttentionContext = _no_context  # what generate must run under
+    # (model, tokens of context) -> a fresh cache, for caches whose budget is a fraction of the context.
+    # generate resolves such a fraction on the prompt; a perplexity run feeds the text a token at a time,
+    # so it knows the length up front and must resolve the fraction itself.
+    build_sized: Callable[[Any, int], Any] | None = None
 
     def attention(self, model: Any) -> AbstractContextManager[Any]:
         """The attention context the cache needs around `generate` (nothing for most caches)."""
         return self.attention_context(model)
+
+    @property
+    def needs_attention_context(self) -> bool:
+        """Whether the cache only works under its own attention (so it cannot share a batch with others)."""
+        return self.attention_context is not _no_context
+
+    def build_for(self, model: Any, context_tokens: int) -> Any:
+        """A fresh cache for a context of `context_tokens` tokens known in advance (fractions resolve on it)."""
+        if self.build_sized is None:
+            return self.build(model)
+        return self.build_sized(model, context_tokens)
 
 
 CACHES: dict[str, CacheSpec] = {}
@@ -49,9 +71,16 @@ def register_cache(spec: CacheSpec) -> None:
 
 
 def get_cache_spec(name: str) -> CacheSpec:
-    if name not in CACHES:
-        raise ValueError(f"Unknown cache {name!r}; available caches: {', '.join(CACHES)}.")
-    return CACHES[name]
+    """The spec of a fixed name (`int8`) or of a family name with its argument (`h2o@0.2`)."""
+    if name in CACHES:
+        return CACHES[name]
+    family, at, argument = name.partition("@")
+    if at and family in FAMILIES:
+        return FAMILIES[family].parse(argument)
+    raise ValueError(
+        f"Unknown cache {name!r}; available caches: {', '.join(CACHES)}; or a parameterized name: "
+        f"{'; '.join(family.syntax for family in FAMILIES.values())}."
+    )
 
 
 def kv_bytes(cache: Any) -> int:
@@ -64,6 +93,127 @@ def kv_bytes(cache: Any) -> int:
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
     return total
+
+
+# ------------------------------------------------------------------ parameterized names
+
+
+@dataclass(frozen=True)
+class CacheFamily:
+    """Caches named `<name>@<argument>`; `parse(argument)` returns the spec or raises a full-sentence ValueError."""
+
+    name: str
+    syntax: str  # the accepted forms, with examples, as error messages and --help show them
+    parse: Callable[[str], CacheSpec]
+
+
+FAMILIES: dict[str, CacheFamily] = {}
+
+
+def register_family(family: CacheFamily) -> None:
+    FAMILIES[family.name] = family
+
+
+def _bad_argument(name: str, text: str, accepted: str) -> ValueError:
+    return ValueError(f"Cannot read the cache name {name!r}: {accepted}; got {text!r}.")
+
+
+def _count(name: str, text: str, what: str, minimum: int = 1) -> int:
+    """`text` as a decimal integer of at least `minimum` (no sign, no spaces), else a ValueError naming `name`."""
+    if not text.isdecimal() or int(text) < minimum:
+        raise _bad_argument(name, text, f"{what} must be an integer of at least {minimum}")
+    return int(text)
+
+
+def _budget(name: str, text: str) -> int | float:
+    """`0.2` -> a fraction in (0, 1] (it has a decimal point); `256` -> tokens (an integer of at least 1)."""
+    accepted = "the budget must be a fraction in (0, 1] with a decimal point (0.2) or a number of tokens (256)"
+    if text.isdecimal():
+        return _count(name, text, "a budget in tokens")
+    try:
+        fraction = float(text)
+    except ValueError:
+        raise _bad_argument(name, text, accepted) from None
+    if "." not in text or not 0.0 < fraction <= 1.0:
+        raise _bad_argument(name, text, accepted)
+    return fraction
+
+
+def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> int:
+    """A budget in tokens: an int as given, a fraction of `context_tokens` (at least `minimum`)."""
+    if isinstance(budget, int):
+        return budget
+    return max(minimum, math.floor(budget * context_tokens + 1e-9))
+
+
+def _sized_h2o(budget: int | float, model: Any, context_tokens: int) -> HeavyHitterCache:
+    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens))
+
+
+def _sized_sink(n_sink: int, window: int, budget: float, model: Any, context_tokens: int) -> SinkCache:
+    return SinkCache(model, n_sink=n_sink, window=window, budget=_tokens_of(budget, context_tokens, n_sink + window))
+
+
+def _parse_h2o(argument: str) -> CacheSpec:
+    budget = _budget(f"h2o@{argument}", argument)
+    share = f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
+    return CacheSpec(
+        f"h2o@{argument}",
+        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters",
+        functools.partial(HeavyHitterCache, budget=budget),
+        False,
+        eviction_attention,
+        functools.partial(_sized_h2o, budget),
+    )
+
+
+def _parse_sink(argument: str) -> CacheSpec:
+    name = f"sink@{argument}"
+    sinks, plus, window = argument.partition("+")
+    if not plus:
+        raise _bad_argument(name, argument, "the argument must be <sinks>+<window> in tokens, as in sink@4+252")
+    n_sink, recent = _count(name, sinks, "the number of sinks", 0), _count(name, window, "the window")
+    return CacheSpec(
+        name,
+        f"SinkCache (StreamingLLM): {n_sink} sinks + {recent}-token recent window per KV head",
+        functools.partial(SinkCache, n_sink=n_sink, window=recent),
+        False,
+        eviction_attention,
+    )
+
+
+def _parse_quantized(family: str, bits: int, fmt: str, argument: str) -> CacheSpec:
+    block_size = _count(f"{family}@{argument}", argument, "the block size in tokens")
+    return CacheSpec(
+        f"{family}@{argument}",
+        f"QuantizedCache {family}, {block_size}-token blocks: keys per channel, values per token",
+        functools.partial(QuantizedCache, bits=bits, fmt=fmt, block_size=block_size),
+        False,
+    )
+
+
+def _parse_paged(argument: str) -> CacheSpec:
+    block_size = _count(f"paged@{argument}", argument, "the block size in tokens")
+    description = f"PagedCache, {block_size}-token blocks, contiguous K/V for any attention"
+    return CacheSpec(f"paged@{argument}", description, functools.partial(PagedCache, block_size=block_size), True)
+
+
+def _parse_disk(argument: str) -> CacheSpec:
+    hot = _count(f"disk@{argument}", argument, "the hot window in tokens", 0)
+    description = f"DiskOffloadCache: blocks older than a {hot}-token hot window spill to a private temp file"
+    return CacheSpec(f"disk@{argument}", description, functools.partial(DiskOffloadCache, hot_tokens=hot), True)
+
+
+for _family in (
+    CacheFamily("h2o", "h2o@<budget>, a fraction of the prompt (h2o@0.2) or tokens (h2o@256)", _parse_h2o),
+    CacheFamily("sink", "sink@<sinks>+<window> in tokens (sink@4+252)", _parse_sink),
+    CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8", 8, "int")),
+    CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4", 4, "int")),
+    CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8", 8, "fp8")),
+    CacheFamily("paged", "paged@<block size> (paged@64)", _parse_paged),
+    CacheFamily("disk", "disk@<hot tokens> (disk@128)", _parse_disk),
+):
+    register_family(_family)
 
 
 for _spec in (
@@ -101,6 +251,7 @@ for _spec in (
         lambda m: HeavyHitterCache(m, budget=0.2),
         False,
         eviction_attention,
+        functools.partial(_sized_h2o, 0.2),
     ),
     CacheSpec(
         "sink",
@@ -108,6 +259,7 @@ for _spec in (
         lambda m: SinkCache(m, n_sink=4, window=60, budget=0.2),
         False,
         eviction_attention,
+        functools.partial(_sized_sink, 4, 60, 0.2),
     ),
     CacheSpec(
         "disk",

@@ -14,6 +14,7 @@ SUBCOMMANDS = (
     "hf_kvgov.cli.check_quant",
     "hf_kvgov.cli.fetch",
     "hf_kvgov.cli.plan",
+    "hf_kvgov.cli.eval",
 )
 
 

@@ -1,0 +1,105 @@
+"""Parameterized cache names (`h2o@0.2`, `sink@4+252`, `int4@64`, `disk@128`...): parsing, errors, what they build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvgov import DiskOffloadCache, HeavyHitterCache, PagedCache, QuantizedCache, SinkCache
+from hf_kvgov.registry import CACHES, FAMILIES, get_cache_spec
+from tests.conftest import tiny_llama
+
+MODEL = tiny_llama()
+
+
+def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
+    for name in ("dynamic", "paged", "paged-attn", "int8", "int4", "fp8", "h2o", "sink", "disk"):
+        assert get_cache_spec(name) is CACHES[name]
+    assert set(FAMILIES) == {"h2o", "sink", "int8", "int4", "fp8", "paged", "disk"}
+
+
+@pytest.mark.parametrize(
+    ("name", "cls", "lossless", "own_attention"),
+    [
+        ("h2o@0.2", HeavyHitterCache, False, True),
+        ("h2o@256", HeavyHitterCache, False, True),
+        ("sink@4+252", SinkCache, False, True),
+        ("int8@64", QuantizedCache, False, False),
+        ("int4@32", QuantizedCache, False, False),
+        ("fp8@64", QuantizedCache, False, False),
+        ("paged@8", PagedCache, True, False),
+        ("disk@128", DiskOffloadCache, True, False),
+    ],
+)
+def test_family_names_build_the_right_cache(name: str, cls: type, lossless: bool, own_attention: bool) -> None:
+    spec = get_cache_spec(name)
+    assert spec.name == name and spec.lossless is lossless and spec.needs_attention_context is own_attention
+    cache = spec.build(MODEL)
+    assert isinstance(cache, cls)
+    if hasattr(cache, "release"):
+        cache.release()
+
+
+def test_arguments_reach_the_caches() -> None:
+    assert get_cache_spec("h2o@256").build(MODEL).budget == 256
+    assert get_cache_spec("h2o@0.2").build(MODEL).budget is None  # a fraction resolves on the prompt
+    sink = get_cache_spec("sink@4+252").build(MODEL)
+    assert (sink.n_sink, sink.window) == (4, 252)
+    int4 = get_cache_spec("int4@32").build(MODEL)
+    fp8 = get_cache_spec("fp8@64").build(MODEL)
+    assert (int4.quant.bits, int4.quant.fmt, fp8.quant.bits, fp8.quant.fmt) == (4, "int", 8, "fp8")
+    disk = get_cache_spec("disk@128").build(MODEL)
+    assert disk.disk.hot_tokens == 128
+    disk.release()
+
+
+@pytest.mark.parametrize(("name", "block_size"), [("paged@8", 8), ("int8@32", 32), ("int4@64", 64)])
+def test_block_size_argument_sets_the_pool_block_size(name: str, block_size: int) -> None:
+    cache = get_cache_spec(name).build(MODEL)
+    with torch.inference_mode():
+        MODEL(input_ids=torch.arange(3, 40)[None], past_key_values=cache, use_cache=True)
+    assert cache.pool.block_size == block_size
+    cache.release()
+
+
+def test_fractions_resolve_on_a_context_known_in_advance() -> None:
+    # 20% of 1000 tokens is 200 slots; 0.25 of 1000 is 250; tokens given as an int stay as they are.
+    assert get_cache_spec("h2o@0.2").build_for(MODEL, 1000).budget == 200
+    assert get_cache_spec("h2o@0.25").build_for(MODEL, 1000).budget == 250
+    assert get_cache_spec("h2o@64").build_for(MODEL, 1000).budget == 64
+    # The fixed presets too: h2o is 20% of the context; sink is 20% but never below 4 + 60 slots.
+    assert get_cache_spec("h2o").build_for(MODEL, 500).budget == 100
+    assert get_cache_spec("sink").build_for(MODEL, 1000).budget == 200
+    assert get_cache_spec("sink").build_for(MODEL, 100).budget == 64
+    # Caches without a fractional budget ignore the context.
+    assert isinstance(get_cache_spec("int8@16").build_for(MODEL, 1000), QuantizedCache)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("h2o@0", "'h2o@0': a budget in tokens must be an integer of at least 1; got '0'"),
+        ("h2o@1.5", "a fraction in (0, 1] with a decimal point (0.2) or a number of tokens (256); got '1.5'"),
+        ("h2o@abc", "got 'abc'"),
+        ("h2o@1e-1", "got '1e-1'"),
+        ("sink@4", "'sink@4': the argument must be <sinks>+<window> in tokens, as in sink@4+252; got '4'"),
+        ("sink@4+0", "'sink@4+0': the window must be an integer of at least 1; got '0'"),
+        ("sink@-1+8", "the number of sinks must be an integer of at least 0; got '-1'"),
+        ("int4@", "'int4@': the block size in tokens must be an integer of at least 1; got ''"),
+        ("disk@x", "the hot window in tokens must be an integer of at least 0; got 'x'"),
+    ],
+)
+def test_bad_arguments_are_refused_with_a_sentence(name: str, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        get_cache_spec(name)
+    assert message in str(raised.value)
+    assert str(raised.value).startswith(f"Cannot read the cache name {name!r}")
+
+
+@pytest.mark.parametrize("name", ["nope", "nope@3", "dynamic@2", "h2o0.2"])
+def test_unknown_names_list_the_fixed_names_and_the_families(name: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        get_cache_spec(name)
+    text = str(raised.value)
+    assert text.startswith(f"Unknown cache {name!r}; available caches: dynamic, paged, paged-attn,")
+    assert "h2o@<budget>" in text and "sink@<sinks>+<window>" in text and "disk@<hot tokens>" in text
