@@ -8,7 +8,8 @@ keys and values. Per block and KV head::
                                                + K scale & zero per channel:  D       x 2 x s
                                                + V scale & zero per token:    T x D/g x 2 x s
     fp8 (e4m3):                                K codes T*D     + V codes T*D
-                                               + one scale per (token, group): 2 x T x D/g x s
+                                               + K scale per channel:         D       x s
+                                               + V scale per token:           T x D/g x s
 
 ``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
 """
@@ -74,7 +75,7 @@ class IntegerKIVI:
 
 @dataclass(frozen=True)
 class Float8:
-    """One byte per element, one scale (no zero point) per (token, head, group) for keys and values."""
+    """One byte per element; symmetric scales (no zero point): keys per channel, values per (token, group)."""
 
     name: str
     scale_bytes: int = 2
@@ -82,7 +83,9 @@ class Float8:
 
     def block_bytes(self, block_size: int, head_dim: int) -> int:
         group = _check_group(self.group_size, head_dim)
-        return 2 * block_size * head_dim + 2 * block_size * (head_dim // group) * self.scale_bytes
+        key_scales = head_dim * self.scale_bytes
+        value_scales = block_size * (head_dim // group) * self.scale_bytes
+        return 2 * block_size * head_dim + key_scales + value_scales
 
 
 # Codec name -> factory(scale_bytes, group_size). A registry, so a new codec is one entry, not a branch.

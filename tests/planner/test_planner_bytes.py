@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.planner import CacheSetup, ModelGeometry, codec_format, resolve_model, sequence_bytes
 from hf_kvgov.planner.accounting import shared_store_bytes
 
@@ -40,8 +42,8 @@ def test_int8_sealed_block_bytes_by_hand() -> None:
     assert codec_format("int8").block_bytes(16, 128) == 4672
     # int4 packs two codes per byte: 2 x 16 x 128 / 2 = 2048 codes, same scales.
     assert codec_format("int4").block_bytes(16, 128) == 2048 + 512 + 64
-    # fp8: 2 x 16 x 128 codes + one fp16 scale per token for K and V: 2 x 16 x 2 = 64.
-    assert codec_format("fp8").block_bytes(16, 128) == 4096 + 64
+    # fp8: 2 x 16 x 128 codes + symmetric fp16 scales: keys per channel 128 x 2, values per token 16 x 2.
+    assert codec_format("fp8").block_bytes(16, 128) == 4096 + 256 + 32
     # Value groups of 32 channels: 4 scale/zero pairs per token instead of one.
     assert codec_format("int8", group_size=32).block_bytes(16, 128) == 4096 + 512 + 16 * 4 * 2 * 2
 
@@ -113,3 +115,13 @@ def test_spill_keeps_hot_window_on_device_and_the_rest_on_disk(unit: ModelGeomet
 def test_static_buffer_rejects_longer_sequence(unit: ModelGeometry) -> None:
     with pytest.raises(ValueError, match="does not fit a static buffer of 16"):
         sequence_bytes(unit, CacheSetup(paged=False, max_len=16), 17)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize(("block", "head_dim"), [(16, 64), (128, 64), (16, 128)])
+def test_codec_formats_match_what_the_codecs_store(name: str, block: int, head_dim: int) -> None:
+    # The planner's arithmetic against the bytes the codec really produces for one block of one head.
+    codec = get_codec({"fp8": "fp8_e4m3"}.get(name, name), scale_dtype=torch.float16)
+    x = torch.randn(block, 1, head_dim)  # [tokens, kv_heads, head_dim]
+    stored = codec.nbytes(codec.encode_keys(x)) + codec.nbytes(codec.encode_values(x))
+    assert codec_format(name).block_bytes(block, head_dim) == stored
