@@ -3,7 +3,8 @@
 A `Backend` is a small record: the function that attends, a cheap `refuses(probe)` that names why it cannot
 serve a call (None when it can), the device types on which the automatic choice may pick it, and its rank
 there. The built-in ones wrap `kernels.reference` / `kernels.quantized_reference` (the torch references,
-which serve every call), `kernels.triton_paged` / `kernels.triton_quantized` (Triton, imported on first
+which serve every call), `kernels.gathered_sdpa` (one layer's blocks gathered for PyTorch's sdpa),
+`kernels.triton_paged` / `kernels.triton_quantized` (Triton, imported on first
 use so that importing hf_kvgov does not import triton and a later `TRITON_INTERPRET=1` still counts) and
 `kernels.flash_paged` (flash-attn, itself imported on first call).
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hf_kvgov.kernels import flash_paged
+from hf_kvgov.kernels import flash_paged, gathered_sdpa
 from hf_kvgov.kernels.quantized_reference import SealedReader, quantized_paged_attention_reference
 from hf_kvgov.kernels.reference import paged_attention_reference
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
@@ -32,6 +33,7 @@ class Probe:
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
     mask: torch.Tensor | None = None
     sealed: SealedBlocks | None = None  # the quantized path's sealed blocks
+    softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,13 @@ def _flash_refuses(probe: Probe) -> str | None:
     return flash_paged.unsupported_reason(probe.query, probe.key_cache, probe.mask)
 
 
+def _sdpa_refuses(probe: Probe) -> str | None:
+    return gathered_sdpa.unsupported_reason(probe.softcap)
+
+
 TORCH = Backend("torch", paged_attention_reference)
+# Gather + fused sdpa: on a CPU (or a GPU without Triton) faster than the reference at any batch.
+SDPA = Backend("sdpa", gathered_sdpa.paged_attention_gathered_sdpa, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5)
 TORCH_QUANTIZED = Backend("torch", _torch_quantized_attend)
 TRITON = Backend("triton", _triton_attend, _triton_refuses, frozenset({"cuda"}), priority=10)
 TRITON_QUANTIZED = Backend("triton", _triton_quantized_attend, _triton_quantized_refuses, frozenset({"cuda"}), 10)

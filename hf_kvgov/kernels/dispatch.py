@@ -3,6 +3,8 @@
 Two paths, each a registry from backend name to a `Backend` record:
 - "paged" (`paged_attention`): full-precision blocks, `PagedView.attend`.
   "torch" the reference (`kernels.reference`), the specification, serves every call;
+  "sdpa" one layer's blocks gathered into a transient tensor for PyTorch's fused sdpa
+  (`kernels.gathered_sdpa`), every call without logit soft-capping;
   "triton" the paged decode kernel (`kernels.triton_paged`), when triton is installed;
   "flash_attn" flash-attn 2's `flash_attn_with_kvcache(block_table=...)` (`kernels.flash_paged`), when
   flash-attn is installed: CUDA, fp16/bf16, blocks a multiple of 256 tokens, no explicit mask.
@@ -15,8 +17,8 @@ flash-attn, and a `TRITON_INTERPRET=1` set before that first use still takes eff
 
 Automatic choice: among the backends whose `auto_devices` list the query's device type, the highest
 `priority` that accepts the call (`refuses` returns None); else "torch". On CUDA that is flash-attn, then
-Triton, then torch. On the CPU the torch reference stays the default even where the Triton interpreter
-could run a kernel: the interpreter is exact but slow.
+Triton, then sdpa, then torch; on the CPU sdpa, then torch (the Triton interpreter is exact but slow, so
+it is never picked by itself).
 
 Override: `set_backend(name)`, or `KVGOV_ATTENTION_BACKEND=torch|triton|flash_attn` read once when this
 module is imported (unset, empty or "auto" means automatic), forces one backend on every path that has
@@ -40,6 +42,7 @@ import torch
 from hf_kvgov.kernels import flash_paged
 from hf_kvgov.kernels.backends import (
     FLASH_ATTN,
+    SDPA,
     TORCH,
     TORCH_QUANTIZED,
     TRITON,
@@ -56,7 +59,10 @@ ENV_VAR = "KVGOV_ATTENTION_BACKEND"
 PAGED, QUANTIZED = "paged", "quantized"
 
 
-_REGISTRY: dict[str, dict[str, Backend]] = {PAGED: {"torch": TORCH}, QUANTIZED: {"torch": TORCH_QUANTIZED}}
+_REGISTRY: dict[str, dict[str, Backend]] = {
+    PAGED: {"torch": TORCH, "sdpa": SDPA},
+    QUANTIZED: {"torch": TORCH_QUANTIZED},
+}
 if importlib.util.find_spec("triton") is not None:
     _REGISTRY[PAGED]["triton"] = TRITON
     _REGISTRY[QUANTIZED]["triton"] = TRITON_QUANTIZED
@@ -139,9 +145,10 @@ def choose_backend(
     *,
     path: str = PAGED,
     sealed: SealedBlocks | None = None,
+    softcap: float | None = None,
 ) -> str:
     """The backend that will serve a call with these inputs (without `key_cache`, only "torch" is sure)."""
-    return _choose(_registry(path), query, key_cache, mask, sealed)[0]
+    return _choose(_registry(path), query, key_cache, mask, sealed, softcap)[0]
 
 
 def refusals(
@@ -151,9 +158,10 @@ def refusals(
     *,
     path: str = PAGED,
     sealed: SealedBlocks | None = None,
+    softcap: float | None = None,
 ) -> dict[str, str | None]:
     """Every backend of `path` -> why it would refuse this call (None: it would serve it). For debugging."""
-    probe = Probe(query, key_cache, mask, sealed)
+    probe = Probe(query, key_cache, mask, sealed, softcap)
     return {name: (b.refuses(probe) if b.refuses else None) for name, b in sorted(_registry(path).items())}
 
 
@@ -163,9 +171,10 @@ def _choose(
     key_cache: torch.Tensor | None,
     mask: torch.Tensor | None,
     sealed: SealedBlocks | None,
+    softcap: float | None = None,
 ) -> tuple[str, str]:
     """(backend name, why) for one call."""
-    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed)
+    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed, softcap)
     if _forced is not None:
         return _forced_choice(registry, probe)
     why = "automatic choice"
@@ -237,7 +246,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """See `paged_attention_reference` for shapes; returns `[batch, q_len, q_heads, head_dim]`."""
     registry = _registry(PAGED)
-    name, why = _choose(registry, query, key_cache, mask, None)
+    name, why = _choose(registry, query, key_cache, mask, None, softcap)
     _record(PAGED, name, why)
     attend = registry[name].attend
     return attend(query, key_cache, value_cache, block_table, kv_length, scale, mask=mask, softcap=softcap)
@@ -259,7 +268,7 @@ def quantized_paged_attention(
     kernel read codes in place, `read_sealed` decodes them for the reference. Returns `[batch, q_len,
     q_heads, head_dim]`."""
     registry = _registry(QUANTIZED)
-    name, why = _choose(registry, query, key_cache, mask, sealed)
+    name, why = _choose(registry, query, key_cache, mask, sealed, softcap)
     _record(QUANTIZED, name, why)
     args = (query, key_cache, value_cache, block_table, kv_length, scale)
     return registry[name].attend(*args, read_sealed=read_sealed, sealed=sealed, mask=mask, softcap=softcap)

@@ -190,7 +190,10 @@ class BlockPool:
             return
         room = short if self.max_blocks is None else min(short, self.max_blocks - self.capacity)
         if room > 0:
-            target = max(room, self._growth, self.capacity)  # at least double: amortised O(1) growth
+            # At least double: amortised O(1) growth. The first growth also leaves 1/8 of headroom, so the
+            # decode steps right after a prefill do not copy the whole pool to add one block per row.
+            headroom = room // 8 if self.capacity == 0 else 0
+            target = max(room + headroom, self._growth, self.capacity)
             if self.max_blocks is not None:
                 target = min(target, self.max_blocks - self.capacity)
             self._grow(target)
@@ -214,10 +217,8 @@ class BlockPool:
         g = self.geometry
         shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
         for layer in range(g.num_layers):
-            new_k = torch.zeros(shape, dtype=g.dtype, device=g.device)
-            new_v = torch.zeros(shape, dtype=g.dtype, device=g.device)
-            self.keys[layer] = torch.cat([self.keys[layer], new_k]) if start else new_k
-            self.values[layer] = torch.cat([self.values[layer], new_v]) if start else new_v
+            self.keys[layer] = _extended(self.keys[layer] if start else None, shape, g)
+            self.values[layer] = _extended(self.values[layer] if start else None, shape, g)
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
 
@@ -330,3 +331,17 @@ class BlockPool:
         """Free block ids in reuse order (oldest freed first); for tests and debugging."""
         with self._lock:
             return tuple(self._free)
+
+
+def _extended(old: torch.Tensor | None, extra_shape: tuple[int, ...], geometry: KVGeometry) -> torch.Tensor:
+    """``old`` followed by ``extra_shape[0]`` zeroed blocks, written once (no separate zeros tensor + cat).
+
+    New blocks are zeroed, not left uninitialised: attention reads whole blocks and masks the unwritten
+    slots, and a NaN bit pattern there would survive the mask (0 x NaN is NaN).
+    """
+    kept = 0 if old is None else old.shape[0]
+    grown = torch.empty((kept + extra_shape[0], *extra_shape[1:]), dtype=geometry.dtype, device=geometry.device)
+    if old is not None:
+        grown[:kept].copy_(old)
+    grown[kept:].zero_()
+    return grown

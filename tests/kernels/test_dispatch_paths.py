@@ -27,12 +27,17 @@ from tests.conftest import tiny_llama
 
 @pytest.fixture(autouse=True)
 def clean_dispatch() -> Iterator[None]:
+    # The fakes below are the only automatic candidates: the built-in CPU sdpa backend steps aside.
+    sdpa = dispatch._registry(PAGED).get("sdpa")
+    dispatch.unregister_backend(PAGED, "sdpa")
     dispatch.set_backend(None)
     dispatch.reset_backend_counts()
     yield
     dispatch.set_backend(None)
     for name in ("fast", "faster"):
         dispatch.unregister_backend(PAGED, name)
+    if sdpa is not None:
+        dispatch.register_backend(PAGED, sdpa)
 
 
 def constant(value: float):  # type: ignore[no-untyped-def]

@@ -149,10 +149,10 @@ def test_automatic_choice_prefers_flash_and_falls_back(fake_flash: FakeFlash, ca
     dispatch.paged_attention(big.query, big.key_cache, big.value_cache, big.block_table, 40, 0.125)
     assert dispatch.last_backend() == "flash_attn"
     out = dispatch.paged_attention(big.query, big.key_cache, big.value_cache, big.block_table, 40, 0.125, mask=padded)
-    assert dispatch.last_backend() == "torch"  # on the CPU triton is never picked by itself
+    assert dispatch.last_backend() == "sdpa"  # on the CPU triton is never picked by itself
     dispatch.paged_attention(small.query, small.key_cache, small.value_cache, small.block_table, 40, 0.125)
 
-    assert dispatch.backend_counts() == {"paged/flash_attn": 1, "paged/torch": 2}
+    assert dispatch.backend_counts() == {"paged/flash_attn": 1, "paged/sdpa": 2}
     assert len(fake_flash.calls) == 1
     expected = big.query.double() @ big.keys.double().repeat_interleave(4, dim=1)[..., 3:, :].transpose(-1, -2) * 0.125
     weights = torch.softmax(expected, dim=-1)
@@ -160,7 +160,7 @@ def test_automatic_choice_prefers_flash_and_falls_back(fake_flash: FakeFlash, ca
     assert_matches(out, dense, torch.float16)
     messages = [r.getMessage() for r in caplog.records]
     assert messages[0] == "paged attention is now served by 'flash_attn' (automatic choice)."
-    assert messages[1].startswith("paged attention is now served by 'torch' (automatic choice; flash_attn refused: ")
+    assert messages[1].startswith("paged attention is now served by 'sdpa' (automatic choice; flash_attn refused: ")
     assert len(messages) == 2  # the third call changed nothing, so it logged nothing
 
 

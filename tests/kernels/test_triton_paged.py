@@ -341,7 +341,7 @@ def test_dispatch_falls_back_to_torch_for_prefill() -> None:
 
 def test_dispatch_automatic_choice() -> None:
     case = make_case([20], gqa=1, head_dim=64, block_size=16)
-    expected = "triton" if DEVICE.type == "cuda" else "torch"  # the interpreter is never chosen by itself
+    expected = "triton" if DEVICE.type == "cuda" else "sdpa"  # the interpreter is never chosen by itself
     assert dispatch.choose_backend(case.query, case.key_cache) == expected
     dispatch.paged_attention(case.query, case.key_cache, case.value_cache, case.table, 20, 0.125)
     assert dispatch.last_backend() == expected
@@ -359,7 +359,7 @@ def test_environment_variable_forces_a_backend(monkeypatch: pytest.MonkeyPatch) 
     finally:
         monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
         importlib.reload(dispatch)
-    assert dispatch.choose_backend(case.query, case.key_cache) == ("triton" if DEVICE.type == "cuda" else "torch")
+    assert dispatch.choose_backend(case.query, case.key_cache) == ("triton" if DEVICE.type == "cuda" else "sdpa")
 
 
 # The interpreter skips Triton's compiler, so this compiles both kernels for a CUDA target (no GPU needed,
