@@ -10,12 +10,15 @@ Steps, all against a lossless `PagedCache` on the same tokens (see `lockstep`):
 2. the keys' outlier-channel ratio per layer (from the reference cache);
 3. a per-layer scan: one layer quantized at a time (the lowest-bit format, on the first `scan_tokens`);
 4. when that format fails, its most sensitive layers kept in full precision, verified on the whole text;
+   a format of at most 4 bits is also *flagged* on layers whose keys have outlier channels (see `outliers`): those
+   layers are kept in full precision too, and the flagged format itself is never recommended;
 5. a verdict and the cheapest configuration within the tolerance.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,8 +28,8 @@ from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
 from hf_kvgov.quality.lockstep import CacheBuilder, CacheScore, LockstepResult, score_in_lockstep
-from hf_kvgov.quality.outliers import key_outlier_ratios
-from hf_kvgov.quality.recommend import layers_to_protect, recommend
+from hf_kvgov.quality.outliers import flagged_by_outliers, key_outlier_ratios
+from hf_kvgov.quality.recommend import MAX_PROTECTED_FRACTION, layers_to_protect, recommend
 from hf_kvgov.quality.report import QuantCheckReport, SensitivityScan
 
 # Format names accepted by the check -> QuantizedCache(bits=..., fmt=...).
@@ -115,10 +118,11 @@ def check_quantization(
     ids = tokenize(tokenizer, BUILTIN_TEXT if text is None else text, options.max_tokens, options.block_size)
     runner = _Runner(model, options, progress)
     scores, outliers = _measure_formats(runner, ids)
+    flagged = tuple(f for f in options.formats if flagged_by_outliers(FORMAT_OPTIONS[f]["bits"], outliers))
     scan = _scan(runner, ids) if options.scan else None
-    protected = _protected_run(runner, ids, scan, scores) if scan is not None else None
+    protected = _protected_run(runner, ids, scan, scores, outliers)
     configs = {fmt: options.config(fmt) for fmt in options.formats}
-    candidates = list(scores)
+    candidates = [s for s in scores if s.name not in flagged]
     if protected is not None:
         configs[protected[0].name] = protected[1]
         candidates.append(protected[0])
@@ -138,6 +142,7 @@ def check_quantization(
         tolerance_pct=options.tolerance_pct,
         threshold_pct=threshold,
         gate_failures=tuple(s.name for s in scores if threshold is not None and s.ppl_increase_pct > threshold),
+        flagged=flagged,
     )
 
 
@@ -196,16 +201,26 @@ def _scan(runner: _Runner, ids: torch.Tensor) -> SensitivityScan:
 
 
 def _protected_run(
-    runner: _Runner, ids: torch.Tensor, scan: SensitivityScan, scores: list[CacheScore]
+    runner: _Runner,
+    ids: torch.Tensor,
+    scan: SensitivityScan | None,
+    scores: list[CacheScore],
+    outliers: Sequence[float],
 ) -> tuple[CacheScore, QuantConfig] | None:
-    """When the scanned format fails, keep its most sensitive layers in full precision and measure that."""
-    tolerance = runner.options.tolerance_pct
-    scanned = [s for s in scores if s.name == scan.format]
-    if scanned and scanned[0].ppl_increase_pct <= tolerance:
-        return None
-    protect = layers_to_protect([s.ppl_increase_pct for s in scan.layers], tolerance)
+    """The lowest-bit format with some layers in full precision, measured on the whole text, when needed.
+
+    Kept in full precision: the layers where that format is flagged for key outliers, then, unless the format
+    passed the tolerance, the scan's most sensitive layers; at most a quarter of the layers in all.
+    """
+    options = runner.options
+    fmt = scan.format if scan is not None else options.lowest_bit_format
+    flagged = flagged_by_outliers(FORMAT_OPTIONS[fmt]["bits"], outliers)
+    passed = any(s.name == fmt and s.ppl_increase_pct <= options.tolerance_pct for s in scores)
+    increases = [s.ppl_increase_pct for s in scan.layers] if scan is not None and not passed else []
+    chosen = list(dict.fromkeys([*flagged, *layers_to_protect(increases, options.tolerance_pct)]))
+    protect = tuple(sorted(chosen[: max(1, int(len(outliers) * MAX_PROTECTED_FRACTION))]))
     if not protect:
         return None
-    config = runner.options.config(scan.format, protect)
-    name = f"{scan.format} + full-precision layers {', '.join(map(str, protect))}"
+    config = options.config(fmt, protect)
+    name = f"{fmt} + full-precision layers {', '.join(map(str, protect))}"
     return runner.score(ids, {name: config}, name).scores[name], config

@@ -8,9 +8,19 @@ has a magnitude ``a[h, d] = max over tokens of |K[.., h, t, d]|``. The layer's o
 A ratio near 1-3 means channels of similar scale. DESIGN.md measured 15x in a Qwen2.5 first layer: a
 per-token scale is then set by the outlier channel and flattens the others to a few levels, which is
 why keys are quantized per channel here.
+
+Per-channel scales give an outlier channel a relative error like any other channel's, but not an absolute
+one: its step is a fixed fraction of its own range (1/255 at 8 bits, 1/15 at 4 bits), and that channel
+dominates the attention logits q.k of its layer. At 4 bits a channel spanning [-30m, 30m], m the median
+channel's magnitude, has a step of 60m / 15 = 4m: coarser than a median channel's whole value. So a format
+of at most `LOW_BIT_LIMIT` bits is *flagged* on layers at or above `DEFAULT_OUTLIER_RATIO`, even when the
+text being scored does not expose the damage (a random-weight model, or attention that happens to rest on
+the exactly encoded extremes of each block).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -18,6 +28,7 @@ from torch import Tensor
 from hf_kvgov.hf.paged_cache import PagedCache
 
 DEFAULT_OUTLIER_RATIO = 10.0  # a layer at or above this is flagged in reports
+LOW_BIT_LIMIT = 4  # formats with at most this many bits per code are flagged on outlier layers
 
 
 def outlier_ratio(keys: Tensor) -> float:
@@ -35,3 +46,14 @@ def key_outlier_ratios(cache: PagedCache) -> list[float]:
         raise ValueError("The cache holds no tokens yet; run the model on some text first.")
     table, length = cache.tables.tensor(), cache.get_seq_length()
     return [outlier_ratio(cache.pool.gather(layer, table, length)[0]) for layer in range(cache.num_layers)]
+
+
+def outlier_layers(ratios: Sequence[float], threshold: float = DEFAULT_OUTLIER_RATIO) -> tuple[int, ...]:
+    """Layers whose key outlier ratio is at least `threshold`, the most extreme first (NaN never counts)."""
+    flagged = [layer for layer, ratio in enumerate(ratios) if ratio >= threshold]
+    return tuple(sorted(flagged, key=lambda layer: ratios[layer], reverse=True))
+
+
+def flagged_by_outliers(bits: int, ratios: Sequence[float]) -> tuple[int, ...]:
+    """The outlier layers (most extreme first) that a format of `bits` bits per code should not quantize."""
+    return outlier_layers(ratios) if bits <= LOW_BIT_LIMIT else ()

@@ -43,6 +43,7 @@ class QuantCheckReport:
     tolerance_pct: float  # what the recommendation accepts
     threshold_pct: float | None  # the gate; None: report only
     gate_failures: tuple[str, ...]  # formats above the gate
+    flagged: tuple[str, ...] = ()  # low-bit formats not recommended as they are: they quantize outlier layers
 
     @property
     def passed(self) -> bool:
@@ -66,12 +67,18 @@ class QuantCheckReport:
                 f"{100 * (1 - s.top1_agreement):.1f}% of positions (KL {s.kl_mean:.3g} nats): check generations "
                 "on your task before relying on it"
             )
-        flagged = self.outlier_layers()
-        if flagged:
+        outliers = self.outlier_layers()
+        if outliers:
             worst = max(self.key_outlier_ratios)
             lines.append(
-                f"keys of layers {', '.join(map(str, flagged))} have outlier channels (up to {worst:.1f}x the median "
+                f"keys of layers {', '.join(map(str, outliers))} have outlier channels (up to {worst:.1f}x the median "
                 "channel): per-channel key scales are essential here, and the sink block must stay in full precision"
+            )
+        for name in self.flagged:
+            lines.append(
+                f"{name} is flagged: on layers {', '.join(map(str, outliers))} its step is coarser than a median "
+                "key channel's values, a loss this text need not expose; it is recommended only with those layers "
+                "in full precision"
             )
         if self.threshold_pct is not None:
             gate = "FAIL: " + ", ".join(self.gate_failures) if self.gate_failures else "pass"
