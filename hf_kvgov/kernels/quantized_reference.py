@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from hf_kvgov.kernels.reference import DEFAULT_CHUNK_TOKENS, _apply_mask, _online_softmax_step
+from hf_kvgov.kernels.reference import DEFAULT_CHUNK_TOKENS, chunked_attention
 
 # Sealed block-table entries long [n] (all < 0), dtype -> keys, values [n, block_size, kv_heads, head_dim].
 SealedReader = Callable[[Tensor, torch.dtype], tuple[Tensor, Tensor]]
@@ -86,25 +86,10 @@ def quantized_paged_attention_reference(
     Returns:
         `[batch, q_len, q_heads, head_dim]`, in the query's dtype (math in float32).
     """
-    batch, q_heads, q_len, head_dim = query.shape
+
+    def read(first: int, num_blocks: int, length: int) -> tuple[Tensor, Tensor]:
+        ids = block_table[:, first : first + num_blocks]
+        return gather_quantized(key_cache, value_cache, ids, length, read_sealed, torch.float32)
+
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) for grouped attention.")
-    group = q_heads // kv_heads
-    q = query.reshape(batch, kv_heads, group * q_len, head_dim).float()
-    m = torch.full((batch, kv_heads, group * q_len, 1), float("-inf"), device=query.device)
-    denom = torch.zeros_like(m)
-    acc = torch.zeros((batch, kv_heads, group * q_len, head_dim), device=query.device)
-    blocks_per_chunk = max(1, chunk_tokens // block_size)
-    for first in range(0, -(-kv_length // block_size), blocks_per_chunk):
-        start = first * block_size
-        stop = min(kv_length, start + blocks_per_chunk * block_size)
-        ids = block_table[:, first : first + blocks_per_chunk]
-        k, v = gather_quantized(key_cache, value_cache, ids, stop - start, read_sealed, torch.float32)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        scores = _apply_mask(scores, mask, start, stop, kv_length, group, q_len)
-        m, denom, acc = _online_softmax_step(scores, v, m, denom, acc)
-    out = acc / denom.clamp_min(torch.finfo(acc.dtype).tiny)
-    return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype)
+    return chunked_attention(query, kv_heads, block_size, kv_length, read, scale, mask, softcap, chunk_tokens)

@@ -17,6 +17,8 @@ handled by grouping the query heads of each KV head, never by repeating K/V.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 DEFAULT_CHUNK_TOKENS = 2048
@@ -45,8 +47,35 @@ def paged_attention_reference(
     Returns:
         `[batch, q_len, q_heads, head_dim]` (the layout transformers' attention functions return).
     """
+    block_size = key_cache.shape[1]
+
+    def read(first: int, num_blocks: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _read_chunk(key_cache, value_cache, block_table, first, num_blocks, length)
+
+    return chunked_attention(query, key_cache.shape[2], block_size, kv_length, read, scale, mask, softcap, chunk_tokens)
+
+
+# read(first block, number of blocks, tokens) -> K, V float32 `[batch, kv_heads, tokens, head_dim]`.
+ChunkReader = Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def chunked_attention(
+    query: torch.Tensor,
+    kv_heads: int,
+    block_size: int,
+    kv_length: int,
+    read_chunk: ChunkReader,
+    scale: float,
+    mask: torch.Tensor | None,
+    softcap: float | None,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """The online softmax over chunks of whole blocks that every torch reference shares; how a chunk's
+    K/V are read (full-precision blocks, or sealed ones decoded) is `read_chunk`'s business.
+
+    Returns `[batch, q_len, q_heads, head_dim]` in the query's dtype (math in float32).
+    """
     batch, q_heads, q_len, head_dim = query.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
     if q_heads % kv_heads:
         raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads}) for grouped attention.")
     group = q_heads // kv_heads
@@ -59,7 +88,7 @@ def paged_attention_reference(
     for first in range(0, -(-kv_length // block_size), blocks_per_chunk):
         start = first * block_size
         stop = min(kv_length, start + blocks_per_chunk * block_size)
-        k, v = _read_chunk(key_cache, value_cache, block_table, first, blocks_per_chunk, stop - start)
+        k, v = read_chunk(first, blocks_per_chunk, stop - start)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
