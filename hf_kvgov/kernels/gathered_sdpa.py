@@ -3,9 +3,10 @@ paged kernel (CPU, or a GPU without Triton).
 
 The gather copies the layer's blocks of the batch into one transient tensor, freed when the layer's
 attention returns, so extra memory is one layer's K/V, never the whole cache. On a CPU that copy plus
-PyTorch's fused sdpa costs about what `DynamicCache`'s per-step `torch.cat` does (one SmolLM2 layer,
-batch 8 x 2,048 tokens: 8.1 ms against 7.6 ms), while the block-chunked reference (the specification,
-O(chunk) memory) takes 14.5 ms: its matmuls run over strided block views with an unfused softmax.
+PyTorch's fused sdpa costs about what `DynamicCache`'s per-step `torch.cat` does, while the block-chunked
+reference (the specification, O(chunk) memory) takes over twice as long: its matmuls run over strided
+block views with an unfused softmax (`python eval/bench_decode_step.py --runs layer`; figures in
+eval/RESULTS.md).
 """
 
 from __future__ import annotations
