@@ -18,6 +18,14 @@ _EXPORTS = {
     "BlockTables": "hf_kvgov.storage.block_table",
     "KVGovError": "hf_kvgov.errors",
     "PoolExhausted": "hf_kvgov.errors",
+    "GovernedCache": "hf_kvgov.hf.governed",
+    "ChainParts": "hf_kvgov.chain",
+    "ChainRefused": "hf_kvgov.chain",
+    "Paging": "hf_kvgov.chain",
+    "HeavyHitter": "hf_kvgov.chain",
+    "Sink": "hf_kvgov.chain",
+    "Disk": "hf_kvgov.chain",
+    "Layer": "hf_kvgov.chain",
     "PagedCache": "hf_kvgov.hf.paged_cache",
     "CacheStats": "hf_kvgov.hf.paged_cache",
     "paged_attention": "hf_kvgov.hf.attention",
@@ -48,20 +56,28 @@ __all__ = [
     "BlockTable",
     "BlockTables",
     "CacheStats",
+    "ChainParts",
+    "ChainRefused",
     "CheckOptions",
+    "Disk",
     "DiskCacheStats",
     "DiskOffloadCache",
     "EvictionStats",
+    "GovernedCache",
+    "HeavyHitter",
     "HeavyHitterCache",
     "KVGeometry",
     "KVGovError",
+    "Layer",
     "PagedCache",
+    "Paging",
     "PoolExhausted",
     "PrefixCache",
     "QuantConfig",
     "QuantizedBlockPool",
     "QuantizedCache",
     "QuantizedCacheStats",
+    "Sink",
     "SinkCache",
     "SpillCorrupted",
     "SpillError",
@@ -76,6 +92,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from hf_kvgov.chain import ChainParts, ChainRefused, Disk, HeavyHitter, Layer, Paging, Sink
     from hf_kvgov.errors import (
         KVGovError,
         PoolExhausted,
@@ -87,6 +104,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, SinkCache, eviction_attention
+    from hf_kvgov.hf.governed import GovernedCache
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
     from hf_kvgov.hf.quant_config import QuantConfig
     from hf_kvgov.hf.quantized_cache import QuantizedCache, QuantizedCacheStats

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
+from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -28,6 +29,7 @@ __all__ = [
     "LayerKind",
     "decoder_config",
     "layer_kinds",
+    "model_layer_devices",
     "quiet_generate_warnings",
     "sdpa_mask",
 ]
@@ -85,6 +87,88 @@ def model_dtype_and_device(model_or_config: Any) -> tuple[torch.dtype, torch.dev
         parameter = next(model_or_config.parameters())
         return parameter.dtype, parameter.device
     return None
+
+
+def model_layer_devices(model_or_config: Any, num_layers: int) -> tuple[torch.device | None, ...]:
+    """The device each decoder layer runs on, where its K/V arrive; None where only that first K/V will tell.
+
+    In order: the model's `hf_device_map` (set by `from_pretrained(device_map=...)`; entries are accelerator
+    ordinals, device names, "cpu" or "disk"), else each decoder layer's accelerate hook or parameters, else
+    (a config, or a layer whose weights are not materialised) None.
+    """
+    if not isinstance(model_or_config, PreTrainedModel):
+        return (None,) * num_layers
+    names = decoder_layer_names(model_or_config, num_layers)
+    if names is None:
+        return (None,) * num_layers
+    modules = dict(model_or_config.named_modules())
+    device_map = getattr(model_or_config, "hf_device_map", None)
+    if isinstance(device_map, Mapping) and device_map:
+        return tuple(_mapped_device(device_map, modules, name) for name in names)
+    return tuple(_module_device(modules[name]) for name in names)
+
+
+def decoder_layer_names(model: PreTrainedModel, num_layers: int) -> list[str] | None:
+    """Module names of the text decoder's layers (e.g. "model.layers.3"), or None if they cannot be found."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    found = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers and (layers is None or module is layers)
+    ]
+    if not found:
+        return None
+    return [f"{found[0]}.{i}" if found[0] else str(i) for i in range(num_layers)]
+
+
+def _mapped_device(device_map: Mapping[str, Any], modules: Mapping[str, nn.Module], layer: str) -> torch.device | None:
+    """Where accelerate runs module `layer`: the device_map entry covering it (or its attention's entry)."""
+    covering = [key for key in device_map if key == "" or layer == key or layer.startswith(key + ".")]
+    inside = [key for key in device_map if key.startswith(layer + ".")]
+    if not covering and not inside:  # a hand-made map that leaves the layer out
+        return _module_device(modules[layer])
+    # Entries may split a layer into submodules; the K/V come from its attention, so its entry decides.
+    key = max(covering, key=len) if covering else min(inside, key=lambda k: ("attn" not in k, k))
+    entry = device_map[key]
+    if entry in ("cpu", "disk"):
+        # accelerate runs offloaded modules on its main device: the hook says which, else its default rule.
+        return _hook_device(modules.get(key)) or _main_device(device_map)
+    return _as_device(entry)
+
+
+def _main_device(device_map: Mapping[str, Any]) -> torch.device:
+    """accelerate's default execution device for offloaded modules: the first device that is not offloaded."""
+    placed = [entry for entry in device_map.values() if entry not in ("cpu", "disk", "meta")]
+    return _as_device(placed[0]) if placed else torch.device("cpu")
+
+
+def _as_device(entry: int | str | torch.device) -> torch.device:
+    if isinstance(entry, int):  # an ordinal of the machine's accelerator (CUDA unless torch reports another)
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type if accelerator is not None else "cuda", entry)
+    return torch.device(entry)
+
+
+def _hook_device(module: nn.Module | None) -> torch.device | None:
+    """The execution device of an accelerate hook on `module` (a plain hook or a sequence of hooks)."""
+    hook = getattr(module, "_hf_hook", None)
+    for candidate in [hook, *getattr(hook, "hooks", ())]:
+        device = getattr(candidate, "execution_device", None)
+        if device is not None:
+            return _as_device(device)
+    return None
+
+
+def _module_device(layer: nn.Module) -> torch.device | None:
+    """The accelerate hook's execution device, else the device of the layer's first parameter (None on meta)."""
+    hooked = _hook_device(layer)
+    if hooked is not None:
+        return hooked
+    parameter = next(layer.parameters(), None)
+    if parameter is None or parameter.device.type == "meta":
+        return None
+    return parameter.device
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from hf_kvgov.chain.parts import Paging
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
@@ -122,6 +123,7 @@ class DiskOffloadCache(PagedCache):
         self._layout: SpilledLayout | None = None
         self._kv_bytes_spilled = 0
         super().__init__(model_or_config, block_size=block_size, max_bytes=self.disk.pool_bytes, attention=attention)
+        self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
 
     # ------------------------------------------------------------------ pool and tier
 
@@ -149,7 +151,7 @@ class DiskOffloadCache(PagedCache):
             pool.geometry.num_layers, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
         )
         self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
-        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.geometry.device)
+        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.layer_device)
         self.tables = TieredBlockTables(pool, self.tier)
 
     def _parts(self) -> tuple[BlockPool, TieredBlockTables, DiskTier, LayerPrefetcher]:

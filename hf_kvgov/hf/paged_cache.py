@@ -18,19 +18,22 @@ from typing import Any, Literal
 
 import torch
 
+from hf_kvgov.chain.parts import ChainParts, Paging
 from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.compat import (
-    Cache,
     CacheLayerMixin,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
     model_dtype_and_device,
+    model_layer_devices,
 )
+from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
+from hf_kvgov.storage.geometry import check_placement
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
 AttentionPath = Literal["contiguous", "paged"]
@@ -93,8 +96,10 @@ class PagedLayer(CacheLayerMixin):
         self.length = 0
 
 
-class PagedCache(Cache):
+class PagedCache(GovernedCache):
     """KV cache in fixed-size blocks from a `BlockPool`; token-for-token equal to `DynamicCache`.
+
+    The chain with paged blocks only (and prefix sharing when `prefix` is given): a `GovernedCache` preset.
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config (dtype and device are
@@ -138,21 +143,30 @@ class PagedCache(Cache):
             if pool is not None and pool is not prefix.pool:
                 raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
             pool = prefix.pool
+        self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
         if pool is not None:
             self._adopt_pool(pool)
         else:
             dtype_device = model_dtype_and_device(model_or_config)
-            if dtype_device is not None:
+            if dtype_device is not None and None not in self._layer_devices:
                 self._create_pool(*dtype_device)
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        paging = Paging(block_size, max_tokens, max_bytes)
+        self.parts = ChainParts(
+            pool=paging if pool is None else pool, prefix=prefix, namespace=namespace, attention=attention
+        )
 
     # ------------------------------------------------------------------ pool
 
     def _geometry(self, dtype: torch.dtype, device: torch.device) -> KVGeometry:
-        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, device)
+        """Each layer's blocks on the device the model runs it on; `device` for layers not known yet."""
+        devices = tuple(device if known is None else known for known in self._layer_devices)
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, devices[0], devices)
 
     def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
         self._adopt_pool(BlockPool(self._geometry(dtype, device), **self._pool_args))  # type: ignore[arg-type]
+        # Layers whose device the model did not tell go where their first K/V arrive.
+        self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         g = pool.geometry
@@ -162,12 +176,27 @@ class PagedCache(Cache):
                 f"The pool's geometry (layers, kv heads, head dim) = {(g.num_layers, g.num_kv_heads, g.head_dim)} "
                 f"does not match the model's {wanted}; create the pool from this model's geometry."
             )
+        check_placement(self._layer_devices, [pool.layer_device(i) for i in range(self.num_layers)])
         self.pool = pool
         self.tables = BlockTables(pool)
+        self._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
 
     def _ensure_pool(self, key_states: torch.Tensor) -> None:
         if self.pool is None:
             self._create_pool(key_states.dtype, key_states.device)
+
+    def _check_layer_device(self, layer: int, device: torch.device) -> None:
+        """K/V of `layer` arrived on `device`, not where its blocks are: place an unknown layer, else refuse."""
+        assert self.pool is not None
+        if layer in self._placeable and not self.pool.is_written(layer):
+            self.pool.place_layer(layer, device)
+            return
+        raise ValueError(
+            f"Layer {layer} stored K/V on {device}, but this cache keeps layer {layer}'s blocks on "
+            f"{self.pool.layer_device(layer)} and never moves K/V between devices. Build the cache from the "
+            "model after placing it (from_pretrained(device_map=...) or dispatch_model), so each layer's "
+            "blocks follow model.hf_device_map, or pass a pool whose KVGeometry.layer_devices match it."
+        )
 
     # ------------------------------------------------------------------ the hot path
 
@@ -188,7 +217,10 @@ class PagedCache(Cache):
             )
         if self._expand_rows_on_next_forward:
             self._expand_matched_rows(batch)
-        slots = self.tables.slots_for(batch, layer.length, q_len)
+        if key_states.device != self.pool.layer_device(layer.index):
+            self._check_layer_device(layer.index, key_states.device)
+        self.tables.slots_for(batch, layer.length, q_len)
+        slots = self.tables.slots_on(key_states.device)  # one copy per device per step, not per layer
         self._write_tokens(layer, slots, key_states, value_states)
         layer.length += q_len
         if self.attention == "contiguous":
@@ -221,7 +253,7 @@ class PagedCache(Cache):
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as `[batch, kv_heads, length, head_dim]` for any attention implementation."""
         assert self.pool is not None and self.tables is not None
-        return self.pool.gather(layer.index, self.tables.tensor(), layer.length)
+        return self.pool.gather(layer.index, self.tables.tensor(self.pool.layer_device(layer.index)), layer.length)
 
     def _hand_view_to_attention(
         self,
@@ -242,7 +274,8 @@ class PagedCache(Cache):
                 "PagedCache(attention='paged') needs the model to pass its attention kwargs to cache.update "
                 "(transformers >= 5 models do); use attention='contiguous' with this model."
             )
-        view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], self.tables.tensor(), layer.length)
+        table = self.tables.tensor(self.pool.layer_device(layer.index))
+        view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], table, layer.length)
         attn_kwargs[PAGED_VIEW_KEY] = view
         self._pending_view = view
         return key_states, value_states

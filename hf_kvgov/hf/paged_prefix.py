@@ -9,6 +9,10 @@
 
 `match` always leaves at least one prompt token uncached: generate needs one to produce logits, and a
 cache holding the whole prompt would make it re-feed everything (see DESIGN.md).
+
+A cache that stores blocks differently (`QuantizedCache`) passes its own `namespace` (so that caches
+storing blocks differently never share one) and `sealed_from`: full-precision blocks from that column on
+are offered to the tree as sealed copies, so the tree holds codes while the cache keeps what it reads.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
 from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 if TYPE_CHECKING:
     from hf_kvgov.hf.paged_cache import PagedCache
@@ -30,11 +36,13 @@ def match(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int = 0,
+    namespace: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Put each row's longest cached prefix into this (empty) cache; return generate's inputs.
 
     Args:
         input_ids, attention_mask: long `[batch, length]`, left-padded as a tokenizer returns them.
+        namespace: the tree namespace to look in (default: `cache.namespace`).
     Returns:
         `{"input_ids", "attention_mask"}` to pass to `generate` (or the model) with this cache.
         When no row hits, these are the inputs unchanged.
@@ -43,7 +51,8 @@ def match(
     if cache.get_seq_length() or (cache.tables is not None and cache.tables.rows):
         raise ValueError("match() needs an empty cache; call it before generate, or reset() first.")
     rows = real_tokens(input_ids, attention_mask)
-    hits = [prefix.match(tokens, cache.namespace, max_tokens=len(tokens) - 1) for tokens in rows]
+    space = cache.namespace if namespace is None else namespace
+    hits = [prefix.match(tokens, space, max_tokens=len(tokens) - 1) for tokens in rows]
     cache._prefix_locks.extend(block for hit in hits for block in hit)
     plan = layouts(rows, [len(hit) * prefix.block_size for hit in hits])
     if not any(hits):
@@ -60,7 +69,11 @@ def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayo
     bs = cache.pool.block_size
     longest = max(row.cached for row in plan)
     pads = [(longest - row.cached) // bs for row in plan]
-    fresh = iter(cache.pool.allocate(sum(pads)))  # all-or-nothing, like every allocation
+    try:
+        fresh = iter(cache.pool.allocate(sum(pads)))  # all-or-nothing, like every allocation
+    except PoolExhausted:
+        cache.pool.decref([block for hit in hits for block in hit])  # no table holds them yet
+        raise
     cache.tables.rows = []
     for hit, count in zip(hits, pads, strict=True):
         pad_blocks = [next(fresh) for _ in range(count)]
@@ -73,7 +86,13 @@ def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayo
     cache._expand_rows_on_next_forward = True
 
 
-def publish(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+def publish(
+    cache: PagedCache,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    namespace: str | None = None,
+    sealed_from: int | None = None,
+) -> int:
     """Offer this cache's full blocks (prompt and generated tokens) to the prefix tree.
 
     Args:
@@ -82,6 +101,9 @@ def publish(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Te
         attention_mask: the prompt's mask, needed only when `match` was not called and the rows are
             left-padded: a row's blocks are published only up to its first padded slot, since
             blocks after padding hold keys at positions that differ from their slots.
+        namespace: the tree namespace to publish under (default: `cache.namespace`).
+        sealed_from: offer full-precision blocks from this block column on as sealed copies (the cache's
+            pool must be a `QuantizedBlockPool`); None offers every block as it is.
     Returns:
         The number of blocks offered.
     """
@@ -94,17 +116,63 @@ def publish(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Te
             f"got {sequences.shape[0]} (beam search returns only the best beams; publish those caches' "
             "rows before generate reorders them, or use one cache per request)."
         )
-    first_pads = _first_pads(cache, sequences, attention_mask)
     stored, offered = cache.get_seq_length(), 0
-    for row, sequence, first_pad in zip(cache.tables.rows, sequences, first_pads, strict=True):
-        tokens = publishable_tokens(sequence, stored, first_pad)
-        if len(tokens) < prefix.block_size:
-            continue
-        row.block_ids, locked = prefix.publish(tokens, row.block_ids, cache.namespace)
-        cache._prefix_locks.extend(locked)
-        offered += len(locked)
-    cache.tables._changed()
+    first_pads = _first_pads(cache, sequences, attention_mask)
+    pairs = zip(sequences, first_pads, strict=True)
+    rows = [publishable_tokens(sequence, stored, first_pad) for sequence, first_pad in pairs]
+    space = cache.namespace if namespace is None else namespace
+    copies = _swap_in_sealed_copies(cache, sealed_from, rows) if sealed_from is not None else []
+    try:
+        for row, tokens in zip(cache.tables.rows, rows, strict=True):
+            if len(tokens) < prefix.block_size:
+                continue
+            row.block_ids, locked = prefix.publish(tokens, row.block_ids, space)
+            cache._prefix_locks.extend(locked)
+            offered += len(locked)
+    finally:
+        _restore_full_precision(cache, copies)
+        cache.tables._changed()
     return offered
+
+
+# (row, block column, the row's own full-precision block) for each block offered as a sealed copy.
+_Copies = list[tuple[BlockTable, int, int]]
+
+
+def _swap_in_sealed_copies(cache: PagedCache, first_column: int, rows: list[list[int]]) -> _Copies:
+    """Put a sealed copy in each table in place of the full-precision blocks from `first_column` it publishes.
+
+    `rows` are the tokens each row publishes (its full blocks are offered).
+
+    Such blocks are the newest full ones (a quantized cache's residual window): the cache keeps reading them
+    in full precision, but the tree would otherwise hold them in full precision for as long as it caches
+    them, taking room in the capped full-precision part from the rows being computed, and each request
+    that matched them would seal its own copy. One encode here gives the tree codes that all requests share.
+    """
+    pool = cache.pool
+    assert isinstance(pool, QuantizedBlockPool) and cache.tables is not None, "sealed copies need a quantized pool"
+    spots = [
+        (row, c)
+        for row, tokens in zip(cache.tables.rows, rows, strict=True)
+        for c in range(first_column, len(tokens) // pool.block_size)
+        if not is_sealed(row.block_ids[c])
+    ]
+    kept = [row.block_ids[c] for row, c in spots]
+    pool.incref(kept)  # the reference `seal` moves to the copy; the row's own stays on its block
+    for (row, c), copy in zip(spots, pool.seal(kept), strict=True):
+        row.block_ids[c] = copy
+    return [(row, c, block) for (row, c), block in zip(spots, kept, strict=True)]
+
+
+def _restore_full_precision(cache: PagedCache, copies: _Copies) -> None:
+    """Give each row its own full-precision block back; the tree keeps its reference to the copy it cached."""
+    if not copies:
+        return
+    assert cache.pool is not None
+    offered = [row.block_ids[c] for row, c, _ in copies]
+    for row, c, block in copies:
+        row.block_ids[c] = block
+    cache.pool.decref(offered)
 
 
 def _first_pads(cache: PagedCache, sequences: torch.Tensor, mask: torch.Tensor | None) -> list[int | None]:

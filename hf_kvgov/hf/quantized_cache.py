@@ -22,10 +22,21 @@ forward briefly needs full-precision blocks for all of it; `generate(..., prefil
 that peak. `max_tokens` / `max_bytes` cap those full-precision blocks; sealed blocks are not capped.
 Known limit: the sink is the first block of every row, so a row with more than a block of left padding
 has its first real tokens quantized.
+
+Prefix sharing (`prefix=PrefixCache(pool)` on a `QuantizedBlockPool`, `match` / `publish` as PagedCache's):
+the tree holds each prefix's sink in full precision and its other blocks as codes, shared by every request
+that matches them. Sealing is deterministic, so a request served from the tree reads exactly what it would
+have read had it fed the matched prefix itself in one forward and the rest in the next (a chunked prefill
+at the match boundary). It is not bit-equal to a one-forward prefill of the whole prompt, whose suffix
+attends to the prefix in full precision during that step: the full-precision K/V of a sealed prefix no
+longer exist. For the same reason, with `residual` > 0 the newest matched blocks are served sealed where a
+cache computing them would still hold them in full precision. Caches sharing a tree share its pool, hence
+its formats; `sharing_namespace` keeps caches with other sink blocks apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -33,12 +44,14 @@ from typing import Any
 
 import torch
 
+from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer, PagedView
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.kernels import dispatch
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
@@ -95,6 +108,8 @@ class QuantizedCache(PagedCache):
         bits, fmt, residual, sink_blocks, full_precision_layers, group_size: see `QuantConfig`.
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
         pool: a `QuantizedBlockPool` shared by several caches with the same configuration.
+        prefix: a `PrefixCache` over such a pool (its pool is used); enables `match` and `publish`.
+        namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).
     """
 
     def __init__(
@@ -111,14 +126,20 @@ class QuantizedCache(PagedCache):
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
         attention: AttentionPath = "contiguous",
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         self.quant = QuantConfig(bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size)
         config = decoder_config(model_or_config)
         kv_heads, head_dim = kv_heads_and_head_dim(config)
-        size = pool.block_size if pool is not None else block_size
+        given = pool if pool is not None else prefix.pool if prefix is not None else None
+        size = given.block_size if given is not None else block_size
         self.quant.check_model(int(config.num_hidden_layers), kv_heads, head_dim, size)
-        self._sealed_columns = sink_blocks  # block columns [sink_blocks, _sealed_columns) are sealed in every row
-        super().__init__(model_or_config, block_size, max_tokens, max_bytes, pool, attention)
+        # Block columns [sink_blocks, _sealed_columns) are sealed in every row; columns past it may be sealed
+        # in some rows only (a matched prefix), so sealing checks each id.
+        self._sealed_columns = sink_blocks
+        super().__init__(model_or_config, block_size, max_tokens, max_bytes, pool, attention, prefix, namespace)
+        self.parts = dataclasses.replace(self.parts, codec=self.quant)
 
     # ------------------------------------------------------------------ pool
 
@@ -126,12 +147,14 @@ class QuantizedCache(PagedCache):
         formats = self.quant.formats(self.num_layers, dtype)
         pool = QuantizedBlockPool(self._geometry(dtype, device), formats, **self._pool_args)  # type: ignore[arg-type]
         self._adopt_pool(pool)
+        self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         if not isinstance(pool, QuantizedBlockPool):
             raise TypeError(
                 f"QuantizedCache stores sealed blocks in a QuantizedBlockPool; got a {type(pool).__name__}. "
-                "Pass a QuantizedBlockPool built with the same formats, or no pool."
+                "Pass a QuantizedBlockPool built with the same formats (as pool=, or as the pool of prefix=), "
+                "or no pool."
             )
         wanted = tuple(f.name for f in self.quant.formats(self.num_layers, pool.geometry.dtype))
         if pool.format_names != wanted:
@@ -177,7 +200,7 @@ class QuantizedCache(PagedCache):
         return gather_quantized(
             pool.keys[layer.index],
             pool.values[layer.index],
-            self.tables.tensor(),
+            self.tables.tensor(pool.layer_device(layer.index)),
             layer.length,
             self._reader(layer.index),
             pool.geometry.dtype,
@@ -220,13 +243,15 @@ class QuantizedCache(PagedCache):
         first = self._sealed_columns
         if ready <= first:
             return
-        columns = range(first, ready)
-        ids = [row.block_ids[c] for row in tables.rows for c in columns]
-        assert not any(is_sealed(b) for b in ids), "columns past the sealed frontier are full precision"
-        sealed = iter(pool.seal(ids))
-        for row in tables.rows:
-            for c in columns:
-                row.block_ids[c] = next(sealed)
+        # A row that matched a cached prefix may hold sealed blocks past the frontier already (they are the
+        # tree's, encoded by the request that published them); only its full-precision blocks are sealed.
+        # A full-precision block the tree also holds would be correct too: seal moves only this row's
+        # reference, so the tree keeps the full-precision block and the row gets a private sealed copy. The
+        # cost, both copies held and one encode per row that seals it, is why `publish` offers codes instead.
+        spots = [(row, c) for row in tables.rows for c in range(first, ready) if not is_sealed(row.block_ids[c])]
+        sealed = pool.seal([row.block_ids[c] for row, c in spots])
+        for (row, c), block in zip(spots, sealed, strict=True):
+            row.block_ids[c] = block
         tables._changed()  # the cached block-table tensor names the released full-precision blocks
         self._sealed_columns = ready
 
@@ -238,18 +263,51 @@ class QuantizedCache(PagedCache):
         if self.tables is None or self.pool is None:
             return
         length = self.get_seq_length()
-        bs = self.pool.block_size
-        whole = length // bs
-        if length % bs and self.quant.sink_blocks <= whole < self._sealed_columns:
+        whole = length // self.pool.block_size
+        if length % self.pool.block_size:
+            # Per row: a matched row may hold a sealed block where another row still has a full-precision one.
+            # Never a sink column: sinks are not sealed here, and a matched sink is a full-precision block.
             pool = self._quantized_pool
             for row in self.tables.rows:
-                row.block_ids[whole] = pool.unseal(row.block_ids[whole])
+                if is_sealed(row.block_ids[whole]):
+                    row.block_ids[whole] = pool.unseal(row.block_ids[whole])
             self.tables._changed()
         self._sealed_columns = max(self.quant.sink_blocks, min(self._sealed_columns, whole))
 
     def release(self) -> None:
         super().release()
         self._sealed_columns = self.quant.sink_blocks
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    @property
+    def sharing_namespace(self) -> str:
+        """The tree namespace of `match` / `publish`: `namespace` plus how this cache seals blocks.
+
+        Caches that seal differently (codec, value groups, layers in full precision, sink blocks) never
+        share a block; nor does a `PagedCache` on the same pool, which cannot read sealed blocks.
+        """
+        q = self.quant
+        layers = ",".join(map(str, q.full_precision_layers))
+        return f"{self.namespace}\x00sealed:{q.codec_name}:g={q.group_size}:fp=[{layers}]:sink={q.sink_blocks}"
+
+    def match(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """As `PagedCache.match`; the matched prefix is then sealed as if this cache had computed it."""
+        inputs = paged_prefix.match(self, input_ids, attention_mask, pad_token_id, namespace=self.sharing_namespace)
+        # A cache that computed the prefix would have sealed its ready blocks at the end of that step: rows'
+        # padding blocks (masked, zeroed) and any full-precision block past the sink that the tree holds
+        # (published without `publish`'s sealed copies). Sealing them before the prefill frees their
+        # full-precision memory before the prefill needs its own, and the suffix reads what that cache would.
+        self._seal_ready_blocks()
+        return inputs
+
+    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """As `PagedCache.publish`; full blocks still in full precision past the sink go to the tree sealed."""
+        return paged_prefix.publish(
+            self, sequences, attention_mask, namespace=self.sharing_namespace, sealed_from=self.quant.sink_blocks
+        )
 
     # ------------------------------------------------------------------ accounting
 

@@ -9,6 +9,13 @@ The tree's own reference keeps a cached block alive after every sequence using i
 pool's reclaimer hook evicts unlocked leaves (LRU) when an allocation would otherwise fail, and only
 then is a cached block's memory reused.
 
+Sealed blocks (a `QuantizedBlockPool`'s negative ids) are cached like any other. The tree takes ids
+>= 0 only, so this class folds the sealed ones above every id a pool can hand out (`tree_id` /
+`pool_id`); callers only ever see pool ids. A sealed block is not what the pool's allocator hands out,
+and in a quantized path it sits above its full-precision sink (the leaves are sealed, the first block
+is not): the reclaimer therefore keeps evicting, sealed leaves included, until the allocator has the
+full-precision blocks it asked for, or nothing is left to evict.
+
 Locking: the tree and the pool each have one lock, and they are only ever nested in the order
 pool -> tree: the pool calls the reclaimer with its lock held, and the reclaimer takes the tree's lock.
 Every other path takes the tree's lock, releases it, and only then takes the pool's. Blocks found by
@@ -25,6 +32,28 @@ from dataclasses import dataclass
 from hf_kvgov.prefix.radix_tree import RadixTree
 from hf_kvgov.prefix.results import PrefixCacheStats
 from hf_kvgov.storage.pool import BlockPool
+
+# Tree ids at and above this stand for sealed blocks: sealed entry e < 0 is tree id SEALED_BASE - 1 - e.
+# No pool reaches 2**62 full-precision blocks, so the two ranges never meet.
+SEALED_BASE = 1 << 62
+
+
+def tree_id(block_id: int) -> int:
+    """The tree's (non-negative) id for a pool block-table entry, sealed (< 0) or not."""
+    return SEALED_BASE - 1 - block_id if block_id < 0 else block_id
+
+
+def pool_id(tree_block_id: int) -> int:
+    """The pool's block-table entry for a tree id (inverse of `tree_id`)."""
+    return SEALED_BASE - 1 - tree_block_id if tree_block_id >= SEALED_BASE else tree_block_id
+
+
+def _tree_ids(block_ids: Sequence[int]) -> list[int]:
+    return [tree_id(int(b)) for b in block_ids]
+
+
+def _pool_ids(tree_block_ids: Sequence[int]) -> list[int]:
+    return [pool_id(b) for b in tree_block_ids]
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,7 @@ class PrefixCache:
         it must give both back: `pool.decref` through its table, and `unlock` when it is done.
         """
         found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True)
-        ids = list(found.block_ids)
+        ids = _pool_ids(found.block_ids)
         self.pool.incref(ids)
         return ids
 
@@ -78,30 +107,43 @@ class PrefixCache:
         returned list: the caller swaps its table entry, so the same KV is stored once.
         """
         full = len(token_ids) // self.block_size
-        offered = block_ids[:full]
+        offered = _tree_ids(block_ids[:full])
         result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
-        self.pool.incref(result.adopted)  # the tree's own reference
+        self.pool.incref(_pool_ids(result.adopted))  # the tree's own reference
         swapped = list(block_ids)
-        for caller_id, tree_id in result.duplicates:
+        for caller_id, cached_id in result.duplicates:
             index = offered.index(caller_id)
-            self.pool.incref([tree_id])
-            self.pool.decref([caller_id])
-            swapped[index] = tree_id
-        return swapped, list(result.block_ids)
+            self.pool.incref([pool_id(cached_id)])
+            self.pool.decref([pool_id(caller_id)])
+            swapped[index] = pool_id(cached_id)
+        return swapped, _pool_ids(result.block_ids)
 
     def unlock(self, block_ids: Sequence[int]) -> None:
         if block_ids:
-            self.tree.unlock(block_ids)
+            self.tree.unlock(_tree_ids(block_ids))
 
-    def _reclaim(self, wanted: int) -> int:
-        """Pool hook: evict up to `wanted` unlocked cached blocks and give their references back."""
-        evicted = self.tree.evict(wanted)
+    def _evict(self, wanted: int) -> int:
+        """Evict up to `wanted` unlocked cached blocks (LRU leaves first), give their references back."""
+        evicted = _pool_ids(self.tree.evict(wanted))
         self.pool.decref(evicted)
         return len(evicted)
 
+    def _reclaim(self, wanted: int) -> int:
+        """Pool hook: evict until `wanted` more of the pool's allocatable blocks are free; returns how many are.
+
+        Runs with the pool's lock held (see the module docstring), so `num_used` cannot move under it. An
+        evicted block may free nothing the allocator hands out (a sealed block, or one a sequence still
+        holds), hence the loop rather than one `evict(wanted)`.
+        """
+        used = self.pool.num_used
+        while used - self.pool.num_used < wanted:
+            if not self._evict(wanted - (used - self.pool.num_used)):
+                break
+        return used - self.pool.num_used
+
     def clear(self) -> int:
         """Evict every unlocked cached block; returns how many were evicted."""
-        return self._reclaim(len(self.tree))
+        return self._evict(len(self.tree))
 
     def close(self) -> None:
         """Detach from the pool (cached blocks stay allocated until `clear`)."""

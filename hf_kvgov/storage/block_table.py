@@ -7,6 +7,9 @@ only on `truncate` (rollback of speculative tokens) and `release`.
 Invariant that makes sharing safe: a block referenced by more than one table (or by the prefix cache) is
 never written. Before a write touches an existing block, `prepare_write` replaces a shared block by a
 private copy (copy-on-write). Beam search and `num_return_sequences` fork tables, sharing every block.
+
+Several devices (layers split over accelerators): the ids are the same for every layer, so `BlockTables`
+keeps one copy of its table tensor and slots per device, made once when they change, not per layer per step.
 """
 
 from __future__ import annotations
@@ -104,25 +107,32 @@ class BlockTables:
         self.pool = pool
         self.rows: list[BlockTable] = []
         self.num_tokens = 0
-        self._tensor: torch.Tensor | None = None
+        self._tensors: dict[torch.device, torch.Tensor] = {}  # the table, per device it was asked on
         self._slots_key: tuple[int, int, int] | None = None
         self._slots: torch.Tensor | None = None
+        self._slot_copies: dict[torch.device, torch.Tensor] = {}  # `_slots` on other devices
 
     @property
     def batch_size(self) -> int:
         return len(self.rows)
 
     def _changed(self) -> None:
-        self._tensor = None
+        self._tensors.clear()
         self._slots_key = None
 
-    def tensor(self) -> torch.Tensor:
-        """Block ids as long `[batch, max_blocks]` on the pool's device (cached until tables change)."""
-        if self._tensor is None:
+    def tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """Block ids as long `[batch, max_blocks]` on `device` (default: the pool's), cached until tables change.
+
+        Pass the device of the layer that reads the table (`pool.layer_device(layer)`): each device gets one
+        copy per change of the tables, however many layers read it.
+        """
+        device = self.pool.geometry.device if device is None else torch.device(device)
+        table = self._tensors.get(device)
+        if table is None:
             width = max((len(row) for row in self.rows), default=0)
             ids = [row.block_ids + [0] * (width - len(row)) for row in self.rows]
-            self._tensor = torch.tensor(ids, dtype=torch.long, device=self.pool.geometry.device)
-        return self._tensor
+            table = self._tensors[device] = torch.tensor(ids, dtype=torch.long, device=device)
+        return table
 
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         """Slots for token positions [start, start + count) of every row, allocating as needed.
@@ -152,7 +162,19 @@ class BlockTables:
         table = self.tensor()
         slots = table[:, positions // bs] * bs + positions % bs
         self._slots_key, self._slots = (start, count, self.pool.version), slots.reshape(-1)
+        self._slot_copies.clear()
         return self._slots
+
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """The slots of the latest `slots_for` call on `device` (one copy per device, shared by its layers)."""
+        assert self._slots is not None, "slots_on follows a slots_for call"
+        device = torch.device(device)
+        if device == self._slots.device:
+            return self._slots
+        copy = self._slot_copies.get(device)
+        if copy is None:
+            copy = self._slot_copies[device] = self._slots.to(device)
+        return copy
 
     def reorder(self, indices: Sequence[int]) -> None:
         """Rows become `rows[i] for i in indices` (beam search, repeat, select), sharing blocks."""

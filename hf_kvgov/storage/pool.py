@@ -11,6 +11,10 @@ Memory layout, per layer (the layout flash-attn's paged kernel reads, so no conv
 Everything else in hf_kvgov holds block ids. A block's metadata is a reference count; the free list is a
 FIFO queue, so a freed block is reused last (the order the prefix cache later relies on for LRU).
 
+Several devices: each layer's tensors live on that layer's device (`KVGeometry.layer_devices`, a model
+split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
+arrive elsewhere raises, and only index tensors (slots, block tables) are copied between devices.
+
 Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
 Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
 (copy-on-write guarantees that), and shared blocks are immutable.
@@ -22,39 +26,17 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.storage.geometry import KVGeometry, check_on_device, index_per_layer
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GROWTH_BLOCKS", "BlockPool", "KVGeometry", "PoolStats", "Reclaimer"]
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GROWTH_BLOCKS = 64
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """Shape of the KV of one group of layers that share a pool."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVGeometry.{name} must be a positive int; got {value!r}.")
-        if not self.dtype.is_floating_point:
-            raise TypeError(f"KVGeometry.dtype must be a floating-point torch dtype; got {self.dtype}.")
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes of K and V for one token across all layers of the group."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
 @dataclass(frozen=True)
@@ -78,7 +60,8 @@ class BlockPool:
     """Fixed-size KV blocks with reference counts, copy-on-write and growth up to an optional cap.
 
     Args:
-        geometry: layers, KV heads, head dim, dtype and device of the blocks.
+        geometry: layers, KV heads, head dim, dtype and device(s) of the blocks (one device per layer when
+            `geometry.layer_devices` is set).
         block_size: tokens per block (any positive int; flash-attn 2 needs a multiple of 256).
         max_tokens / max_bytes: optional cap on the pool's size (at most one). Asking for more blocks than
             the cap allows raises `PoolExhausted`; nothing is ever overwritten.
@@ -115,8 +98,12 @@ class BlockPool:
         self._free: deque[int] = deque()
         self._reclaimers: list[Reclaimer] = []
         self._version = 0
+        self._written = [False] * geometry.num_layers  # a layer that never stored K/V may still be placed
         shape = (0, block_size, geometry.num_kv_heads, geometry.head_dim)
-        empty = [torch.empty(shape, dtype=geometry.dtype, device=geometry.device) for _ in range(geometry.num_layers)]
+        empty = [
+            torch.empty(shape, dtype=geometry.dtype, device=geometry.layer_device(layer))
+            for layer in range(geometry.num_layers)
+        ]
         self.keys: list[torch.Tensor] = empty
         self.values: list[torch.Tensor] = [t.clone() for t in empty]
         if preallocate:
@@ -217,8 +204,9 @@ class BlockPool:
         g = self.geometry
         shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
         for layer in range(g.num_layers):
-            self.keys[layer] = _extended(self.keys[layer] if start else None, shape, g)
-            self.values[layer] = _extended(self.values[layer] if start else None, shape, g)
+            device = g.layer_device(layer)
+            self.keys[layer] = _extended(self.keys[layer] if start else None, shape, g.dtype, device)
+            self.values[layer] = _extended(self.values[layer] if start else None, shape, g.dtype, device)
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
 
@@ -273,10 +261,9 @@ class BlockPool:
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
         """Clear blocks of every layer (used for padding blocks, which are masked but must stay finite)."""
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.geometry.device)
-        for layer in range(self.geometry.num_layers):
-            self.keys[layer].index_fill_(0, ids, 0)
-            self.values[layer].index_fill_(0, ids, 0)
+        for layer, index in enumerate(index_per_layer(block_ids, self.geometry)):
+            self.keys[layer].index_fill_(0, index, 0)
+            self.values[layer].index_fill_(0, index, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         for layer in range(self.geometry.num_layers):
@@ -289,29 +276,75 @@ class BlockPool:
         """Store tokens into slots of one layer.
 
         Args:
-            slots: long `[n]`, slot = block_id * block_size + offset.
-            keys, values: `[n, num_kv_heads, head_dim]`.
+            slots: long `[n]`, slot = block_id * block_size + offset (copied to the layer's device if elsewhere;
+                callers on a hot path pass them there, see `BlockTables.slots_on`).
+            keys, values: `[n, num_kv_heads, head_dim]` on the layer's device.
+        Raises:
+            ValueError: `keys` or `values` are on another device than the layer's blocks.
         """
         g = self.geometry
+        target = self.keys[layer]
+        check_on_device(layer, target.device, "keys", keys)
+        check_on_device(layer, target.device, "values", values)
         flat_shape = (-1, g.num_kv_heads, g.head_dim)
-        self.keys[layer].view(flat_shape).index_copy_(0, slots, keys.to(g.dtype))
+        slots = slots if slots.device == target.device else slots.to(target.device)
+        target.view(flat_shape).index_copy_(0, slots, keys.to(g.dtype))
         self.values[layer].view(flat_shape).index_copy_(0, slots, values.to(g.dtype))
+        self._written[layer] = True
 
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V of the first `length` tokens of each row.
 
         Args:
-            block_table: long `[batch, num_blocks]`, with num_blocks * block_size >= length.
+            block_table: long `[batch, num_blocks]`, with num_blocks * block_size >= length; best on the layer's
+                device (`BlockTables.tensor(device)`), else it is copied there.
         Returns:
-            keys, values: `[batch, num_kv_heads, length, head_dim]` (a transposed view of a fresh copy).
+            keys, values: `[batch, num_kv_heads, length, head_dim]` on the layer's device (a transposed view of a
+            fresh copy).
         """
         batch, num_blocks = block_table.shape
         g = self.geometry
+        if block_table.device != self.keys[layer].device:
+            block_table = block_table.to(self.keys[layer].device)
         # index_select on the flattened table copies whole blocks ~3x faster on CPU than advanced indexing.
         shape = (batch, num_blocks * self.block_size, g.num_kv_heads, g.head_dim)
         keys = self.keys[layer].index_select(0, block_table.reshape(-1)).view(shape)[:, :length].transpose(1, 2)
         values = self.values[layer].index_select(0, block_table.reshape(-1)).view(shape)[:, :length].transpose(1, 2)
         return keys, values
+
+    # ------------------------------------------------------------------ placement
+
+    def layer_device(self, layer: int) -> torch.device:
+        """The device holding layer `layer`'s blocks (the device its tensors report)."""
+        return self.keys[layer].device
+
+    def is_written(self, layer: int) -> bool:
+        """True once K/V were written to layer `layer` (from then on it can no longer be placed)."""
+        return self._written[layer]
+
+    def place_layer(self, layer: int, device: torch.device) -> None:
+        """Put layer `layer`'s blocks on `device` before the layer has stored anything.
+
+        For a cache that learns each layer's device from the first K/V the layer stores: until then the
+        layer's blocks hold only the zeros they were allocated with, so placing them moves no data.
+
+        Raises:
+            ValueError: the layer already holds K/V (moving those would copy blocks across devices).
+        """
+        device = torch.device(device)
+        with self._lock:
+            if self._written[layer]:
+                raise ValueError(
+                    f"Layer {layer} already stores K/V on {self.keys[layer].device}; the pool does not move blocks "
+                    f"between devices, so it cannot place the layer on {device} now."
+                )
+            self._place_tensors(layer, device)
+            self.geometry = self.geometry.with_layer_device(layer, device)
+
+    def _place_tensors(self, layer: int, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self.keys[layer] = torch.zeros_like(self.keys[layer], device=device)
+            self.values[layer] = torch.zeros_like(self.values[layer], device=device)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -333,14 +366,16 @@ class BlockPool:
             return tuple(self._free)
 
 
-def _extended(old: torch.Tensor | None, extra_shape: tuple[int, ...], geometry: KVGeometry) -> torch.Tensor:
+def _extended(
+    old: torch.Tensor | None, extra_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``old`` followed by ``extra_shape[0]`` zeroed blocks, written once (no separate zeros tensor + cat).
 
     New blocks are zeroed, not left uninitialised: attention reads whole blocks and masks the unwritten
     slots, and a NaN bit pattern there would survive the mask (0 x NaN is NaN).
     """
     kept = 0 if old is None else old.shape[0]
-    grown = torch.empty((kept + extra_shape[0], *extra_shape[1:]), dtype=geometry.dtype, device=geometry.device)
+    grown = torch.empty((kept + extra_shape[0], *extra_shape[1:]), dtype=dtype, device=device)
     if old is not None:
         grown[:kept].copy_(old)
     grown[kept:].zero_()

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 from hf_kvgov.storage.sealed_formats import SealedFormat
 from hf_kvgov.storage.sealed_store import DEFAULT_SEALED_GROWTH, SealedBlockStore, SealedStats
@@ -86,8 +87,9 @@ class QuantizedBlockPool(BlockPool):
                 f"A QuantizedBlockPool needs one SealedFormat per layer ({geometry.num_layers}); got {len(formats)}."
             )
         super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate)
+        devices = [geometry.layer_device(layer) for layer in range(geometry.num_layers)]
         self.sealed = SealedBlockStore(
-            formats, block_size, geometry.num_kv_heads, geometry.head_dim, geometry.device, sealed_growth_blocks
+            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks
         )
 
     @property
@@ -157,10 +159,9 @@ class QuantizedBlockPool(BlockPool):
             return [sealed_ref(sealed_of[i]) for i in ids]
 
     def _encode(self, full_ids: list[int], slots: list[int]) -> None:
-        device = self.geometry.device
-        source = torch.tensor(full_ids, dtype=torch.long, device=device)
-        target = torch.tensor(slots, dtype=torch.long, device=device)
-        for layer in range(self.geometry.num_layers):
+        sources = index_per_layer(full_ids, self.geometry)
+        targets = index_per_layer(slots, self.geometry)
+        for layer, (source, target) in enumerate(zip(sources, targets, strict=True)):
             self.sealed.write(layer, target, self.keys[layer][source], self.values[layer][source])
 
     def unseal(self, block_id: int) -> int:
@@ -184,11 +185,16 @@ class QuantizedBlockPool(BlockPool):
         if not is_sealed(src):
             super().copy_block(src, dst)
             return
-        slot = torch.tensor([sealed_id_of(src)], dtype=torch.long, device=self.geometry.device)
-        for layer in range(self.geometry.num_layers):
+        for layer, slot in enumerate(index_per_layer([sealed_id_of(src)], self.geometry)):
             keys, values = self.sealed.read(layer, slot, self.geometry.dtype)
             self.keys[layer][dst].copy_(keys[0])
             self.values[layer][dst].copy_(values[0])
+
+    def place_layer(self, layer: int, device: torch.device) -> None:
+        """As `BlockPool.place_layer`; the layer's sealed pieces follow (nothing of it is sealed yet)."""
+        with self._lock:
+            super().place_layer(layer, device)
+            self.sealed.place_layer(layer, device)
 
     # ------------------------------------------------------------------ data
 

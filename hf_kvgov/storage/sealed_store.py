@@ -11,7 +11,8 @@ Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (i
 
     sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
 
-Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`). Metadata
+Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
+different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
 mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
 `QuantizedBlockPool`, calls it under the pool's lock.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
@@ -28,6 +30,9 @@ from torch import Tensor
 from hf_kvgov.storage.sealed_formats import SealedFormat
 
 DEFAULT_SEALED_GROWTH = 64
+
+# One device for every layer, or one per layer.
+Placement: TypeAlias = torch.device | Sequence[torch.device]
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class SealedBlockStore:
     Args:
         formats: one format per layer.
         block_size, num_kv_heads, head_dim: the block geometry (as the pool's).
-        device: where the pieces live.
+        device: where the pieces live: one device, or one per layer (layer l's pieces on `device[l]`).
         growth_blocks: blocks added per growth step (the store at least doubles).
     """
 
@@ -55,7 +60,7 @@ class SealedBlockStore:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        device: torch.device,
+        device: Placement,
         growth_blocks: int = DEFAULT_SEALED_GROWTH,
     ) -> None:
         if not formats:
@@ -64,12 +69,13 @@ class SealedBlockStore:
             raise ValueError(f"growth_blocks must be positive; got {growth_blocks}.")
         self.formats = tuple(formats)
         self.block_size = block_size
-        self.device = device
+        self.devices = _per_layer(device, len(self.formats))
+        self.device = self.devices[0]
         self._growth = growth_blocks
         self._layouts = [f.layout(block_size, num_kv_heads, head_dim) for f in self.formats]
         self.pieces: list[dict[str, Tensor]] = [
-            {name: torch.empty((0, *shape), dtype=dtype, device=device) for name, (shape, dtype) in layout.items()}
-            for layout in self._layouts
+            {name: torch.empty((0, *shape), dtype=dtype, device=where) for name, (shape, dtype) in layout.items()}
+            for layout, where in zip(self._layouts, self.devices, strict=True)
         ]
         self._ref: list[int] = []
         self._free: deque[int] = deque()
@@ -104,12 +110,20 @@ class SealedBlockStore:
 
     def _grow(self, extra: int) -> None:
         start = self.capacity
-        for layer, layout in enumerate(self._layouts):
-            for name, (shape, dtype) in layout.items():
-                fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.device)
-                self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
+        # As in BlockPool: tensors created under torch.inference_mode() could not take in-place writes later.
+        with torch.inference_mode(False):
+            for layer, layout in enumerate(self._layouts):
+                for name, (shape, dtype) in layout.items():
+                    fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.devices[layer])
+                    self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
+
+    def place_layer(self, layer: int, device: torch.device) -> None:
+        """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros)."""
+        self.devices[layer] = torch.device(device)
+        self.device = self.devices[0]
+        self.pieces[layer] = {name: torch.zeros_like(t, device=device) for name, t in self.pieces[layer].items()}
 
     def check_live(self, sealed_ids: Iterable[int], action: str) -> list[int]:
         """Validate every id (counting repeats when freeing) before anything changes."""
@@ -145,13 +159,16 @@ class SealedBlockStore:
     # ------------------------------------------------------------------ data
 
     def write(self, layer: int, sealed_ids: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Encode `keys`, `values` `[n, block_size, H, D]` into sealed ids long `[n]` of one layer."""
+        """Encode `keys`, `values` `[n, block_size, H, D]` into sealed ids long `[n]` of one layer.
+
+        All three are on the layer's device (`devices[layer]`).
+        """
         for name, piece in self.formats[layer].encode(keys, values).items():
             # Item assignment rather than index_copy_: the latter has no CPU kernel for float8 codes.
             self.pieces[layer][name][sealed_ids] = piece
 
     def read(self, layer: int, sealed_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Decoded keys, values `[n, block_size, H, D]` of `dtype` for sealed ids long `[n]`."""
+        """Decoded keys, values `[n, block_size, H, D]` of `dtype` for sealed ids long `[n]`, on the layer's device."""
         pieces = {name: t[sealed_ids] for name, t in self.pieces[layer].items()}
         return self.formats[layer].decode(pieces, dtype)
 
@@ -163,3 +180,14 @@ class SealedBlockStore:
             bytes_used=self.num_used * self.bytes_per_block,
             bytes_reserved=self.capacity * self.bytes_per_block,
         )
+
+
+def _per_layer(device: Placement, num_layers: int) -> list[torch.device]:
+    if isinstance(device, (torch.device, str)):
+        return [torch.device(device)] * num_layers
+    devices = [torch.device(d) for d in device]
+    if len(devices) != num_layers:
+        raise ValueError(
+            f"A sealed store on several devices needs one device per layer ({num_layers}); got {len(devices)}."
+        )
+    return devices

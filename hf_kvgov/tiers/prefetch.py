@@ -14,6 +14,9 @@ are read when their layer asks (counted as on demand). On CUDA the rows are pinn
 copy stream moves each run to device rows as soon as it is read; the consumer only orders its stream
 after that copy's event.
 
+Several devices (a model split over accelerators): each device has its own rows, an equal share of the
+buffer, so a layer's blocks are read ahead into memory on the device of the layer that reads them.
+
 Correctness never depends on the thread: a read ahead that failed for any reason (its block freed
 meanwhile, damage, a lost file) is redone by the consumer, on its own thread, which then raises the
 real error.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,16 +38,60 @@ from hf_kvgov.tiers.kv_segments import byte_view
 
 _POLL_S = 1.0  # how often a waiting consumer checks that the reader thread is still alive
 
+DeviceOf = Callable[[int], torch.device]  # layer -> the device its reader wants the blocks on
+
+
+@dataclass(eq=False)
+class _Rows:
+    """The read-ahead rows of one device: host rows (pinned for CUDA) and, on CUDA, their device copies."""
+
+    device: torch.device
+    capacity: int
+    host: list[torch.Tensor] | None = None  # per part: [capacity, part bytes]
+    staged: list[torch.Tensor] | None = None  # CUDA: device copies of the host rows
+    stream: Any = None
+    last_h2d: Any = None  # CUDA: the latest host-to-device copy (host rows reusable after it)
+    last_take: Any = None  # CUDA: the consumer's latest copy out of device rows
+    head: int = 0  # rows are handed out from head; back to 0 whenever all are free
+    in_use: int = 0
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    def allocate(self, part_bytes: tuple[int, ...]) -> None:
+        shapes = [(self.capacity, size) for size in part_bytes]
+        self.host = [torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda) for shape in shapes]
+        if self.cuda:
+            self.staged = [torch.empty(shape, dtype=torch.uint8, device=self.device) for shape in shapes]
+            self.stream = torch.cuda.Stream(self.device)
+
+    @property
+    def source(self) -> list[torch.Tensor] | None:
+        """The rows a consumer copies from: on the device."""
+        return self.staged if self.cuda else self.host
+
+    def claim(self) -> int:
+        self.head += 1
+        self.in_use += 1
+        return self.head - 1
+
+    def release(self) -> None:
+        self.in_use -= 1
+        if self.in_use == 0:
+            self.head = 0
+
 
 @dataclass(eq=False)
 class _Entry:
     row: int
+    rows: _Rows
     state: str = "pending"  # -> "ready" | "failed"
     cancelled: bool = False  # nobody will take it: the reader releases the row when done
     event: Any = None  # CUDA: the host-to-device copy of its run
 
 
-Job = tuple[int, list[tuple[int, _Entry]]]  # (layer, [(handle, entry)]) on consecutive rows
+Job = tuple[int, _Rows, list[tuple[int, _Entry]]]  # (layer, its device's rows, [(handle, entry)] on consecutive rows)
 
 
 class LayerPrefetcher:
@@ -51,24 +99,20 @@ class LayerPrefetcher:
 
     Args:
         tier: where the blocks are.
-        buffer_bytes: memory for read-ahead rows (rounded down to whole segments); 0 disables it.
-        device: where `take` writes (the pool's device).
+        buffer_bytes: memory for read-ahead rows (rounded down to whole segments, split evenly between the
+            devices the layers are on); 0 disables it.
+        device: where `take` writes: one device (the pool's), or a function from layer to its device,
+            asked when the rows are first needed.
     """
 
-    def __init__(self, tier: DiskTier, buffer_bytes: int, device: torch.device) -> None:
+    def __init__(self, tier: DiskTier, buffer_bytes: int, device: torch.device | str | DeviceOf) -> None:
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0; got {buffer_bytes}.")
         self.tier = tier
         self.part_bytes = tier.layout.part_bytes
         self.capacity = buffer_bytes // tier.layout.segment_bytes
-        self.device = torch.device(device)
-        self._cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self._host: list[torch.Tensor] | None = None  # per part: [capacity, part bytes]
-        self._staged: list[torch.Tensor] | None = None  # CUDA: device copies of the host rows
-        self._stream: Any = None
-        self._last_h2d: Any = None  # CUDA: the latest host-to-device copy (host rows reusable after it)
-        self._last_take: Any = None  # CUDA: the consumer's latest copy out of device rows
-        self._head = self._in_use = 0  # rows are handed out from _head; back to 0 whenever all are free
+        self._device_of: DeviceOf = device if callable(device) else _always(torch.device(device))
+        self._rows: dict[torch.device, _Rows] | None = None  # per device, allocated on the first request
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._cond = threading.Condition()
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -78,23 +122,26 @@ class LayerPrefetcher:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of read-ahead rows allocated on the pool's device (0 until the first request)."""
-        rows = self._staged if self._cuda else self._host
-        return 0 if rows is None else sum(part.numel() for part in rows)
+        """Bytes of read-ahead rows allocated on the layers' devices (0 until the first request)."""
+        sources = [rows.source for rows in (self._rows or {}).values()]
+        return sum(part.numel() for source in sources if source is not None for part in source)
 
-    def _allocate(self) -> None:
-        if self._host is not None:
-            return
-        shapes = [(self.capacity, size) for size in self.part_bytes]
-        self._host = [torch.empty(shape, dtype=torch.uint8, pin_memory=self._cuda) for shape in shapes]
-        if self._cuda:
-            self._staged = [torch.empty(shape, dtype=torch.uint8, device=self.device) for shape in shapes]
-            self._stream = torch.cuda.Stream(self.device)
+    @property
+    def _host(self) -> list[torch.Tensor] | None:
+        """Every device's host rows (None before the first request)."""
+        if self._rows is None:
+            return None
+        return [part for rows in self._rows.values() for part in rows.host or []]
 
-    def _release_row(self) -> None:
-        self._in_use -= 1
-        if self._in_use == 0:
-            self._head = 0
+    def _rows_of(self, layer: int) -> _Rows | None:
+        """Layer `layer`'s device's rows, allocated with every device's on the first call."""
+        if self._rows is None:
+            layers = range(self.tier.layout.layers)
+            devices = list(dict.fromkeys(torch.device(self._device_of(layer)) for layer in layers))
+            self._rows = {device: _Rows(device, self.capacity // len(devices)) for device in devices}
+            for rows in self._rows.values():
+                rows.allocate(self.part_bytes)
+        return self._rows.get(torch.device(self._device_of(layer)))
 
     # ------------------------------------------------------------------ the consumer's side
 
@@ -104,19 +151,17 @@ class LayerPrefetcher:
             return
         todo: list[tuple[int, _Entry]] = []
         with self._cond:
-            self._allocate()
+            rows = self._rows_of(layer)  # None: the layer moved to a device that has no rows
             for handle in handles:
-                if self._head == self.capacity:
+                if rows is None or rows.head == rows.capacity:
                     break
                 if (handle, layer) not in self._entries:
-                    entry = _Entry(self._head)
-                    self._head += 1
-                    self._in_use += 1
+                    entry = _Entry(rows.claim(), rows)
                     self._entries[(handle, layer)] = entry
                     todo.append((handle, entry))
-        if todo:
+        if todo and rows is not None:
             self._start_thread()
-            self._jobs.put((layer, todo))
+            self._jobs.put((layer, rows, todo))
 
     def take(self, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
         """Write layer `layer` of block `handles[i]` into row i of `outs`, verified.
@@ -140,7 +185,7 @@ class LayerPrefetcher:
             self._copy_ready(found, parts)
             for entry in found:
                 if entry is not None:
-                    self._release_row()
+                    entry.rows.release()
             self._cancel([key for key in self._entries if key[1] == layer])  # read ahead for blocks gone since
         missing = [i for i, entry in enumerate(found) if entry is None or entry.state != "ready"]
         if missing:
@@ -156,28 +201,30 @@ class LayerPrefetcher:
 
     def _copy_ready(self, found: list[_Entry | None], parts: list[torch.Tensor]) -> None:
         """Copy runs of ready entries on consecutive rows with one copy per part."""
-        rows = self._staged if self._cuda else self._host
-        if rows is None:
-            return
-        stream = torch.cuda.current_stream(self.device) if self._cuda else None
         i = 0
         while i < len(found):
             entry = found[i]
-            if entry is None or entry.state != "ready":
+            if entry is None or entry.state != "ready" or entry.rows.source is None:
                 i += 1
                 continue
             stop = i + 1
-            while stop < len(found) and _continues(found[stop], entry.row + stop - i):
+            while stop < len(found) and _continues(found[stop], entry, stop - i):
                 stop += 1
-            if stream is not None:
-                for event in {id(e.event): e.event for e in found[i:stop] if e is not None}.values():
-                    stream.wait_event(event)
-            for part, source in zip(parts, rows, strict=True):
-                part[i:stop].copy_(source[entry.row : entry.row + stop - i], non_blocking=True)
+            self._copy_run(entry.rows, found[i:stop], [part[i:stop] for part in parts])
             i = stop
+
+    def _copy_run(self, rows: _Rows, run: list[_Entry | None], parts: list[torch.Tensor]) -> None:
+        first = run[0]
+        assert first is not None and rows.source is not None
+        stream = torch.cuda.current_stream(rows.device) if rows.cuda else None
         if stream is not None:
-            self._last_take = torch.cuda.Event()
-            self._last_take.record(stream)
+            for event in {id(e.event): e.event for e in run if e is not None}.values():
+                stream.wait_event(event)
+        for part, source in zip(parts, rows.source, strict=True):
+            part.copy_(source[first.row : first.row + len(run)], non_blocking=True)
+        if stream is not None:
+            rows.last_take = torch.cuda.Event()
+            rows.last_take.record(stream)
 
     def _read_now(self, layer: int, handles: list[int], parts: list[torch.Tensor], rows: list[int]) -> None:
         """Read handles[j] into row rows[j] of every part: one tier read per run of consecutive rows."""
@@ -192,7 +239,8 @@ class LayerPrefetcher:
         if parts[0].device.type == "cpu":
             self.tier.read(layer, handles, [byte_view(part) for part in parts])
             return
-        host = [torch.empty(part.shape, dtype=torch.uint8, pin_memory=self._cuda) for part in parts]
+        pinned = parts[0].device.type == "cuda"
+        host = [torch.empty(part.shape, dtype=torch.uint8, pin_memory=pinned) for part in parts]
         self.tier.read(layer, handles, [byte_view(part) for part in host])
         for part, staged in zip(parts, host, strict=True):
             part.copy_(staged)
@@ -203,7 +251,7 @@ class LayerPrefetcher:
             if entry.state == "pending":
                 entry.cancelled = True
             else:
-                self._release_row()
+                entry.rows.release()
 
     def clear(self) -> None:
         """Forget everything read ahead (after a reset, a crop, a reorder)."""
@@ -219,8 +267,7 @@ class LayerPrefetcher:
                 self._thread.join()
             self._thread = None
         with self._cond:
-            self._host = self._staged = self._stream = None
-            self._head = self._in_use = 0
+            self._rows = None  # devices are asked again on the next request
 
     # ------------------------------------------------------------------ the reader thread
 
@@ -231,44 +278,49 @@ class LayerPrefetcher:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            layer, todo = job
-            loaded = self._load(layer, todo)
+            layer, rows, todo = job
+            loaded = self._load(layer, rows, todo)
             with self._cond:
                 for _, entry in todo:
                     if entry.cancelled:
-                        self._release_row()
+                        rows.release()
                     else:
                         entry.state = "ready" if loaded else "failed"
                 self._cond.notify_all()
 
-    def _load(self, layer: int, todo: list[tuple[int, _Entry]]) -> bool:
-        host = self._host
+    def _load(self, layer: int, rows: _Rows, todo: list[tuple[int, _Entry]]) -> bool:
+        host = rows.host
         assert host is not None
         try:
-            if self._last_h2d is not None:  # host rows may still be on their way to the device
-                self._last_h2d.synchronize()
+            if rows.last_h2d is not None:  # host rows may still be on their way to the device
+                rows.last_h2d.synchronize()
             first, stop = todo[0][1].row, todo[-1][1].row + 1  # a job's rows are consecutive
             self.tier.read(layer, [handle for handle, _ in todo], [byte_view(part[first:stop]) for part in host])
-            if self._cuda:
-                self._stage(todo)
+            if rows.cuda:
+                self._stage(rows, todo)
             return True
         except Exception:  # redone by the consumer, which raises the real error on its own thread
             return False
 
-    def _stage(self, todo: list[tuple[int, _Entry]]) -> None:
-        assert self._host is not None and self._staged is not None
+    def _stage(self, rows: _Rows, todo: list[tuple[int, _Entry]]) -> None:
+        assert rows.host is not None and rows.staged is not None
         first, stop = todo[0][1].row, todo[-1][1].row + 1  # a job's rows are consecutive
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            if self._last_take is not None:  # the consumer may still be copying out of these rows
-                self._stream.wait_event(self._last_take)
-            for staged, host in zip(self._staged, self._host, strict=True):
+        with torch.cuda.device(rows.device), torch.cuda.stream(rows.stream):
+            if rows.last_take is not None:  # the consumer may still be copying out of these rows
+                rows.stream.wait_event(rows.last_take)
+            for staged, host in zip(rows.staged, rows.host, strict=True):
                 staged[first:stop].copy_(host[first:stop], non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
-        self._last_h2d = event
+            event.record(rows.stream)
+        rows.last_h2d = event
         for _, entry in todo:
             entry.event = event
 
 
-def _continues(entry: _Entry | None, row: int) -> bool:
-    return entry is not None and entry.state == "ready" and entry.row == row
+def _continues(entry: _Entry | None, first: _Entry, offset: int) -> bool:
+    """`entry` is ready on the row `offset` rows after `first`'s, in the same device's rows."""
+    return entry is not None and entry.state == "ready" and entry.rows is first.rows and entry.row == first.row + offset
+
+
+def _always(device: torch.device) -> DeviceOf:
+    return lambda layer: device

@@ -129,3 +129,15 @@ def test_sealed_store_grows_and_keeps_earlier_blocks() -> None:
 def test_one_format_per_layer_is_required() -> None:
     with pytest.raises(ValueError, match="one SealedFormat per layer"):
         QuantizedBlockPool(GEOMETRY, [RawFormat(torch.float32)])
+
+
+def test_sealed_store_grown_under_inference_mode_takes_seals_outside_it() -> None:
+    # A prefill run under torch.inference_mode() grows the store; a later generate (outside it) seals into
+    # the same tensors, which fails for tensors created in inference mode.
+    pool = make_pool()
+    with torch.inference_mode():
+        first = pool.seal([1])
+    assert not any(piece.is_inference() for layer in pool.sealed.pieces for piece in layer.values())
+    second = pool.seal([2])
+    assert first != second
+    assert pool.sealed_stats().used_blocks == 2

@@ -1,0 +1,7 @@
+"""The governance chain: the parts a cache is built from (`parts`), which combinations work (`rules`),
+and how a chain becomes a cache (`build`, behind ``hf_kvgov.GovernedCache``)."""
+
+from hf_kvgov.chain.parts import ChainParts, Disk, HeavyHitter, Layer, Paging, Sink
+from hf_kvgov.chain.rules import ChainRefused
+
+__all__ = ["ChainParts", "ChainRefused", "Disk", "HeavyHitter", "Layer", "Paging", "Sink"]

@@ -1,0 +1,144 @@
+"""Build the cache for a chain: `compose` checks the parts and calls the one builder of their mechanism."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hf_kvgov.chain.parts import ChainParts, DiskCacheConfig, HeavyHitter, Layer, Paging, Policy, Sink
+from hf_kvgov.chain.rules import mechanism_for
+from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.hf.disk_cache import DiskOffloadCache
+from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
+from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.pool import BlockPool
+
+
+def compose(
+    model_or_config: Any,
+    *,
+    pool: Paging | BlockPool | None = None,
+    prefix: PrefixCache | None = None,
+    namespace: str = "",
+    codec: str | QuantConfig | None = None,
+    policy: Policy | None = None,
+    spill: DiskCacheConfig | None = None,
+    layers: Mapping[int, Layer] | None = None,
+    attention: str = "contiguous",
+) -> GovernedCache:
+    """Build the cache for these parts (what ``GovernedCache(...)`` returns)."""
+    parts = ChainParts.of(
+        pool=pool,
+        prefix=prefix,
+        namespace=namespace,
+        codec=codec,
+        policy=policy,
+        spill=spill,
+        layers=layers,
+        attention=attention,
+    )
+    mechanism = mechanism_for(parts, int(decoder_config(model_or_config).num_hidden_layers))
+    return _BUILDERS[mechanism.name](model_or_config, parts)
+
+
+# ------------------------------------------------------------------ one builder per mechanism
+
+
+def _pool_arguments(parts: ChainParts) -> dict[str, Any]:
+    """block_size / caps / pool for a block-storing cache (defaults when the chain names no pool)."""
+    if isinstance(parts.pool, BlockPool):
+        return {"block_size": parts.pool.block_size, "pool": parts.pool}
+    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
+    return {"block_size": paging.block_size, "max_tokens": paging.max_tokens, "max_bytes": paging.max_bytes}
+
+
+def _paged(model: Any, parts: ChainParts) -> GovernedCache:
+
+    arguments = _pool_arguments(parts)
+    return PagedCache(model, **arguments, attention=parts.attention, prefix=parts.prefix, namespace=parts.namespace)  # type: ignore[arg-type]
+
+
+def _quantized(model: Any, parts: ChainParts) -> GovernedCache:
+
+    q = parts.codec
+    assert q is not None, "the quantized mechanism needs a codec"
+    return QuantizedCache(
+        model,
+        bits=q.bits,
+        fmt=q.fmt,
+        residual=q.residual,
+        sink_blocks=q.sink_blocks,
+        full_precision_layers=q.full_precision_layers,
+        group_size=q.group_size,
+        attention=parts.attention,  # type: ignore[arg-type]
+        **_pool_arguments(parts),
+        **_prefix_arguments(parts),
+    )
+
+
+def _prefix_arguments(parts: ChainParts) -> dict[str, Any]:
+    return {} if parts.prefix is None else {"prefix": parts.prefix, "namespace": parts.namespace}
+
+
+def _disk(model: Any, parts: ChainParts) -> GovernedCache:
+
+    d = parts.spill
+    assert d is not None, "the disk mechanism needs a spill part"
+    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
+    return DiskOffloadCache(
+        model,
+        path=d.path,
+        hot_tokens=d.hot_tokens,
+        max_resident_bytes=d.max_resident_bytes,
+        max_write_bytes=d.max_write_bytes,
+        block_size=paging.block_size,
+        read_buffer_bytes=d.read_buffer_bytes,
+        prefetch=d.prefetch,
+        on_full=d.on_full,
+        attention=parts.attention,  # type: ignore[arg-type]
+        extent_blocks=d.extent_blocks,
+    )
+
+
+def _eviction(model: Any, parts: ChainParts) -> GovernedCache:
+    policy = parts.policy
+    assert policy is not None, "the eviction mechanism needs a policy"
+    return _POLICY_BUILDERS[type(policy)](model, policy, parts)
+
+
+def _eviction_arguments(policy: Policy, parts: ChainParts) -> dict[str, Any]:
+    arguments: dict[str, Any] = {} if policy.query_chunk is None else {"query_chunk": policy.query_chunk}
+    if parts.codec is not None:
+        arguments["codec"] = parts.codec
+    if parts.layer_budgets():
+        arguments["layer_budgets"] = parts.layer_budgets()
+    return arguments
+
+
+def _heavy_hitter(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+
+    h: HeavyHitter = policy
+    return HeavyHitterCache(model, h.budget, h.recent, h.heavy, **_eviction_arguments(h, parts))
+
+
+def _sink(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+
+    s: Sink = policy
+    return SinkCache(model, s.n_sink, s.window, s.budget, **_eviction_arguments(s, parts))
+
+
+_POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCache]] = {
+    HeavyHitter: _heavy_hitter,
+    Sink: _sink,
+}
+
+_BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {
+    "paged": _paged,
+    "quantized": _quantized,
+    "disk": _disk,
+    "eviction": _eviction,
+}

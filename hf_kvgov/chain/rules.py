@@ -1,0 +1,131 @@
+"""Which chains hf_kvgov can build, and why the others are refused.
+
+A chain is checked in two passes, both tables rather than branches:
+
+1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (a policy keeps different tokens
+   per KV head, so it cannot sit on blocks shared by all heads, and so on);
+2. `MECHANISMS` lists what each cache implementation can take; the chain goes to the first whose
+   required links it has and whose accepted links cover it.
+
+Per-layer overrides are checked against the links they need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_kvgov.chain.parts import ChainParts, Paging
+from hf_kvgov.storage.pool import BlockPool
+
+# (link, link) -> why the two cannot be combined.
+REFUSED_PAIRS: dict[frozenset[str], str] = {
+    frozenset({"policy", "pool"}): (
+        "an eviction policy keeps a different set of tokens in each KV head, while a block holds every KV head "
+        "of its tokens, so eviction caches store per-head slots, not pool blocks; drop pool= (the policy's "
+        "budget already bounds the memory)"
+    ),
+    frozenset({"policy", "prefix"}): (
+        "prefix sharing reuses a prefix's K/V exactly as it was computed, but an eviction policy chooses what "
+        "to keep of a prompt from all of it, including the part after the shared prefix, so two requests "
+        "would keep different tokens of the same prefix; use one or the other"
+    ),
+    frozenset({"policy", "spill"}): (
+        "an eviction policy already bounds each sequence to its budget of slots, which attention reads at "
+        "every step, so there is no cold KV to spill, and evicted tokens are dropped by design; drop spill="
+    ),
+    frozenset({"codec", "spill"}): (
+        "the disk tier spills full-precision pool blocks, while a codec moves sealed blocks out of the pool "
+        "into a store of codes that the tier does not write; use either a codec or a disk tier"
+    ),
+    frozenset({"prefix", "spill"}): (
+        "blocks published to the prefix tree must stay in the pool, which the tree reclaims from, but the disk "
+        "tier moves cold blocks out of it; use either prefix sharing or a disk tier"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """One cache implementation: the links it needs and the links it accepts."""
+
+    name: str
+    needs: frozenset[str]
+    accepts: frozenset[str]
+
+
+MECHANISMS: tuple[Mechanism, ...] = (
+    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec"})),
+    Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool"})),
+    Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
+    Mechanism("paged", frozenset(), frozenset({"pool", "prefix"})),
+)
+
+
+class ChainRefused(ValueError):
+    """A combination of parts that cannot work; the message says why."""
+
+
+def mechanism_for(parts: ChainParts, num_layers: int | None = None) -> Mechanism:
+    """The implementation that builds `parts`, after refusing combinations that cannot work."""
+    present = parts.present
+    for pair, reason in REFUSED_PAIRS.items():
+        if pair <= present:
+            first, second = sorted(pair)
+            raise ChainRefused(f"A chain cannot have both {first}= and {second}=: {reason}.")
+    _check_overrides(parts, num_layers)
+    _check_pool(parts)
+    for mechanism in MECHANISMS:
+        if mechanism.needs <= present <= mechanism.accepts:
+            return mechanism
+    raise AssertionError(f"no mechanism for the links {sorted(present)}")  # every pair outside the table fits one
+
+
+def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:
+    for index, layer in parts.layers:
+        if num_layers is not None and index >= num_layers:
+            raise ChainRefused(
+                f"layers names layer {index}, but the model has layers 0..{num_layers - 1}; override existing layers."
+            )
+        if layer.full_precision and parts.codec is None:
+            raise ChainRefused(
+                f"Layer {index} asks for full precision, but the chain has no codec: every layer is already stored in "
+                "full precision. Add codec= or drop the override."
+            )
+        if layer.budget is not None and parts.policy is None:
+            raise ChainRefused(
+                f"Layer {index} has its own eviction budget, but the chain has no eviction policy to apply it. "
+                "Add policy=HeavyHitter(...) or Sink(...), or drop the override."
+            )
+
+
+def _check_pool(parts: ChainParts) -> None:
+    if parts.spill is not None and isinstance(parts.pool, Paging) and parts.pool.capped:
+        raise ChainRefused(
+            "With a disk tier the pool's cap is what stays in memory: give it as Disk(max_resident_bytes=...), "
+            "not as Paging(max_tokens=/max_bytes=)."
+        )
+    if parts.policy is not None and parts.attention != "contiguous":
+        raise ChainRefused(
+            f"attention={parts.attention!r} reads pool blocks in place, but an eviction policy stores per-head slots "
+            "and always attends with the hf_kvgov eviction attention; leave attention at its default."
+        )
+    if parts.spill is not None and parts.pool is not None and not isinstance(parts.pool, Paging):
+        raise ChainRefused(
+            "A disk tier creates its own pool, capped by Disk(max_resident_bytes=...); pass Paging(...) for its block "
+            "size and attention path, not an existing BlockPool."
+        )
+    if parts.prefix is None:
+        return
+    if isinstance(parts.pool, BlockPool) and parts.pool is not parts.prefix.pool:
+        raise ChainRefused("prefix= brings its own pool; pass that same pool as pool=, or Paging(...), or no pool.")
+    if isinstance(parts.pool, Paging) and parts.pool.capped:
+        raise ChainRefused(
+            "prefix= brings its own pool, whose cap applies; cap it where it is created, not with "
+            "Paging(max_tokens=/max_bytes=)."
+        )
+    if isinstance(parts.pool, Paging) and parts.pool.block_size != parts.prefix.block_size:
+        raise ChainRefused(
+            f"Paging(block_size={parts.pool.block_size}) differs from the prefix tree's "
+            f"{parts.prefix.block_size}-token blocks; the cache draws its blocks from the tree's pool, so give the "
+            "same block size."
+        )

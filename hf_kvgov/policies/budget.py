@@ -1,0 +1,44 @@
+"""Budgets and their parts given either as token counts or as fractions.
+
+A cache budget is the number of slots each (sequence, KV head) may keep: an int, or a float fraction of
+the first chunk the cache sees (the prompt, under ``generate``), resolved once on that first step. The
+parts of a budget (H2O's recent window and heavy hitters) are ints or fractions of the resolved budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+BudgetSpec = int | float
+
+# 0.29 * 100 is 28.999999999999996 in floating point; the epsilon keeps such products from rounding down.
+_EPSILON = 1e-9
+
+
+def check_budget_spec(owner: str, name: str, value: object, *, allow_zero: bool = False) -> None:
+    """Raise unless ``value`` is an int count (``>= 1``, or ``>= 0`` with ``allow_zero``) or a float in (0, 1]."""
+    lowest = 0 if allow_zero else 1
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"{owner}: {name} must be an int number of tokens or a float fraction; "
+            f"got {value!r} of type {type(value).__name__}."
+        )
+    if isinstance(value, int) and value < lowest:
+        raise ValueError(f"{owner}: {name} as a number of tokens must be at least {lowest}; got {value}.")
+    if isinstance(value, float) and not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ValueError(f"{owner}: {name} as a fraction must lie in {interval}; got {value}.")
+
+
+def fraction_of(value: BudgetSpec, total: int) -> int:
+    """``value`` itself if it is an int, else ``floor(value * total)``."""
+    if isinstance(value, int):
+        return value
+    return math.floor(value * total + _EPSILON)
+
+
+def resolve_budget(spec: BudgetSpec, first_length: int, minimum: int) -> int:
+    """The budget in slots: an int as given; a fraction of ``first_length``, raised to ``minimum`` if below."""
+    if isinstance(spec, int):
+        return spec
+    return max(minimum, fraction_of(spec, first_length), 1)
