@@ -119,8 +119,8 @@ class DiskOffloadCache(PagedCache):
         self.tier: DiskTier | None = None
         self.prefetcher: LayerPrefetcher | None = None
         self.stop_reason: str | None = None
-        self._layout_key: torch.Tensor | None = None
-        self._layout: SpilledLayout | None = None
+        # Per device: the block-table tensor a layout was computed from, and the layout (None: nothing spilled).
+        self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
         self._kv_bytes_spilled = 0
         super().__init__(model_or_config, block_size=block_size, max_bytes=self.disk.pool_bytes, attention=attention)
         self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
@@ -192,14 +192,20 @@ class DiskOffloadCache(PagedCache):
 
     # ------------------------------------------------------------------ reading back
 
-    def _spilled_layout(self) -> SpilledLayout | None:
-        """Where the batch's blocks live, or None when nothing has spilled (cached until the tables change)."""
-        tables = self._parts()[1]
-        table = tables.tensor()
-        if self._layout_key is not table:
-            self._layout_key = table
-            self._layout = SpilledLayout.of(table) if tables.has_spilled() else None
-        return self._layout
+    def _spilled_layout(self, layer: int) -> SpilledLayout | None:
+        """Where the batch's blocks live, on `layer`'s device, or None when nothing has spilled.
+
+        Cached per device until the tables change, so layers split over devices (``device_map``) each index
+        with tensors on their own device.
+        """
+        pool, tables = self._parts()[:2]
+        device = pool.layer_device(layer)
+        table = tables.tensor(device)
+        cached = self._layouts.get(device)
+        if cached is None or cached[0] is not table:
+            cached = (table, SpilledLayout.of(table) if tables.has_spilled() else None)
+            self._layouts[device] = cached
+        return cached[1]
 
     def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
         """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
@@ -215,7 +221,7 @@ class DiskOffloadCache(PagedCache):
         return read
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = self._spilled_layout()
+        layout = self._spilled_layout(layer.index)
         if layout is None:
             return super()._contiguous_kv(layer)
         pool, i = self._parts()[0], layer.index
@@ -229,7 +235,7 @@ class DiskOffloadCache(PagedCache):
         value_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
-        layout = self._spilled_layout()
+        layout = self._spilled_layout(layer.index)
         if layout is not None and attn_kwargs is not None:
             view = attn_kwargs[PAGED_VIEW_KEY]  # spilled blocks are appended after the pool's
             capacity, caches = view.key_cache.shape[0], []

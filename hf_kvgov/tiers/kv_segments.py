@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.disk_tier import SegmentSource
 
@@ -47,13 +48,13 @@ def raw_part_bytes(geometry: KVGeometry, block_size: int) -> tuple[int, int]:
 
 def pool_segments(pool: BlockPool, block_ids: Sequence[int]) -> SegmentSource:
     """The raw segments of pool blocks, one layer at a time (views of the pool on CPU, one copy on GPU)."""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=pool.geometry.device)
+    index = index_per_layer(block_ids, pool.geometry)  # each layer's blocks sit on that layer's device
 
     def segments(layer: int) -> list[list[memoryview]]:
         keys, values = pool.keys[layer], pool.values[layer]
         if keys.device.type == "cpu":
             return [[byte_view(keys[b]), byte_view(values[b])] for b in block_ids]
-        host_k, host_v = keys[index].cpu(), values[index].cpu()
+        host_k, host_v = keys[index[layer]].cpu(), values[index[layer]].cpu()
         return [[byte_view(host_k[i]), byte_view(host_v[i])] for i in range(len(block_ids))]
 
     return segments

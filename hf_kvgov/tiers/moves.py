@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier
@@ -48,11 +49,12 @@ def bring_back(pool: BlockPool, tables: TieredBlockTables, tier: DiskTier, index
     keys, values = (torch.empty((len(entries), bs, g.num_kv_heads, g.head_dim), dtype=g.dtype) for _ in "kv")
     fresh = pool.allocate(len(entries))
     try:
-        target = torch.tensor(fresh, device=g.device)
+        target = index_per_layer(fresh, g)
         for layer in range(g.num_layers):
             tier.read(layer, handles, [byte_view(keys), byte_view(values)])
-            pool.keys[layer][target] = keys.to(g.device)
-            pool.values[layer][target] = values.to(g.device)
+            device = g.layer_device(layer)  # the host staging copy goes to the layer's own device
+            pool.keys[layer][target[layer]] = keys.to(device)
+            pool.values[layer][target[layer]] = values.to(device)
     except BaseException:
         pool.decref(fresh)
         raise

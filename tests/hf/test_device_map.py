@@ -273,7 +273,7 @@ def test_heavy_hitter_cache_keeps_each_layers_slots_where_its_kv_arrive() -> Non
 
 # ---------------------------------------------------------------- real splits (CUDA)
 
-CUDA_CACHES = {k: CACHES[k] for k in ("paged", "paged_view", "quantized_int8")}
+CUDA_CACHES = {k: CACHES[k] for k in ("paged", "paged_view", "quantized_int8", "disk")}
 
 
 def assert_blocks_follow(cache: Any, devices: list[torch.device]) -> None:
