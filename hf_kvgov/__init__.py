@@ -19,6 +19,7 @@ _EXPORTS = {
     "KVGovError": "hf_kvgov.errors",
     "PoolExhausted": "hf_kvgov.errors",
     "GovernedCache": "hf_kvgov.hf.governed",
+    "prefix_tree": "hf_kvgov.chain.build",
     "ChainParts": "hf_kvgov.chain",
     "ChainRefused": "hf_kvgov.chain",
     "Paging": "hf_kvgov.chain",
@@ -87,12 +88,14 @@ __all__ = [
     "eviction_attention",
     "load_model",
     "paged_attention",
+    "prefix_tree",
     "restore_attention",
     "use_paged_attention",
 ]
 
 if TYPE_CHECKING:
     from hf_kvgov.chain import ChainParts, ChainRefused, Disk, HeavyHitter, Layer, Paging, Sink
+    from hf_kvgov.chain.build import prefix_tree
     from hf_kvgov.errors import (
         KVGovError,
         PoolExhausted,

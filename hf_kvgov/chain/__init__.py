@@ -1,5 +1,6 @@
 """The governance chain: the parts a cache is built from (`parts`), which combinations work (`rules`),
-and how a chain becomes a cache (`build`, behind ``hf_kvgov.GovernedCache``)."""
+and how a chain becomes a cache (`build`, behind ``hf_kvgov.GovernedCache`` and ``hf_kvgov.prefix_tree``;
+not imported here, since the caches it builds import the parts)."""
 
 from hf_kvgov.chain.parts import ChainParts, Disk, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.chain.rules import ChainRefused

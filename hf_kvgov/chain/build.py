@@ -142,3 +142,26 @@ _BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {
     "disk": _disk,
     "eviction": _eviction,
 }
+
+
+def prefix_tree(
+    model: Any,
+    *,
+    pool: Paging | None = None,
+    codec: str | QuantConfig | None = None,
+    layers: Mapping[int, Layer] | None = None,
+    priority: str = "lru",
+) -> PrefixCache:
+    """A `PrefixCache` over a new pool laid out for chains with these parts, to pass as their ``prefix=``.
+
+    A quantized chain's tree needs a pool that seals blocks with the same codec and full-precision layers
+    (blocks are shared as stored); the pool is the one such a cache would create, with `pool`'s block size
+    and cap. Needs a model (its dtype and devices place the pool).
+    """
+    owner = compose(model, pool=pool, codec=codec, layers=layers)
+    assert isinstance(owner, PagedCache)
+    if owner.pool is None:
+        raise ValueError(
+            "prefix_tree needs the model itself (its dtype and devices place the pool), not only its config."
+        )
+    return PrefixCache(owner.pool, priority=priority)

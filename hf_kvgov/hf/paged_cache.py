@@ -139,6 +139,13 @@ class PagedCache(GovernedCache):
         self._prefix_locks: list[int] = []
         self._row_layouts: list[RowLayout] | None = None
         self._expand_rows_on_next_forward = False
+        # The chain as the caller wrote it: a pool they passed, else the paging that sizes the pool.
+        self.parts = ChainParts(
+            pool=Paging(block_size, max_tokens, max_bytes) if pool is None else pool,
+            prefix=prefix,
+            namespace=namespace,
+            attention=attention,
+        )
         if prefix is not None:
             if pool is not None and pool is not prefix.pool:
                 raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
@@ -151,10 +158,6 @@ class PagedCache(GovernedCache):
             if dtype_device is not None and None not in self._layer_devices:
                 self._create_pool(*dtype_device)
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
-        paging = Paging(block_size, max_tokens, max_bytes)
-        self.parts = ChainParts(
-            pool=paging if pool is None else pool, prefix=prefix, namespace=namespace, attention=attention
-        )
 
     # ------------------------------------------------------------------ pool
 
