@@ -6,7 +6,8 @@ line below.
 
 Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
-`sink@4+252` (sinks + window), `int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
+`sink@4+252` (sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`),
+`int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
 (hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
 """
 
@@ -24,7 +25,7 @@ from transformers import DynamicCache
 
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache, eviction_attention
+from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 
@@ -146,37 +147,60 @@ def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> in
     return max(minimum, math.floor(budget * context_tokens + 1e-9))
 
 
-def _sized_h2o(budget: int | float, model: Any, context_tokens: int) -> HeavyHitterCache:
-    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens))
+def _sized_h2o(budget: int | float, model: Any, context_tokens: int, codec: str | None = None) -> HeavyHitterCache:
+    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), codec=codec)
 
 
-def _sized_sink(n_sink: int, window: int, budget: float, model: Any, context_tokens: int) -> SinkCache:
-    return SinkCache(model, n_sink=n_sink, window=window, budget=_tokens_of(budget, context_tokens, n_sink + window))
+def _sized_sink(
+    n_sink: int, window: int, budget: float, model: Any, context_tokens: int, codec: str | None = None
+) -> SinkCache:
+    tokens = _tokens_of(budget, context_tokens, n_sink + window)
+    return SinkCache(model, n_sink=n_sink, window=window, budget=tokens, codec=codec)
+
+
+def _slot_codec(name: str, argument: str) -> tuple[str, str | None]:
+    """`0.2:int8` -> ("0.2", "int8"): an eviction family's argument and the codec of its kept slots (or None)."""
+    head, colon, codec = argument.partition(":")
+    if not colon:
+        return argument, None
+    if codec not in SLOT_CODECS:
+        raise _bad_argument(name, codec, f"the codec after ':' must be one of {', '.join(SLOT_CODECS)}")
+    return head, codec
+
+
+def _stored_as(codec: str | None) -> str:
+    """What an eviction cache's description says about how its kept slots are stored."""
+    if codec is None:
+        return ""
+    return f"; kept slots stored as {codec} codes with scales per slot (keys and values)"
 
 
 def _parse_h2o(argument: str) -> CacheSpec:
-    budget = _budget(f"h2o@{argument}", argument)
+    name = f"h2o@{argument}"
+    text, codec = _slot_codec(name, argument)
+    budget = _budget(name, text)
     share = f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
     return CacheSpec(
-        f"h2o@{argument}",
-        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters",
-        functools.partial(HeavyHitterCache, budget=budget),
+        name,
+        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters{_stored_as(codec)}",
+        functools.partial(HeavyHitterCache, budget=budget, codec=codec),
         False,
         eviction_attention,
-        functools.partial(_sized_h2o, budget),
+        functools.partial(_sized_h2o, budget, codec=codec),
     )
 
 
 def _parse_sink(argument: str) -> CacheSpec:
     name = f"sink@{argument}"
-    sinks, plus, window = argument.partition("+")
+    text, codec = _slot_codec(name, argument)
+    sinks, plus, window = text.partition("+")
     if not plus:
-        raise _bad_argument(name, argument, "the argument must be <sinks>+<window> in tokens, as in sink@4+252")
+        raise _bad_argument(name, text, "the argument must be <sinks>+<window> in tokens, as in sink@4+252")
     n_sink, recent = _count(name, sinks, "the number of sinks", 0), _count(name, window, "the window")
     return CacheSpec(
         name,
-        f"SinkCache (StreamingLLM): {n_sink} sinks + {recent}-token recent window per KV head",
-        functools.partial(SinkCache, n_sink=n_sink, window=recent),
+        f"SinkCache (StreamingLLM): {n_sink} sinks + {recent}-token recent window per KV head{_stored_as(codec)}",
+        functools.partial(SinkCache, n_sink=n_sink, window=recent, codec=codec),
         False,
         eviction_attention,
     )
@@ -205,8 +229,13 @@ def _parse_disk(argument: str) -> CacheSpec:
 
 
 for _family in (
-    CacheFamily("h2o", "h2o@<budget>, a fraction of the prompt (h2o@0.2) or tokens (h2o@256)", _parse_h2o),
-    CacheFamily("sink", "sink@<sinks>+<window> in tokens (sink@4+252)", _parse_sink),
+    CacheFamily(
+        "h2o",
+        "h2o@<budget>[:<codec>], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept slots optionally "
+        f"quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)})",
+        _parse_h2o,
+    ),
+    CacheFamily("sink", "sink@<sinks>+<window>[:<codec>] in tokens (sink@4+252, sink@4+252:int8)", _parse_sink),
     CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8", 8, "int")),
     CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4", 4, "int")),
     CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8", 8, "fp8")),

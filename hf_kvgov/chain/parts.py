@@ -244,6 +244,11 @@ class ChainParts:
         return " -> ".join(steps) or "paged (default blocks)"
 
 
+def budget_overrides(layer_budgets: Mapping[int, BudgetSpec] | None) -> dict[int, Layer]:
+    """``{layer: budget}`` as the chain's per-layer overrides."""
+    return {index: Layer(budget=budget) for index, budget in (layer_budgets or {}).items()}
+
+
 def codec_config(codec: str | QuantConfig | None) -> QuantConfig | None:
     """A `QuantConfig` from a codec name ("int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2") or as given."""
     if codec is None or isinstance(codec, QuantConfig):

@@ -53,7 +53,14 @@ EXPECTED_TEXT: dict[str, tuple[str, ...]] = {
     "02_multi_turn_chat": ("| 1 | ", "| 2 | ", "| 3 | ", "prompt tokens served from cache"),
     "03_quantization_check": ("| int8 |", "| fp8 |", "| int4 |", "Recommended: `"),
     "04_streaming_sink": ("| sink 4 + 60 |", "no sinks", "full (DynamicCache)", "KV held at the end"),
-    "05_capacity_planner": ("819,200 B", "1,677,721,600 B", "does NOT hold", "| int8 |"),
+    "05_capacity_planner": (
+        "819,200 B",
+        "1,677,721,600 B",
+        "does NOT hold",
+        "| int8 |",
+        "| + H2O 20% | HeavyHitterCache: int8 -> H2O 20% |",
+        "refused: A chain cannot have both policy= and spill=",
+    ),
 }
 
 

@@ -8,17 +8,23 @@ Both keep different tokens in each KV head, so they need the hf_kvgov eviction a
     with eviction_attention(model):
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
     print(cache.stats())
+
+``codec="int8"`` (or "int4", "fp8", "fp8_e5m2", a `QuantConfig`) stores the kept slots as codes + per-slot
+scales; ``layer_budgets={0: 1.0}`` gives single layers their own budget.
 """
 
 from hf_kvgov.hf.eviction.attention import eviction_attention, use_eviction_attention
-from hf_kvgov.hf.eviction.cache import EvictionCache, EvictionLayer
+from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.heavy_hitter import HeavyHitterCache
+from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.sink import SinkCache
+from hf_kvgov.hf.eviction.slot_codecs import SLOT_CODECS
 from hf_kvgov.hf.eviction.stats import EvictionStats
 from hf_kvgov.hf.eviction.view import ATTENTION_NAME
 
 __all__ = [
     "ATTENTION_NAME",
+    "SLOT_CODECS",
     "EvictionCache",
     "EvictionLayer",
     "EvictionStats",

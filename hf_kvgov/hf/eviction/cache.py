@@ -1,8 +1,9 @@
 """`EvictionCache`: the transformers `Cache` that H2O and StreamingLLM share.
 
-Each layer holds dense per-slot tensors; a slot is one kept token of one (sequence, KV head)::
+Each layer (`EvictionLayer`) holds per-slot tensors; a slot is one kept token of one (sequence, KV head)::
 
-    keys, values   [batch, kv_heads, slots, head_dim]   as the model cached them (after RoPE)
+    K/V            [batch, kv_heads, slots, head_dim]   as the model cached them (after RoPE), in a slot store:
+                                                        dense, or codes + per-slot scales (``codec=``)
     positions      long  [batch, kv_heads, slots]         the RoPE position each key was rotated at
     valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
     scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
@@ -11,7 +12,10 @@ Heads keep different tokens, so the layer's attention is the hf_kvgov eviction a
 this validity itself (see `slot_attention`). A step goes: ``update`` stages kept + new slots in an
 `EvictionView` -> the attention reads the view, attends and records mass -> the view commits, and the
 cache keeps ``policy.select(...)`` of the slots once they exceed the budget. Memory therefore never
-exceeds ``budget + q_len`` slots per (sequence, head) during a step and ``budget`` between steps.
+exceeds ``budget + q_len`` slots per (sequence, head) during a step and ``budget`` between steps. With a
+codec, the step's new tokens are attended in full precision and encoded once at commit; eviction then
+gathers codes and scales, never decoding and re-encoding the slots that stay. Each layer may have its own
+budget (``layer_budgets``).
 
 transformers' bookkeeping: ``get_seq_length()`` is the absolute number of tokens processed (generate slices
 prompts and derives positions from it); ``update`` returns only the new K/V and ``get_mask_sizes(q)`` says
@@ -21,100 +25,28 @@ so, ``(q, tokens seen)``, which makes transformers' mask exactly the causal + pa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.compat import Cache, CacheLayerMixin, kv_heads_and_head_dim
-from hf_kvgov.hf.eviction.budget import BudgetSpec, resolve_budget
+from hf_kvgov.hf.compat import kv_heads_and_head_dim
+from hf_kvgov.hf.eviction.layer import EvictionLayer
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
 from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView, KeyReader
+from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, gather_kept, select_by_priority
+from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 
 
-class EvictionLayer(CacheLayerMixin):
-    """One decoder layer's kept slots (see the module docstring for the tensors)."""
-
-    is_compileable = False
-    is_croppable = False  # evicted tokens cannot come back, so a rollback would not restore the state
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self, owner: EvictionCache, index: int, window: int | None = None) -> None:
-        super().__init__()
-        self.owner = owner
-        self.index = index
-        # A sliding-window layer: a query at position q reads keys at positions > q - window only.
-        self.window = window
-        self.is_sliding = window is not None
-        self.positions: Tensor | None = None
-        self.valid: Tensor | None = None
-        self.scores: Tensor | None = None
-        self.seen = 0
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        self.is_initialized = True  # the tensors are created by the first commit
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self.owner._stage(self, key_states, value_states, kwargs.get("kwargs"))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, self.seen
-
-    def get_seq_length(self) -> int:
-        return self.seen
-
-    def get_max_length(self) -> int:
-        return -1
-
-    @property
-    def slots(self) -> int:
-        return 0 if self.keys is None else int(self.keys.shape[2])
-
-    def reset(self) -> None:
-        self.keys = self.values = self.positions = self.valid = self.scores = None
-        self.seen = 0
-        self.is_initialized = False
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row i becomes old row ``beam_idx[i]``, every per-slot tensor (mass included) with it."""
-        self._select_rows(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.keys is not None:
-            self._select_rows(torch.arange(self.keys.shape[0], device=self.keys.device).repeat_interleave(repeats))
-
-    def batch_select_indices(self, indices: Tensor) -> None:
-        self._select_rows(torch.as_tensor(indices))
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
-            raise ValueError(
-                f"{type(self.owner).__name__} cannot crop {abs(tokens_to_remove)} token(s): tokens it evicted cannot "
-                "be restored, so the cache would not return to its earlier state. Assisted and prompt-lookup "
-                "decoding need a croppable cache such as DynamicCache or PagedCache."
-            )
-
-    def _select_rows(self, rows: Tensor) -> None:
-        if self.keys is None:
-            return
-        rows = rows.to(self.keys.device)
-        self.keys = self.keys.index_select(0, rows)
-        self.values = self.values.index_select(0, rows) if self.values is not None else None
-        self.positions = self.positions.index_select(0, rows) if self.positions is not None else None
-        self.valid = self.valid.index_select(0, rows) if self.valid is not None else None
-        self.scores = self.scores.index_select(0, rows) if self.scores is not None else None
-
-
-class EvictionCache(Cache):
+class EvictionCache(GovernedCache):
     """A fixed budget of slots per (sequence, KV head), kept by an eviction policy.
 
     Use a subclass (`HeavyHitterCache`, `SinkCache`) under ``with hf_kvgov.eviction_attention(model):``.
@@ -129,6 +61,13 @@ class EvictionCache(Cache):
         min_budget: the smallest budget the policy accepts; a fractional budget is raised to it.
         read_keys: optional hook turning stored keys into the keys attention reads.
         query_chunk: queries attended at a time (memory O(query_chunk x slots)).
+        codec: how kept slots are stored: None (the model's precision), a codec name ("int8", "int4",
+            "fp8" = "fp8_e4m3", "fp8_e5m2") or a `QuantConfig` (its ``full_precision_layers`` keep their
+            slots unquantized; ``residual`` and ``sink_blocks`` have no meaning here and must stay default).
+            Keys and values are both encoded per slot (why keys are not grouped per channel: see
+            ``slot_store``), so eviction gathers codes and scales as it gathers dense slots.
+        layer_budgets: per-layer budgets overriding ``budget`` (``{0: 1.0, 5: 128}``): ints, or fractions
+            of the first chunk, like ``budget``. Sliding-window layers still cap theirs at ``window - 1``.
     """
 
     def __init__(
@@ -139,11 +78,20 @@ class EvictionCache(Cache):
         min_budget: int,
         read_keys: KeyReader | None = None,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
+        *,
+        codec: CodecSpec = None,
+        layer_budgets: Mapping[int, BudgetSpec] | None = None,
     ) -> None:
-        config = checked_decoder_config(model, type(self).__name__)
+        name = type(self).__name__
+        config = checked_decoder_config(model, name)
         self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
             raise ValueError(f"query_chunk must be a positive int number of queries; got {query_chunk!r}.")
+        windows = layer_windows(config)
+        formats, self.quant = slot_formats(codec, len(windows), self.num_kv_heads, self.head_dim, name)
+        self.codec_name: str | None = None if self.quant is None else self.quant.codec_name
+        self.layer_budgets = check_layer_budgets(name, layer_budgets, len(windows))
+        self._budgets = LayerBudgets(name, budget, self.layer_budgets, len(windows), policy_for, min_budget)
         self._config = config
         self._budget_spec = budget
         self._policy_for = policy_for
@@ -153,8 +101,8 @@ class EvictionCache(Cache):
         self.budget: int | None = budget if isinstance(budget, int) else None
         self.policy: EvictionPolicy | None = policy_for(budget) if isinstance(budget, int) else None
         self._awaiting_attention: int | None = None  # the layer whose staged step attention has not read
-        windows = layer_windows(config)
-        super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
+        pairs = enumerate(zip(windows, formats, strict=True))
+        super().__init__(layers=[EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs])
 
     # ------------------------------------------------------------------ one step
 
@@ -164,21 +112,22 @@ class EvictionCache(Cache):
         """Hand attention the kept + new slots of ``[batch, kv_heads, q_len, head_dim]`` new K/V."""
         attn_kwargs = self._check_attention(attn_kwargs)
         self._check_shapes(layer, key_states)
-        if self.policy is None:
+        if not self._budgets.resolved:
             self._resolve_budget(key_states.shape[2])
         batch, _, q_len, _ = key_states.shape
         new_positions = new_token_positions(
             attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
         )
         keys, values, positions, kept_valid = _with_new_slots(layer, key_states, value_states, new_positions)
-        assert self.policy is not None
+        policy = self._budgets.policies[layer.index]
+        assert policy is not None
         view = EvictionView(
             keys=keys,
             values=values,
             positions=positions,
             kept_valid=kept_valid,
             scores=layer.scores,
-            want_scores=self.policy.needs_scores,
+            want_scores=policy.needs_scores,
             # Keys moved for attention sinks serve full-context layers; a window layer never reaches the sinks.
             read_keys=self._read_keys if layer.window is None else None,
             commit=functools.partial(self._commit, layer, q_len),
@@ -199,25 +148,29 @@ class EvictionCache(Cache):
         valid: Tensor,
         scores: Tensor | None,
     ) -> None:
-        """Store the attended slots, then keep the policy's choice once they exceed the budget."""
-        assert self.policy is not None and self.budget is not None
-        budget, select = self.budget, self.policy.select
+        """Store the attended slots, then keep the policy's choice once they exceed the layer's budget."""
+        budget, policy = self._budgets.budgets[layer.index], self._budgets.policies[layer.index]
+        assert budget is not None and policy is not None
+        select = policy.select
+        store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
             valid = _visible_to_next_queries(positions, valid, q_len, layer.window)
             if budget >= layer.window - 1:  # all the next query can read fits: nothing to choose
                 budget, select = layer.window - 1, _newest
-        if keys.shape[2] > budget:
+        if store.count > budget:
             keep = select(scores, positions, valid, budget)
-            keys, values = gather_kept(keys, keep), gather_kept(values, keep)
+            store = store.gather(keep)
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
             scores = None if scores is None else gather_kept(scores, keep)
-        layer.keys, layer.values, layer.positions, layer.valid, layer.scores = keys, values, positions, valid, scores
+        layer.store, layer.positions, layer.valid, layer.scores = store, positions, valid, scores
         layer.seen += q_len
         self._awaiting_attention = None
 
     def _resolve_budget(self, first_length: int) -> None:
-        self.budget = resolve_budget(self._budget_spec, first_length, self._min_budget)
-        self.policy = self._policy_for(self.budget)
+        if self.policy is None:
+            self.budget = resolve_budget(self._budget_spec, first_length, self._min_budget)
+            self.policy = self._policy_for(self.budget)
+        self._budgets.resolve(first_length)
 
     # ------------------------------------------------------------------ checks
 
@@ -250,9 +203,9 @@ class EvictionCache(Cache):
                 f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built for "
                 f"{self.num_kv_heads} KV heads of dim {self.head_dim}."
             )
-        if layer.keys is not None and layer.keys.shape[0] != batch:
+        if layer.store is not None and layer.store.batch != batch:
             raise ValueError(
-                f"{type(self).__name__} holds a batch of {layer.keys.shape[0]} sequences but got a batch of {batch}; "
+                f"{type(self).__name__} holds a batch of {layer.store.batch} sequences but got a batch of {batch}; "
                 "call reset() before starting another batch."
             )
 
@@ -267,15 +220,25 @@ class EvictionCache(Cache):
         """Forget every token; a fractional budget is resolved again on the next first chunk."""
         super().reset()
         self._awaiting_attention = None
+        self._budgets.reset()
         if not isinstance(self._budget_spec, int):
             self.budget, self.policy = None, None
 
     # ------------------------------------------------------------------ accounting
 
     def stats(self) -> EvictionStats:
-        """Tokens seen, tokens kept per layer and KV head, and bytes held."""
+        """Tokens seen, tokens kept per layer and KV head, bytes held, codec and each layer's budget."""
         layers = [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
-        return layer_stats(layers, self.budget, self.num_kv_heads)
+        return layer_stats(layers, self.budget, self.num_kv_heads, self.codec_name, self._layer_caps(layers))
+
+    def _layer_caps(self, layers: list[EvictionLayer]) -> tuple[int | None, ...]:
+        """The most slots each layer keeps between steps: its budget, capped at ``window - 1`` in window layers."""
+        caps = []
+        for layer, budget in zip(layers, self._budgets.budgets, strict=True):
+            if budget is not None and layer.window is not None:
+                budget = min(budget, layer.window - 1)
+            caps.append(budget)
+        return tuple(caps)
 
 
 def _with_new_slots(
@@ -284,12 +247,13 @@ def _with_new_slots(
     """Kept slots followed by the new ones: keys, values, positions ``[b, h, kept + q, ...]``, kept validity."""
     batch, heads, q_len, _ = key_states.shape
     positions = new_positions[:, None].expand(batch, heads, q_len)
-    if layer.keys is None:
+    if layer.store is None:
         kept_valid = torch.zeros(batch, heads, 0, dtype=torch.bool, device=key_states.device)
         return key_states, value_states, positions, kept_valid
-    assert layer.values is not None and layer.positions is not None and layer.valid is not None
-    keys = torch.cat((layer.keys, key_states), dim=2)
-    values = torch.cat((layer.values, value_states), dim=2)
+    assert layer.positions is not None and layer.valid is not None
+    kept_keys, kept_values = layer.store.read()
+    keys = torch.cat((kept_keys, key_states), dim=2)
+    values = torch.cat((kept_values, value_states), dim=2)
     return keys, values, torch.cat((layer.positions, positions), dim=2), layer.valid
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from hf_kvgov.hf.eviction.budget import BudgetSpec, check_budget_spec, fraction_of
+from hf_kvgov.chain.parts import ChainParts, budget_overrides
+from hf_kvgov.chain.parts import HeavyHitter as HeavyHitterPart
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import HeavyHitter
+from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
 
 _NAME = "HeavyHitterCache"
 
@@ -22,7 +26,7 @@ class HeavyHitterCache(EvictionCache):
 
     Use it under ``with hf_kvgov.eviction_attention(model):`` (it refuses to run otherwise)::
 
-        cache = HeavyHitterCache(model, budget=0.2)
+        cache = HeavyHitterCache(model, budget=0.2)                 # or codec="int8": kept slots as int8
         with eviction_attention(model):
             model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
@@ -35,6 +39,9 @@ class HeavyHitterCache(EvictionCache):
         heavy: heavy-hitter slots: an int, a float fraction of the budget, or None for the rest of the
             budget. When ``heavy + recent`` is below the budget the recent window takes the difference.
         query_chunk: queries attended at a time; memory for the mass is O(query_chunk x slots).
+        codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
+            `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
+        layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
     """
 
     def __init__(
@@ -45,6 +52,8 @@ class HeavyHitterCache(EvictionCache):
         heavy: BudgetSpec | None = None,
         *,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
+        codec: CodecSpec = None,
+        layer_budgets: Mapping[int, BudgetSpec] | None = None,
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         check_budget_spec(_NAME, "recent", recent, allow_zero=True)
@@ -58,7 +67,17 @@ class HeavyHitterCache(EvictionCache):
         self.recent = recent
         self.heavy = heavy
         fixed = sum(part for part in (recent, heavy) if isinstance(part, int))
-        super().__init__(model, budget, self._policy, min_budget=max(fixed, 1), query_chunk=query_chunk)
+        super().__init__(
+            model,
+            budget,
+            self._policy,
+            min_budget=max(fixed, 1),
+            query_chunk=query_chunk,
+            codec=codec,
+            layer_budgets=layer_budgets,
+        )
+        policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
+        self.parts = ChainParts.of(policy=policy, codec=self.quant, layers=budget_overrides(layer_budgets))
 
     def _policy(self, budget: int) -> HeavyHitter:
         """The H2O policy for a resolved budget; raises if the recent and heavy parts do not fit in it."""

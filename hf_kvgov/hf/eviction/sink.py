@@ -19,16 +19,19 @@ precision gradually at positions in the millions.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from hf_kvgov.chain.parts import ChainParts, Sink, budget_overrides
 from hf_kvgov.hf.compat import decoder_config
-from hf_kvgov.hf.eviction.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
+from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 
 _NAME = "SinkCache"
 # RoPE variants whose frequencies change with the sequence length: a key rotated earlier could not be
@@ -53,6 +56,11 @@ class SinkCache(EvictionCache):
         budget: slots per (sequence, KV head); defaults to ``n_sink + window``. A larger int widens the window;
             a float is a fraction of the prompt (the first chunk seen), raised to ``n_sink + window`` if below.
         query_chunk: queries attended at a time (memory O(query_chunk x slots)).
+        codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
+            `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`). Sink keys
+            are re-rotated from their decoded values, as attention reads them.
+        layer_budgets: budgets of individual layers, ``{layer: int or fraction}``, each at least
+            ``n_sink + window`` as an int; the others use ``budget``.
     """
 
     def __init__(
@@ -63,6 +71,8 @@ class SinkCache(EvictionCache):
         budget: BudgetSpec | None = None,
         *,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
+        codec: CodecSpec = None,
+        layer_budgets: Mapping[int, BudgetSpec] | None = None,
     ) -> None:
         policy = SinkWindow(n_sink=n_sink, window=window)
         budget = policy.min_budget if budget is None else budget
@@ -82,7 +92,12 @@ class SinkCache(EvictionCache):
             min_budget=policy.min_budget,
             read_keys=self._read_keys,
             query_chunk=query_chunk,
+            codec=codec,
+            layer_budgets=layer_budgets,
         )
+        # A name of its own: the policy factory above closes over `policy`, the SinkWindow.
+        part = Sink(n_sink, window, None if budget == n_sink + window else budget, query_chunk)
+        self.parts = ChainParts.of(policy=part, codec=self.quant, layers=budget_overrides(layer_budgets))
 
     def _read_keys(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
         """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""

@@ -1,4 +1,4 @@
-"""What an eviction cache holds: tokens seen, tokens kept per layer and KV head, bytes."""
+"""What an eviction cache holds: tokens seen, tokens kept per layer and KV head, bytes, codec, budgets."""
 
 from __future__ import annotations
 
@@ -10,12 +10,16 @@ from torch import Tensor
 
 
 class _Layer(Protocol):
-    keys: Tensor | None
-    values: Tensor | None
     positions: Tensor | None
     valid: Tensor | None
     scores: Tensor | None
     seen: int
+
+    @property
+    def slots(self) -> int: ...
+
+    @property
+    def kv_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -24,8 +28,9 @@ class EvictionStats:
 
     ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
     keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
-    fillers included: at most ``budget`` between steps. ``bytes_used`` is everything the cache holds:
-    ``kv_bytes`` (keys and values) plus ``metadata_bytes`` (positions, validity, attention mass).
+    fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer).
+    ``bytes_used`` is everything the cache holds: ``kv_bytes`` (keys and values as stored: codes and scales
+    when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass).
     """
 
     sequences: int
@@ -37,16 +42,26 @@ class EvictionStats:
     metadata_bytes: int
     bytes_used: int
     bytes_per_token: float  # bytes_used / (sequences x tokens_seen): what one processed token costs now
+    codec: str | None = None  # the codec of the kept slots ("int8", "fp8_e4m3"...); None: the model's precision
+    # Per layer, the most slots it keeps between steps: its budget (``budget`` unless ``layer_budgets`` named
+    # it), at most window - 1 in a sliding-window layer; None until a fraction is resolved.
+    layer_budgets: tuple[int | None, ...] = ()
 
 
-def layer_stats(layers: Sequence[_Layer], budget: int | None, kv_heads: int) -> EvictionStats:
+def layer_stats(
+    layers: Sequence[_Layer],
+    budget: int | None,
+    kv_heads: int,
+    codec: str | None = None,
+    layer_budgets: tuple[int | None, ...] = (),
+) -> EvictionStats:
     """Build `EvictionStats` from the layers of one cache."""
-    kv_bytes = sum(_nbytes(layer.keys) + _nbytes(layer.values) for layer in layers)
+    kv_bytes = sum(layer.kv_bytes for layer in layers)
     metadata = sum(_nbytes(layer.positions) + _nbytes(layer.valid) + _nbytes(layer.scores) for layer in layers)
     kept = tuple(_kept(layer.valid, kv_heads) for layer in layers)
-    sequences = max((int(layer.keys.shape[0]) for layer in layers if layer.keys is not None), default=0)
+    sequences = max((int(layer.valid.shape[0]) for layer in layers if layer.valid is not None), default=0)
     seen = layers[0].seen if layers else 0
-    slots = max((int(layer.keys.shape[2]) for layer in layers if layer.keys is not None), default=0)
+    slots = max((layer.slots for layer in layers), default=0)
     tokens = sequences * seen
     return EvictionStats(
         sequences=sequences,
@@ -58,6 +73,8 @@ def layer_stats(layers: Sequence[_Layer], budget: int | None, kv_heads: int) -> 
         metadata_bytes=metadata,
         bytes_used=kv_bytes + metadata,
         bytes_per_token=(kv_bytes + metadata) / tokens if tokens else 0.0,
+        codec=codec,
+        layer_budgets=layer_budgets,
     )
 
 

@@ -1,0 +1,140 @@
+"""`EvictionLayer`: one decoder layer of an eviction cache, its kept slots and their metadata.
+
+A slot is one kept token of one (sequence, KV head)::
+
+    store          K/V of the slots (`slot_store`): dense [batch, kv_heads, slots, head_dim], or codes + scales
+    positions      long  [batch, kv_heads, slots]   the RoPE position each key was rotated at
+    valid          bool  [batch, kv_heads, slots]   False: left padding or an empty filler slot
+    scores         float [batch, kv_heads, slots]   accumulated attention mass (policies that rank by it)
+
+The layer is bookkeeping only; the owning `EvictionCache` runs each step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.compat import CacheLayerMixin
+from hf_kvgov.hf.eviction.slot_store import DenseFormat, SlotFormat, SlotStore
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.eviction.cache import EvictionCache
+
+
+class EvictionLayer(CacheLayerMixin):
+    """One decoder layer's kept slots (see the module docstring).
+
+    ``keys`` and ``values`` read the store: ``[batch, kv_heads, slots, head_dim]`` as attention reads them
+    (decoded when the layer stores codes), or None before the first step.
+    """
+
+    is_compileable = False
+    is_croppable = False  # evicted tokens cannot come back, so a rollback would not restore the state
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(
+        self, owner: EvictionCache, index: int, window: int | None = None, slot_format: SlotFormat | None = None
+    ) -> None:
+        self.store: SlotStore | None = None
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        # A sliding-window layer: a query at position q reads keys at positions > q - window only.
+        self.window = window
+        self.is_sliding = window is not None
+        self.slot_format: SlotFormat = DenseFormat() if slot_format is None else slot_format
+        self.positions: Tensor | None = None
+        self.valid: Tensor | None = None
+        self.scores: Tensor | None = None
+        self.seen = 0
+
+    # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
+    # they are views of the store, and only None (no slots) may be assigned.
+    @property
+    def keys(self) -> Tensor | None:
+        return None if self.store is None else self.store.read()[0]
+
+    @keys.setter
+    def keys(self, value: Tensor | None) -> None:
+        self._clear_only(value, "keys")
+
+    @property
+    def values(self) -> Tensor | None:
+        return None if self.store is None else self.store.read()[1]
+
+    @values.setter
+    def values(self, value: Tensor | None) -> None:
+        self._clear_only(value, "values")
+
+    def _clear_only(self, value: Tensor | None, name: str) -> None:
+        if value is not None:
+            raise AttributeError(
+                f"EvictionLayer.{name} reads the layer's slot store and cannot be assigned a tensor; the cache "
+                "stores slots when a step commits."
+            )
+        self.store = None
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.is_initialized = True  # the slots are created by the first commit
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._stage(self, key_states, value_states, kwargs.get("kwargs"))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, self.seen
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.store is None else self.store.count
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K/V the layer holds (codes and scales when it stores them quantized)."""
+        return 0 if self.store is None else self.store.nbytes
+
+    def reset(self) -> None:
+        self.store = None
+        self.positions = self.valid = self.scores = None
+        self.seen = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes old row ``beam_idx[i]``, every per-slot tensor (mass included) with it."""
+        self._select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None and self.positions is not None:
+            rows = torch.arange(self.store.batch, device=self.positions.device)
+            self._select_rows(rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise ValueError(
+                f"{type(self.owner).__name__} cannot crop {abs(tokens_to_remove)} token(s): tokens it evicted cannot "
+                "be restored, so the cache would not return to its earlier state. Assisted and prompt-lookup "
+                "decoding need a croppable cache such as DynamicCache or PagedCache."
+            )
+
+    def _select_rows(self, rows: Tensor) -> None:
+        if self.store is None or self.positions is None:
+            return
+        rows = rows.to(self.positions.device)
+        self.store = self.store.select_rows(rows)
+        self.positions = self.positions.index_select(0, rows)
+        self.valid = self.valid.index_select(0, rows) if self.valid is not None else None
+        self.scores = self.scores.index_select(0, rows) if self.scores is not None else None

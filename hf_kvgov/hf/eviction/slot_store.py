@@ -1,0 +1,179 @@
+"""Where an eviction layer's kept slots live: as the model produced them, or as codec codes.
+
+A layer's slot store holds K and V of its kept slots; a slot format turns one step's attended slots
+into the store kept after that step. The cache only asks a store to be read, gathered (eviction) and
+row-selected (beam search), so it never branches on how the slots are stored::
+
+    DenseSlots       keys, values   [batch, kv_heads, slots, head_dim]    the model's dtype
+    QuantizedSlots   keys, values   CodedSlots: codes + scales of each slot (see ``coded_slots``)
+
+Quantized slots follow `QuantizedCache`'s rhythm: a step's new tokens are attended in full precision,
+then encoded once when the step commits; from then on attention reads them decoded.
+
+Why keys are quantized per slot, not per channel
+------------------------------------------------
+KIVI groups keys per channel over many tokens because a few key channels are outliers. An eviction cache
+cannot keep such groups: it drops tokens one at a time and per KV head, and a group spanning dropped and
+kept tokens would have to be decoded and encoded again. So each slot's key gets its own scales along
+head_dim, as values do (``group_size`` elements per scale), and eviction is a gather of codes and scales.
+Keeping some per-channel equalisation, by dividing each channel by a divisor fixed from the first chunk
+before quantizing per slot, was measured and rejected. SmolLM2-135M, 2,048 tokens of Pride and Prejudice
+fed 16 at a time, H2O at 20% (perplexity; float slots 23.32, full cache 22.85):
+
+    keys per slot                              int8 23.34   int4 24.81   fp8 23.47
+    / each channel's max over the first chunk  int8 23.28   int4 25.55   fp8 23.42
+    / each RoPE pair's norm, same chunk        int8 23.31   int4 25.27   fp8 23.47
+
+A first chunk does not predict later channel ranges (RoPE turns each pair of channels with the position,
+moving magnitude between them), so the divisor makes int4 worse and gains nothing for int8 or fp8. What
+does help int4 is smaller groups (``QuantConfig(bits=4, group_size=...)``, keys and values alike): groups of
+32 give 24.14, of 16 give 23.66, at 0.062 and 0.075 of float16 bytes instead of 0.056.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.codecs import KVCodec
+from hf_kvgov.hf.eviction.coded_slots import CodedSlots, decode_slots, encode_slots
+from hf_kvgov.policies import gather_kept
+
+
+class SlotStore(Protocol):
+    """K/V of one layer's kept slots, ``[batch, kv_heads, slots, head_dim]`` once read."""
+
+    @property
+    def count(self) -> int: ...  # slots per (sequence, KV head)
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...  # bytes of K/V actually held (codes and scales when quantized)
+
+    def read(self) -> tuple[Tensor, Tensor]: ...  # keys, values as attention reads them
+
+    def gather(self, keep: Tensor) -> SlotStore: ...  # keep: long [batch, kv_heads, kept]
+
+    def select_rows(self, rows: Tensor) -> SlotStore: ...  # rows: long [new_batch]
+
+
+class SlotFormat(Protocol):
+    """How one layer stores its slots; ``codec_name`` is None for the model's own precision."""
+
+    @property
+    def codec_name(self) -> str | None: ...
+
+    def store(self, kept: SlotStore | None, keys: Tensor, values: Tensor, q_len: int) -> SlotStore:
+        """The store after a step.
+
+        Args:
+            kept: the store before the step (None on the first step).
+            keys, values: ``[batch, kv_heads, kept + q_len, head_dim]`` the step attended: the kept slots as
+                read, then the ``q_len`` new ones.
+            q_len: the step's new tokens.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class DenseSlots:
+    """Slots as the model produced them: ``keys``, ``values`` ``[batch, kv_heads, slots, head_dim]``."""
+
+    keys: Tensor
+    values: Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        return self.keys, self.values
+
+    def gather(self, keep: Tensor) -> DenseSlots:
+        return DenseSlots(gather_kept(self.keys, keep), gather_kept(self.values, keep))
+
+    def select_rows(self, rows: Tensor) -> DenseSlots:
+        return DenseSlots(self.keys.index_select(0, rows), self.values.index_select(0, rows))
+
+
+@dataclass(frozen=True)
+class QuantizedSlots:
+    """Slots as codes, keys and values encoded per slot; both decode with ``codec`` to ``dtype`` (the model's)."""
+
+    keys: CodedSlots
+    values: CodedSlots
+    codec: KVCodec
+    dtype: torch.dtype
+
+    @property
+    def count(self) -> int:
+        return self.keys.count
+
+    @property
+    def batch(self) -> int:
+        return int(self.keys.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        keys, values = decode_slots(self.codec, self.keys), decode_slots(self.codec, self.values)
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def gather(self, keep: Tensor) -> QuantizedSlots:
+        return QuantizedSlots(self.keys.gather(keep), self.values.gather(keep), self.codec, self.dtype)
+
+    def select_rows(self, rows: Tensor) -> QuantizedSlots:
+        return QuantizedSlots(self.keys.select_rows(rows), self.values.select_rows(rows), self.codec, self.dtype)
+
+    def cat(self, newer: QuantizedSlots) -> QuantizedSlots:
+        """These slots followed by ``newer``'s along the slot axis."""
+        return QuantizedSlots(self.keys.cat(newer.keys), self.values.cat(newer.values), self.codec, self.dtype)
+
+
+@dataclass(frozen=True)
+class DenseFormat:
+    """Keep slots in the model's precision (the default, and `QuantConfig.full_precision_layers`)."""
+
+    @property
+    def codec_name(self) -> str | None:
+        return None
+
+    def store(self, kept: SlotStore | None, keys: Tensor, values: Tensor, q_len: int) -> SlotStore:
+        return DenseSlots(keys, values)
+
+
+@dataclass(frozen=True)
+class QuantizedFormat:
+    """Encode each step's new slots with ``codec`` (per-slot groups) and append them to the kept codes."""
+
+    codec: KVCodec
+
+    @property
+    def codec_name(self) -> str | None:
+        return self.codec.name
+
+    def store(self, kept: SlotStore | None, keys: Tensor, values: Tensor, q_len: int) -> SlotStore:
+        new = self.encode(keys[:, :, -q_len:], values[:, :, -q_len:])
+        if kept is None:
+            return new
+        assert isinstance(kept, QuantizedSlots), "a quantized layer only ever holds quantized slots"
+        return kept.cat(new)  # the kept codes are never decoded and encoded again
+
+    def encode(self, keys: Tensor, values: Tensor) -> QuantizedSlots:
+        """``keys``, ``values`` ``[batch, kv_heads, q_len, head_dim]`` as codes with scales per slot."""
+        return QuantizedSlots(encode_slots(self.codec, keys), encode_slots(self.codec, values), self.codec, keys.dtype)

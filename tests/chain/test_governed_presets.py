@@ -1,0 +1,128 @@
+"""The named caches are presets of GovernedCache: the composed equivalent is the same cache, token for token.
+
+Each preset is built directly and through ``GovernedCache(model, **preset.parts.kwargs())`` and, for the
+hand-written compositions, through the parts a user would write. Both run the same generate on the tiny
+model; the tokens and every step's logits must be identical (the same mechanism runs, so not even float
+noise may differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from hf_kvgov import (
+    DiskOffloadCache,
+    GovernedCache,
+    HeavyHitterCache,
+    PagedCache,
+    QuantizedCache,
+    SinkCache,
+    eviction_attention,
+    paged_attention,
+)
+from hf_kvgov.chain import Disk, HeavyHitter, Layer, Paging, Sink
+from hf_kvgov.hf.eviction import EvictionCache
+from tests.conftest import tiny_llama
+
+MODEL = tiny_llama()
+Build = Callable[[Any], Any]
+
+PRESETS: dict[str, Build] = {
+    "paged": lambda m: PagedCache(m, block_size=8),
+    "paged, paged attention": lambda m: PagedCache(m, block_size=4, attention="paged"),
+    "int8": lambda m: QuantizedCache(m, bits=8, block_size=4),
+    "int4, layer 0 full precision": lambda m: QuantizedCache(m, bits=4, block_size=4, full_precision_layers=[0]),
+    "fp8, residual, paged attention": lambda m: QuantizedCache(
+        m, bits=8, fmt="fp8", block_size=4, residual=8, attention="paged"
+    ),
+    "disk": lambda m: DiskOffloadCache(m, hot_tokens=8, block_size=4),
+    "h2o": lambda m: HeavyHitterCache(m, budget=12, recent=4),
+    "sink": lambda m: SinkCache(m, n_sink=2, window=10),
+    "h2o, int8 slots, layer 0 budget": lambda m: HeavyHitterCache(m, budget=12, codec="int8", layer_budgets={0: 16}),
+    "sink, fp8 slots": lambda m: SinkCache(m, n_sink=2, window=10, codec="fp8"),
+}
+
+# The same caches as a user composes them from parts.
+COMPOSED: dict[str, tuple[Build, Build]] = {
+    "paged": (lambda m: PagedCache(m, block_size=8), lambda m: GovernedCache(m, pool=Paging(block_size=8))),
+    "int8": (lambda m: QuantizedCache(m, block_size=4), lambda m: GovernedCache(m, pool=Paging(4), codec="int8")),
+    "int4 with a full-precision layer": (
+        lambda m: QuantizedCache(m, bits=4, block_size=4, full_precision_layers=[1]),
+        lambda m: GovernedCache(m, pool=Paging(4), codec="int4", layers={1: Layer(full_precision=True)}),
+    ),
+    "disk": (
+        lambda m: DiskOffloadCache(m, hot_tokens=8, block_size=4),
+        lambda m: GovernedCache(m, pool=Paging(4), spill=Disk(hot_tokens=8)),
+    ),
+    "h2o": (
+        lambda m: HeavyHitterCache(m, budget=12, recent=4),
+        lambda m: GovernedCache(m, policy=HeavyHitter(budget=12, recent=4)),
+    ),
+    "sink": (lambda m: SinkCache(m, n_sink=2, window=10), lambda m: GovernedCache(m, policy=Sink(2, 10))),
+    "int8 + H2O with a layer budget": (
+        lambda m: HeavyHitterCache(m, budget=12, recent=4, codec="int8", layer_budgets={1: 20}),
+        lambda m: GovernedCache(m, policy=HeavyHitter(12, recent=4), codec="int8", layers={1: Layer(budget=20)}),
+    ),
+}
+
+
+def attention_for(cache: Any, model: Any) -> contextlib.AbstractContextManager[Any]:
+    if isinstance(cache, EvictionCache):
+        return eviction_attention(model)
+    if cache.parts.attention == "paged":
+        return paged_attention(model)
+    return contextlib.nullcontext()
+
+
+def generate(model: Any, cache: Any) -> Any:
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 96, (2, 21), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0  # left padding in row 0
+    with attention_for(cache, model):
+        return model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            past_key_values=cache,
+            max_new_tokens=10,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+
+
+def assert_identical(first: Any, second: Any) -> None:
+    assert torch.equal(first.sequences, second.sequences)
+    for a, b in zip(first.scores, second.scores, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_and_its_composed_equivalent_are_the_same_cache(name: str) -> None:
+    preset = PRESETS[name](MODEL)
+    composed = GovernedCache(MODEL, **preset.parts.kwargs())
+    assert isinstance(preset, GovernedCache)
+    assert type(composed) is type(preset)
+    assert composed.parts == preset.parts
+    assert_identical(generate(MODEL, preset), generate(MODEL, composed))
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+def test_parts_written_by_hand_build_the_preset(name: str) -> None:
+    build_preset, build_composed = COMPOSED[name]
+    preset, composed = build_preset(MODEL), build_composed(MODEL)
+    assert type(composed) is type(preset)
+    assert composed.parts == preset.parts
+    assert_identical(generate(MODEL, preset), generate(MODEL, composed))
+
+
+def test_the_issue_example_is_refused_with_the_reason() -> None:
+    from hf_kvgov.chain import ChainRefused
+
+    with pytest.raises(ChainRefused, match="different set of tokens in each KV head"):
+        GovernedCache(MODEL, pool=Paging(), codec="int8", policy=HeavyHitter(0.2), spill=Disk())
