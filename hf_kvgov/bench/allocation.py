@@ -3,10 +3,24 @@
 Which caches can be counted by their pool is a registry on the cache's class (most specific first): a
 cache whose memory is exactly the blocks it holds in one pool gets a factory for more caches of its kind
 drawing from a shared, capped pool; the others get None and are counted by their measured bytes.
+
+Three ways of filling (each allocates real K/V; none divides a budget by a size):
+
+- `fill_until_refused`: one cache per sequence in a pre-allocated pool capped at the budget, until the
+  pool raises `PoolExhausted`.
+- `fill_shared`: requests that start with one document, each through its own cache on one pool with a
+  `PrefixCache`: the first request publishes its blocks, the others match the document and write their
+  own part. A `QuantizedBlockPool` caps only its full-precision blocks (sealed codes live in a store that
+  grows), so this fill also refuses a request once `pool_bytes_used` (full-precision + sealed blocks in
+  use) exceeds the budget: the bench's own accounting, checked after each chunk a request writes.
+- `fill_by_copies`: for caches with no pool (eviction caches keep dense per-head slots): real caches
+  allocated one after another, each a copy of one that the model filled, until their summed
+  `stats().bytes_used` would exceed the budget.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -20,13 +34,20 @@ from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import CacheSpec, kv_bytes
 from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
 # Per layer: keys and values `[1, kv_heads, tokens, head_dim]`.
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 CacheFactory = Callable[[BlockPool], Any]
+SharingFactory = Callable[[PrefixCache], Any]  # a cache drawing from the tree's pool, with match / publish
+Request = Callable[[int], list[int]]  # request index -> its token ids
+# (sequences that fit, bytes they hold, length of the first that did not)
+Fit = tuple[int, int, int]
 
 _MEMINFO = Path("/proc/meminfo")
 
@@ -74,15 +95,39 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def capped_pool(like: BlockPool, budget_bytes: int) -> BlockPool:
-    """A pool of `like`'s geometry and block size, capped at `budget_bytes` and allocated up front."""
+def _check_free(like: BlockPool, budget_bytes: int) -> None:
     free = available_memory(like.geometry.device)
     if free is not None and budget_bytes > free:
         raise ValueError(
             f"Counting sequences by filling a pool allocates the whole budget ({budget_bytes:,} bytes), but only "
             f"{free:,} bytes are available on {like.geometry.device}; give a smaller budget."
         )
+
+
+@functools.singledispatch
+def capped_pool(like: BlockPool, budget_bytes: int) -> BlockPool:
+    """A pool of `like`'s geometry and block size, capped at `budget_bytes` and allocated up front."""
+    _check_free(like, budget_bytes)
     return BlockPool(like.geometry, block_size=like.block_size, max_bytes=budget_bytes, preallocate=True)
+
+
+@capped_pool.register
+def _capped_quantized(like: QuantizedBlockPool, budget_bytes: int) -> BlockPool:
+    # Its cap bounds the full-precision blocks only, and they are few once sealed: grown on demand, not
+    # pre-allocated; `pool_bytes_used` is what a fill holds against the budget.
+    _check_free(like, budget_bytes)
+    return QuantizedBlockPool(like.geometry, like.sealed.formats, block_size=like.block_size, max_bytes=budget_bytes)
+
+
+@functools.singledispatch
+def pool_bytes_used(pool: BlockPool) -> int:
+    """Bytes of the blocks in use (by sequences or a prefix tree): full-precision blocks."""
+    return pool.num_used * pool.bytes_per_block
+
+
+@pool_bytes_used.register
+def _quantized_bytes_used(pool: QuantizedBlockPool) -> int:
+    return pool.num_used * pool.bytes_per_block + pool.sealed.num_used * pool.sealed.bytes_per_block
 
 
 def reference_kv(model: Any, ids: torch.Tensor) -> LayerKV:
@@ -102,16 +147,36 @@ def reference_kv(model: Any, ids: torch.Tensor) -> LayerKV:
     return kv
 
 
-def _write_sequence(cache: Any, kv: LayerKV, length: int) -> None:
-    """Store the first `length` tokens of `kv` in `cache`, as a prefill would (blocks allocated by layer 0)."""
+def write_tokens(cache: Any, kv: LayerKV, start: int, stop: int) -> None:
+    """Store tokens [start, stop) of `kv` in `cache`, as one forward step would (blocks allocated by layer 0).
+
+    A cache on the paged attention path hands each layer's blocks to attention instead of gathering them,
+    which makes filling it cheap. No attention runs here, so its view is marked read and its after-attend
+    hook (a quantized cache seals the blocks the step filled) runs, as after an attention that reads nothing.
+    """
     with torch.inference_mode():
         for index, (keys, values) in enumerate(kv):
-            cache.update(keys[:, :, :length], values[:, :, :length], index)
+            step: dict[str, Any] = {}
+            cache.update(keys[:, :, start:stop], values[:, :, start:stop], index, kwargs=step)
+            _attend_nothing(step.get(PAGED_VIEW_KEY))
+
+
+def _attend_nothing(view: PagedView | None) -> None:
+    if view is None:
+        return
+    view.consumed = True
+    after = getattr(view, "after_attend", None)
+    if after is not None:
+        after()
+
+
+def _write_sequence(cache: Any, kv: LayerKV, length: int) -> None:
+    write_tokens(cache, kv, 0, length)
 
 
 def fill_until_refused(
     twin: CacheFactory, pool: BlockPool, kv: LayerKV, order: Sequence[int], progress: Any = None
-) -> tuple[int, int, int]:
+) -> Fit:
     """One cache per sequence, lengths from `order` (cycling), written into `pool` until it is exhausted.
 
     Args:
@@ -136,6 +201,85 @@ def fill_until_refused(
         for cache in held:
             cache.release()
     raise AssertionError("a capped pool always refuses eventually: every sequence takes at least one block")
+
+
+class _OverBudget(Exception):
+    """The bench's accounting refused a request: the pool's bytes in use passed the budget."""
+
+
+def _write_request(cache: Any, kv: LayerKV, tokens: list[int], chunk: int, refused: Callable[[], bool]) -> None:
+    """Match `tokens` in the prefix tree, then write the rest `chunk` tokens a step, checking the budget."""
+    cache.match(torch.tensor([tokens]))
+    for start in range(cache.get_seq_length(), len(tokens), chunk):
+        write_tokens(cache, kv, start, min(start + chunk, len(tokens)))
+        if refused():
+            raise _OverBudget
+
+
+def fill_shared(
+    twin: SharingFactory,
+    prefix: PrefixCache,
+    kv: LayerKV,
+    request: Request,
+    budget_bytes: int,
+    chunk: int = 256,
+    progress: Any = None,
+) -> Fit:
+    """Requests from `request(0)`, `request(1)`, ... each through its own cache on `prefix`'s pool until refused.
+
+    Request 0 is written whole and published; every later one matches what the tree holds (the document)
+    and writes the rest. K/V come from `kv` (`[1, kv_heads, >= length, head_dim]` per layer) at each token's
+    position: what a block costs does not depend on its content.
+
+    Returns:
+        (requests that fit, pool bytes they hold, the length of the refused request).
+    """
+    pool = prefix.pool
+    held: list[Any] = []
+
+    def refused() -> bool:
+        return pool_bytes_used(pool) > budget_bytes
+
+    try:
+        for index in itertools.count():
+            tokens, cache = request(index), twin(prefix)
+            try:
+                _write_request(cache, kv, tokens, chunk, refused)
+            except (PoolExhausted, _OverBudget):
+                cache.release()  # the refused request keeps nothing
+                return len(held), pool_bytes_used(pool), len(tokens)
+            if index == 0:
+                cache.publish(torch.tensor([tokens]))
+            held.append(cache)
+            if progress is not None:
+                progress.update(1)
+    finally:
+        for cache in held:
+            cache.release()
+        prefix.clear()
+    raise AssertionError("a capped pool always refuses eventually: every request holds at least one block")
+
+
+def fill_by_copies(first: Any, length: int, budget_bytes: int, progress: Any = None) -> Fit:
+    """Caches allocated one after another, `first` then copies of it, while their `kv_bytes` sum fits.
+
+    `first` holds one sequence of `length` tokens as the model left it; each copy is a real cache holding
+    its own tensors, counted by its own accounting.
+    """
+    held: list[Any] = []
+    used = 0
+    with torch.inference_mode():
+        while True:
+            cache = first if not held else copy.deepcopy(first)
+            size = kv_bytes(cache)
+            if size <= 0:
+                raise ValueError(f"A cache holding {length} tokens reports {size} bytes; it cannot be counted.")
+            if used + size > budget_bytes:
+                return len(held), used, length
+            held.append(cache)
+            used += size
+            if progress is not None:
+                progress.update(1)
 
 
 def run_sequence(model: Any, spec: CacheSpec, ids: torch.Tensor) -> Any:

@@ -6,20 +6,22 @@ hot window, budget), not from the registry name, so a cache registered with othe
 with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
 of type tests; a class with no entry gets no prediction (None).
 
+Block-storing caches (paged, quantized, disk) keep every token in a sliding-window layer too (one block
+id spans all layers), so their setups say ``window_frees=False``; eviction caches keep at most the window.
 What the planner does not model, and so shows up as a gap between prediction and measurement:
-eviction caches' position and validity metadata, a disk cache's first block and read-ahead buffers,
 quantized caches' `residual` window and full-precision layers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov.hf.disk_cache import DiskOffloadCache
+from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
@@ -35,6 +37,10 @@ from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
 _PLANNER_CODECS = {"int8": "int8", "int4": "int4", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 # Quantization scales are fp16 in hf_kvgov's codecs.
 _SCALE_BYTES = 2
+# What an eviction cache keeps per slot and KV head besides K/V (`hf_kvgov.hf.eviction.cache`): the RoPE
+# position (int64) and a validity flag (bool); H2O adds its accumulated attention mass (float32).
+_SLOT_METADATA_BYTES = torch.int64.itemsize + torch.bool.itemsize
+_SCORE_BYTES = torch.float32.itemsize
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str | None:
@@ -70,7 +76,7 @@ def _dynamic(cache: DynamicCache, kv_dtype: str) -> CacheSetup | None:
 def _paged(cache: PagedCache, kv_dtype: str) -> CacheSetup | None:
     if cache.pool is None:
         return None
-    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype)
+    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, window_frees=False)
 
 
 @planner_setup.register
@@ -86,6 +92,7 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
         scale_bytes=_SCALE_BYTES,
         group_size=cache.quant.group_size,
         sink_blocks=cache.quant.sink_blocks,
+        window_frees=False,
     )
 
 
@@ -93,8 +100,16 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
 def _disk(cache: DiskOffloadCache, kv_dtype: str) -> CacheSetup | None:
     if cache.pool is None:
         return None
+    reader = cache.prefetcher
+    buffers = reader.capacity * reader.tier.layout.segment_bytes if reader is not None else 0
     return CacheSetup(
-        paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, spill_hot_tokens=cache.disk.hot_tokens
+        paged=True,
+        block_size=cache.pool.block_size,
+        kv_dtype=kv_dtype,
+        spill_hot_tokens=cache.disk.hot_tokens,
+        spill_pinned_blocks=RESIDENT_FIRST_BLOCKS,
+        spill_buffer_bytes=buffers,  # allocated when the first spilled block is read back
+        window_frees=False,
     )
 
 
@@ -110,15 +125,25 @@ def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
     fraction = _fractional_budget(cache)
     if fraction is None:
         return None
-    # Slots are not paged (block size 1); each kept slot carries an fp32 attention mass.
+    # Per-head slots (block size 1), each with an fp32 attention mass, as codes when a codec is set.
     return CacheSetup(
         paged=True,
         block_size=1,
         kv_dtype=kv_dtype,
         h2o_budget=fraction,
         h2o_recent=cache._min_budget,
-        h2o_score_bytes=4,
+        h2o_score_bytes=_SCORE_BYTES,
+        h2o_metadata_bytes=_SLOT_METADATA_BYTES,
+        eviction_slots=True,
+        **_slot_codec(cache),
     )
+
+
+def _slot_codec(cache: Any) -> dict[str, Any]:
+    quant = getattr(cache, "quant", None)
+    if quant is None:
+        return {}
+    return {"codec": _PLANNER_CODECS[quant.codec_name], "scale_bytes": _SCALE_BYTES, "group_size": quant.group_size}
 
 
 @planner_setup.register
@@ -129,8 +154,26 @@ def _sink(cache: SinkCache, kv_dtype: str) -> CacheSetup | None:
     # A sink + window cache is a fixed-fraction budget that never drops below n_sink + window, with no scores.
     recent = cache.n_sink + cache.window
     return CacheSetup(
-        paged=True, block_size=1, kv_dtype=kv_dtype, h2o_budget=fraction, h2o_recent=recent, h2o_score_bytes=0
+        paged=True,
+        block_size=1,
+        kv_dtype=kv_dtype,
+        h2o_budget=fraction,
+        h2o_recent=recent,
+        h2o_score_bytes=0,
+        h2o_metadata_bytes=_SLOT_METADATA_BYTES,
+        eviction_slots=True,
+        **_slot_codec(cache),
     )
+
+
+def with_shared_prefix(setup: CacheSetup, shared_tokens: int, length: int) -> CacheSetup:
+    """`setup` for sequences of `length` tokens whose first `shared_tokens` are one prefix shared by all of them."""
+    if not 0 <= shared_tokens < length:
+        raise ValueError(
+            f"The shared prefix must be shorter than the sequence (at least one token is a request's own); got "
+            f"{shared_tokens} shared tokens of {length}."
+        )
+    return dataclasses.replace(setup, shared_fraction=shared_tokens / length, share_group=None)
 
 
 def predict(geometry: ModelGeometry, setup: CacheSetup, lengths: LengthDistribution, budget_bytes: int) -> StepResult:

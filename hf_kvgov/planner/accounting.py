@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.setup import CacheSetup
 
+# 0.2 * 2045 is 408.99999999999994 in floating point; the caches add the same epsilon before rounding down.
+_EPSILON = 1e-9
+
 
 @dataclass(frozen=True)
 class Run:
@@ -40,6 +43,11 @@ def layer_kinds(geometry: ModelGeometry) -> list[tuple[int, int | None]]:
     """(number of layers, window or None) for the full-attention and the sliding-window layers."""
     kinds = [(geometry.num_full_layers, None), (geometry.num_sliding_layers, geometry.sliding_window)]
     return [(count, window) for count, window in kinds if count]
+
+
+def held_window(setup: CacheSetup, window: int | None) -> int | None:
+    """The window that bounds the blocks a layer holds: None when the cache keeps every token anyway."""
+    return window if setup.window_frees or setup.h2o_budget is not None else None
 
 
 def shared_prefix_tokens(setup: CacheSetup, length: int) -> int:
@@ -70,22 +78,30 @@ def private_run(setup: CacheSetup, length: int, prefix: int, window: int | None)
     return Run(tokens=length - start * bs, at_sink=start == 0)
 
 
-def apply_h2o(run: Run, setup: CacheSetup) -> Run:
-    """The run after H2O keeps ``h2o_budget`` of its tokens (never fewer than the recent window)."""
+def apply_h2o(run: Run, setup: CacheSetup, own_tokens: int, window: int | None) -> Run:
+    """The run after H2O keeps its budget of slots, as hf_kvgov's eviction caches do.
+
+    The budget is ``h2o_budget`` of the sequence's own tokens (rounded down, never below ``h2o_recent``),
+    the same number of slots in every layer; a sliding-window layer keeps at most ``window - 1`` of them,
+    the keys its next query can still read.
+    """
     if setup.h2o_budget is None:
         return run
-    kept = min(run.tokens, max(math.ceil(setup.h2o_budget * run.tokens), setup.h2o_recent))
-    return Run(tokens=kept, at_sink=run.at_sink)
+    budget = max(math.floor(setup.h2o_budget * own_tokens + _EPSILON), setup.h2o_recent, 1)
+    room = run.tokens if window is None else min(run.tokens, window - 1)
+    return Run(tokens=min(room, budget), at_sink=run.at_sink)
 
 
 def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
-    """(hot run on the accelerator, cold run on disk): the blocks of the last ``spill_hot_tokens`` stay."""
+    """(hot run on the accelerator, cold run on disk): the blocks of the last ``spill_hot_tokens`` stay, and
+    so do the run's first ``spill_pinned_blocks`` (a sink block every query reads)."""
     if setup.spill_hot_tokens is None:
         return run, Run(0, False)
     bs = setup.block_size
-    cold_blocks = max(0, math.ceil(run.tokens / bs) - math.ceil(setup.spill_hot_tokens / bs))
-    hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and cold_blocks == 0)
-    return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink)
+    pinned = setup.spill_pinned_blocks if run.at_sink else 0
+    cold_blocks = max(0, math.ceil(run.tokens / bs) - math.ceil(setup.spill_hot_tokens / bs) - pinned)
+    hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and (cold_blocks == 0 or pinned > 0))
+    return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0)
 
 
 def _static_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
@@ -109,21 +125,33 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
     prefix = shared_prefix_tokens(setup, length)
     device = disk = 0
     for count, window in layer_kinds(geometry):
-        layer_device, layer_disk = _own_layer_bytes(setup, length, prefix, window, geometry.head_dim)
+        own = _own_layer_bytes(setup, length, prefix, held_window(setup, window), geometry.head_dim)
+        layer_device, layer_disk = own
         device += count * geometry.num_kv_heads * layer_device
         disk += count * geometry.num_kv_heads * layer_disk
+    if disk:
+        device += setup.spill_buffer_bytes  # a sequence that reads blocks back holds its read-ahead buffers
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
 
 
 def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int) -> tuple[int, int]:
     """(accelerator, disk) bytes that one layer and KV head hold for this sequence alone."""
-    run = apply_h2o(private_run(setup, length, prefix, window), setup)
+    run = apply_h2o(private_run(setup, length, prefix, window), setup, length - prefix, window)
+    if setup.eviction_slots:
+        return _slot_bytes(setup, run.tokens, head_dim), 0
     hot, cold = split_spill(run, setup)
     device = run_bytes(hot, setup, head_dim)
     if setup.h2o_budget is not None:
-        # H2O keeps the attention mass of every kept slot (spilled ones too) on the accelerator.
-        device += math.ceil(run.tokens / setup.block_size) * setup.block_size * setup.h2o_score_bytes
+        # H2O keeps the attention mass and bookkeeping of every kept slot (spilled ones too) on the accelerator.
+        per_slot = setup.h2o_score_bytes + setup.h2o_metadata_bytes
+        device += math.ceil(run.tokens / setup.block_size) * setup.block_size * per_slot
     return device, run_bytes(cold, setup, head_dim)
+
+
+def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:
+    """Bytes of ``kept`` eviction slots of one layer and KV head: K/V as stored, then mass and bookkeeping."""
+    per_slot = setup.slot_format.slot_bytes(head_dim) + setup.h2o_score_bytes + setup.h2o_metadata_bytes
+    return kept * per_slot
 
 
 def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) -> int:
@@ -134,7 +162,8 @@ def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) 
     if not setup.paged or prefix == 0:
         return 0
     bs, total = setup.block_size, 0
-    for count, window in layer_kinds(geometry):
+    for count, kind_window in layer_kinds(geometry):
+        window = held_window(setup, kind_window)
         tokens = prefix if window is None else min(prefix, (math.ceil(window / bs) + 1) * bs)
         per_head = run_bytes(Run(tokens, at_sink=True), setup, geometry.head_dim)
         total += count * geometry.num_kv_heads * per_head

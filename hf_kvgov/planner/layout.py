@@ -12,6 +12,12 @@ keys and values. Per block and KV head::
                                                + V scale per token:           T x D/g x s
 
 ``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
+
+An eviction cache keeps per-head *slots*, not blocks: one token of one KV head each, dropped one at a
+time, so a codec groups each slot on its own, keys as values. Per kept slot and KV head (`SlotCodes`)::
+
+    int8 / int4:   K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
+    fp8:           K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
 """
 
 from __future__ import annotations
@@ -104,3 +110,48 @@ def codec_format(name: str, scale_bytes: int = 2, group_size: int | None = None)
     if scale_bytes not in (2, 4):
         raise ValueError(f"Quantization scales are stored in fp16 (2 bytes) or fp32 (4 bytes); got {scale_bytes}.")
     return CODEC_FORMATS[key](scale_bytes, group_size)
+
+
+class SlotLayout(Protocol):
+    """Bytes of an eviction cache's kept slots of one layer and one KV head."""
+
+    @property
+    def name(self) -> str: ...
+
+    def slot_bytes(self, head_dim: int) -> int:
+        """Keys and values of one kept slot (codes and scales)."""
+        ...
+
+
+@dataclass(frozen=True)
+class DenseSlots:
+    """Slots in the model's precision, ``element_bytes`` per element."""
+
+    name: str
+    element_bytes: int
+
+    def slot_bytes(self, head_dim: int) -> int:
+        return 2 * head_dim * self.element_bytes
+
+
+@dataclass(frozen=True)
+class SlotCodes:
+    """Slots as codes: keys and values each grouped per slot, ``group_size`` channels per scale (None: the head)."""
+
+    name: str
+    bits: int
+    zero_point: bool
+    scale_bytes: int = 2
+    group_size: int | None = None
+
+    def slot_bytes(self, head_dim: int) -> int:
+        group = _check_group(self.group_size, head_dim)
+        stats = (2 if self.zero_point else 1) * (head_dim // group) * self.scale_bytes
+        return 2 * (math.ceil(head_dim * self.bits / 8) + stats)
+
+
+SLOT_CODECS: dict[str, Callable[[int, int | None], SlotLayout]] = {
+    "int8": lambda scale_bytes, group: SlotCodes("int8", 8, True, scale_bytes, group),
+    "int4": lambda scale_bytes, group: SlotCodes("int4", 4, True, scale_bytes, group),
+    "fp8": lambda scale_bytes, group: SlotCodes("fp8", 8, False, scale_bytes, group),
+}

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_kvgov.planner.layout import CODEC_FORMATS, BlockFormat, FullPrecision, codec_format
+from hf_kvgov.planner.layout import (
+    CODEC_FORMATS,
+    SLOT_CODECS,
+    BlockFormat,
+    DenseSlots,
+    FullPrecision,
+    SlotLayout,
+    codec_format,
+)
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
 
 DEFAULT_BLOCK_SIZE = 16
@@ -32,8 +40,18 @@ class CacheSetup:
         h2o_budget: fraction of each layer's tokens H2O keeps (recent window included), or None.
         h2o_recent: most recent tokens H2O always keeps (the budget never goes below it).
         h2o_score_bytes: bytes of accumulated attention mass H2O keeps per slot and KV head (fp32: 4).
+        h2o_metadata_bytes: further bookkeeping bytes per kept slot and KV head (hf_kvgov's eviction caches:
+            the RoPE position, int64, and a validity flag, bool: 9).
+        eviction_slots: H2O keeps dense per-head slots rather than blocks (hf_kvgov's eviction caches): each
+            kept token of each KV head costs `slot_format`'s bytes, a codec encoding every slot on its own.
+            Such a cache cannot share prefixes nor spill (the chain's rules refuse both).
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk, or None for no spill.
+        spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
+        spill_buffer_bytes: read-ahead memory each spilling sequence holds besides its blocks.
+        window_frees: sliding-window layers free what falls out of their window (True), or keep every
+            token like a full layer (False: hf_kvgov's block-storing caches, whose one block id spans all
+            layers). Eviction setups always keep at most ``window - 1`` slots in a sliding layer.
     """
 
     paged: bool = True
@@ -49,7 +67,12 @@ class CacheSetup:
     h2o_budget: float | None = None
     h2o_recent: int = DEFAULT_H2O_RECENT
     h2o_score_bytes: int = 4
+    h2o_metadata_bytes: int = 0
+    eviction_slots: bool = False
     spill_hot_tokens: int | None = None
+    spill_pinned_blocks: int = 0
+    spill_buffer_bytes: int = 0
+    window_frees: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype, KV_DTYPE_BYTES, "KV cache dtype"))
@@ -75,13 +98,22 @@ class CacheSetup:
         positive = {"block_size": self.block_size, "max_len": self.max_len, "share_group": self.share_group}
         positive.update(spill_hot_tokens=self.spill_hot_tokens, group_size=self.group_size)
         non_negative = {"sink_blocks": self.sink_blocks, "h2o_recent": self.h2o_recent}
-        non_negative["h2o_score_bytes"] = self.h2o_score_bytes
+        non_negative.update(h2o_score_bytes=self.h2o_score_bytes, h2o_metadata_bytes=self.h2o_metadata_bytes)
+        non_negative.update(spill_pinned_blocks=self.spill_pinned_blocks, spill_buffer_bytes=self.spill_buffer_bytes)
         for name, value in positive.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"CacheSetup.{name} must be a positive int or None; got {value!r}.")
         for name, value in non_negative.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"CacheSetup.{name} must be an int >= 0; got {value!r}.")
+        for name in ("window_frees", "eviction_slots"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CacheSetup.{name} must be a bool; got {getattr(self, name)!r}.")
+        if self.eviction_slots and (self.h2o_budget is None or self.shared_fraction or self.spill_hot_tokens):
+            raise ValueError(
+                "eviction_slots describes an eviction cache's per-head slots: it needs h2o_budget, and such a cache "
+                "neither shares prefixes nor spills (shared_fraction 0, spill_hot_tokens None)."
+            )
         if self.scale_bytes not in (2, 4):
             raise ValueError(f"Quantization scales are fp16 (scale_bytes=2) or fp32 (4); got {self.scale_bytes!r}.")
 
@@ -96,3 +128,10 @@ class CacheSetup:
         if self.codec is None:
             return self.full_format
         return codec_format(self.codec, self.scale_bytes, self.group_size)
+
+    @property
+    def slot_format(self) -> SlotLayout:
+        """Format of an eviction cache's kept slots (see `eviction_slots`)."""
+        if self.codec is None:
+            return DenseSlots(self.kv_dtype, KV_DTYPE_BYTES[self.kv_dtype])
+        return SLOT_CODECS[self.codec](self.scale_bytes, self.group_size)

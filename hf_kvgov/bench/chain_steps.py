@@ -1,0 +1,305 @@
+"""The steps of the chain benchmark (`hf_kvgov.bench.chain`): the workload, each step's probe and its fill.
+
+Cumulative steps, each one cache built by ``GovernedCache(model, **parts)`` (`STEPS`)::
+
+    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused)      side row: paged + disk spill
+
+A step's probe is the sequence its bytes and decode speed are read from. The prefix steps serve requests
+sharing one document (`SharedDocument`): request 0 is stored and published, request 1 matches the document
+and the model runs on its own part only. Other probes get one reference prefill's K/V through `update`,
+except the eviction cache, which must run the model (its attention decides what it keeps). A step's
+capacity is counted by allocation (`allocation.py`); a step the rules refuse raises `ChainRefused` from its
+probe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_kvgov.bench import allocation as alloc
+from hf_kvgov.bench.capacity import fit_in_order
+from hf_kvgov.bench.prefix_qa import questions
+from hf_kvgov.chain.parts import Disk, HeavyHitter, Paging
+from hf_kvgov.hf.compat import quiet_generate_warnings
+from hf_kvgov.hf.eviction import eviction_attention
+from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.registry import kv_bytes
+
+AttentionContext = Callable[[Any], contextlib.AbstractContextManager[Any]]
+Parts = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ChainBenchConfig:
+    """What `run_chain` measures. Sizes are in tokens; `budget_bytes` is the KV memory every step fills.
+
+    ``ppl_tokens`` / ``passkey_samples`` of 0 leave that run out.
+    """
+
+    budget_bytes: int
+    shared_tokens: int
+    length: int = 2048
+    decode_steps: int = 16
+    block_size: int = 16
+    h2o_budget: float = 0.2
+    spill_hot_tokens: int = 512
+    spill_buffer_bytes: int | None = None  # the disk cache's read-ahead memory (None: its default)
+    chunk: int = 512  # tokens a request writes per step when a shared pool is filled (a prefill chunk)
+    ppl_tokens: int = 2048
+    ppl_chunk: int = 16
+    passkey_samples: int = 0
+    passkey_length: int = 4096
+    passkey_new_tokens: int | None = None  # caps the task's answer budget (None: RULER's)
+
+    def __post_init__(self) -> None:
+        positive = ("budget_bytes", "length", "decode_steps", "block_size", "spill_hot_tokens", "chunk", "ppl_chunk")
+        for name in (*positive, "shared_tokens", "ppl_tokens", "passkey_samples", "passkey_length"):
+            value, lowest = getattr(self, name), 1 if name in positive else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"ChainBenchConfig.{name} must be an int >= {lowest}; got {value!r}.")
+        if self.shared_tokens >= self.length:
+            raise ValueError(
+                f"shared_tokens is the document every request starts with, so it must be below length={self.length} "
+                f"(a request has at least one token of its own); got {self.shared_tokens}."
+            )
+        if self.passkey_new_tokens is not None and (
+            isinstance(self.passkey_new_tokens, bool) or not isinstance(self.passkey_new_tokens, int)
+            or self.passkey_new_tokens < 1
+        ):  # fmt: skip
+            raise ValueError(f"passkey_new_tokens must be a positive int or None; got {self.passkey_new_tokens!r}.")
+        HeavyHitter(self.h2o_budget)  # the chain's own check of a budget
+
+
+@dataclass(frozen=True)
+class SharedDocument:
+    """Requests of `length` tokens: one document, then a part of each request's own.
+
+    Request i is the document, a marker token of its own (``markers[i]``), question i and text. The marker
+    makes every request's first own token differ, so requests share exactly the document's whole blocks,
+    as the planner assumes (a partly filled block is never shared).
+    """
+
+    document: tuple[int, ...]
+    asks: tuple[tuple[int, ...], ...]  # the questions' token ids, taken in turn
+    text: tuple[int, ...]  # what follows a question, cut to the request's length
+    markers: tuple[int, ...]
+    length: int
+
+    def tokens(self, index: int) -> list[int]:
+        if index >= len(self.markers):
+            raise ValueError(
+                f"Request {index} needs a marker token of its own, but the vocabulary has only {len(self.markers)} "
+                "ordinary ids; give a smaller budget."
+            )
+        own = [self.markers[index], *self.asks[index % len(self.asks)], *self.text]
+        return [*self.document, *own][: self.length]
+
+
+def shared_document(tokenizer: Any, stream: list[int], shared: int, length: int) -> SharedDocument:
+    """Requests cut from `stream`, token ids of a text (repeated as needed); its first `shared` are the document."""
+    if not stream:
+        raise ValueError("Cannot cut requests from an empty token stream; give the token ids of some text.")
+    tiled = stream * -(-(shared + length) // len(stream))
+    specials = set(getattr(tokenizer, "all_special_ids", None) or ())
+    markers = tuple(i for i in range(len(tokenizer)) if i not in specials)
+    asks = tuple(tuple(tokenizer(f"\n\n{q}\nAnswer:", add_special_tokens=False)["input_ids"]) for q in questions(10))
+    return SharedDocument(tuple(tiled[:shared]), asks, tuple(tiled[shared : shared + length]), markers, length)
+
+
+def forward(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Run `ids` (long `[1, n]`) through the model into `cache`; returns the greedy next token, long `[1, 1]`."""
+    with quiet_generate_warnings(), torch.inference_mode():
+        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+    return logits[:, -1:].argmax(-1)
+
+
+def _plain(model: Any) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+@dataclass
+class Probe:
+    """One sequence of a step, held after its tokens and decoded in the timed rounds."""
+
+    cache: Any
+    next_token: torch.Tensor  # long [1, 1]
+    attention: AttentionContext = _plain
+    companions: tuple[Any, ...] = ()  # caches it shares blocks with (the request that published them)
+
+    def step(self, model: Any) -> float:
+        """One decode step; returns its seconds."""
+        with self.attention(model):
+            start = time.perf_counter()
+            self.next_token = forward(model, self.cache, self.next_token)
+            return time.perf_counter() - start
+
+    def release(self) -> None:
+        for cache in (self.cache, *self.companions):
+            alloc.release(cache)
+
+
+@dataclass
+class Context:
+    """What every step reads: the model, the settings, the workload and request 0's reference K/V."""
+
+    model: Any
+    config: ChainBenchConfig
+    requests: SharedDocument
+    kv: alloc.LayerKV
+    spill_dir: str
+
+    def ids(self, index: int) -> torch.Tensor:
+        """Long `[1, length]`: the tokens of request `index`."""
+        return torch.tensor([self.requests.tokens(index)], device=next(self.model.parameters()).device)
+
+    def build(self, **parts: Any) -> Any:
+        return GovernedCache(self.model, **parts)
+
+    def sharing(self, codec: str | None, attention: str = "contiguous") -> Callable[[PrefixCache], Any]:
+        return lambda prefix: self.build(prefix=prefix, codec=codec, attention=attention)
+
+
+# ------------------------------------------------------------------ probes: one sequence of each step
+
+
+def written(parts: Callable[[Context], Parts]) -> Callable[[Context], Probe]:
+    """A probe holding request 0's reference K/V of all tokens but the last, written through `update`."""
+
+    def probe(ctx: Context) -> Probe:
+        cache = ctx.build(**parts(ctx))
+        alloc.write_tokens(cache, ctx.kv, 0, ctx.config.length - 1)
+        return Probe(cache, ctx.ids(0)[:, -1:])
+
+    return probe
+
+
+def shared(codec: str | None) -> Callable[[Context], Probe]:
+    """Request 1 of the shared document, once request 0 was stored and published on the same pool."""
+
+    def probe(ctx: Context) -> Probe:
+        prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size), codec=codec).pool)
+        first = ctx.sharing(codec, "paged")(prefix)  # stored through `update` only: no gather needed
+        alloc.write_tokens(first, ctx.kv, 0, ctx.config.length)
+        first.publish(ctx.ids(0))
+        second, ids = ctx.sharing(codec)(prefix), ctx.ids(1)
+        second.match(ids)
+        forward(ctx.model, second, ids[:, second.get_seq_length() : -1])  # the model runs on its own part only
+        return Probe(second, ids[:, -1:], companions=(first,))
+
+    return probe
+
+
+def evicting(ctx: Context) -> Probe:
+    cache = ctx.build(**_h2o(ctx))
+    with eviction_attention(ctx.model):
+        forward(ctx.model, cache, ctx.ids(0)[:, :-1])
+    return Probe(cache, ctx.ids(0)[:, -1:], eviction_attention)
+
+
+def _h2o(ctx: Context) -> Parts:
+    return {"policy": HeavyHitter(ctx.config.h2o_budget), "codec": "int8"}
+
+
+def _disk(ctx: Context) -> Parts:
+    c = ctx.config
+    return {"spill": Disk(path=ctx.spill_dir, hot_tokens=c.spill_hot_tokens, read_buffer_bytes=c.spill_buffer_bytes)}
+
+
+# ------------------------------------------------------------------ capacity, by allocation
+
+Capacity = Callable[[Context, Probe], alloc.Fit]
+
+
+def pool_refused(ctx: Context, probe: Probe) -> alloc.Fit:
+    pool = alloc.capped_pool(probe.cache.pool, ctx.config.budget_bytes)
+    # The paged attention path holds the same blocks and is filled without gathering them (`write_tokens`).
+    twin = lambda p: ctx.build(pool=p, attention="paged")  # noqa: E731
+    return alloc.fill_until_refused(twin, pool, ctx.kv, (ctx.config.length,))
+
+
+def shared_pool_refused(codec: str | None) -> Capacity:
+    def capacity(ctx: Context, probe: Probe) -> alloc.Fit:
+        prefix = PrefixCache(alloc.capped_pool(probe.cache.pool, ctx.config.budget_bytes))
+        c = ctx.config
+        try:
+            twin = ctx.sharing(codec, "paged")  # the same blocks as the contiguous path, filled without gathers
+            return alloc.fill_shared(twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk)
+        finally:
+            prefix.close()
+
+    return capacity
+
+
+def allocated_copies(ctx: Context, probe: Probe) -> alloc.Fit:
+    return alloc.fill_by_copies(probe.cache, ctx.config.length, ctx.config.budget_bytes)
+
+
+def measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
+    length = ctx.config.length
+    return fit_in_order((length,), {length: kv_bytes(probe.cache)}, ctx.config.budget_bytes)
+
+
+# ------------------------------------------------------------------ the steps
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One row: how its probe is built (raising `ChainRefused` when the rules refuse it) and measured.
+
+    `label`, `numerics` and `reuses` are format strings over `ChainBenchConfig`'s fields. `numerics` is the
+    registry name whose perplexity / passkey runs are this step's; `reuses` names the step whose runs it
+    shares instead. `refusals` are other links tried with this step's parts, whose sentences the row shows.
+    """
+
+    name: str
+    label: str
+    probe: Callable[[Context], Probe]
+    capacity: Capacity
+    method: str
+    shares_document: bool = False
+    numerics: str | None = None
+    reuses: str | None = None
+    refusals: Callable[[Context], list[Parts]] = lambda ctx: []
+    side: bool = False
+
+
+def _policy_with_other_links(ctx: Context) -> list[Parts]:
+    prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size)).pool)
+    return [_h2o(ctx) | {"pool": Paging(ctx.config.block_size)}, _h2o(ctx) | {"prefix": prefix}]
+
+
+STEPS: tuple[ChainStep, ...] = (
+    ChainStep(
+        "paged", "paged ({block_size}-token blocks)", written(lambda ctx: {"pool": Paging(ctx.config.block_size)}),
+        pool_refused, "pool refused", numerics="paged@{block_size}",
+    ),
+    ChainStep(
+        "prefix", "+ prefix sharing ({shared_tokens:,} of {length:,} tokens)", shared(None),
+        shared_pool_refused(None), "pool refused, one prefix tree", shares_document=True, reuses="paged",
+    ),
+    ChainStep(
+        "int8", "+ int8 (keys per channel, values per token)", shared("int8"), shared_pool_refused("int8"),
+        "pool refused, one prefix tree; cap on full-precision + sealed bytes (bench accounting)",
+        shares_document=True, numerics="int8@{block_size}",
+    ),
+    ChainStep(
+        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting, allocated_copies,
+        "caches allocated until their summed stats().bytes_used would pass the budget",
+        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
+    ),
+    ChainStep(
+        "spill", "+ disk spill", written(lambda ctx: _h2o(ctx) | _disk(ctx)), measured_bytes, "-",
+    ),
+    ChainStep(
+        "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(_disk), measured_bytes,
+        "measured bytes (one sequence's stats: resident blocks + read-ahead buffers)",
+        numerics="disk@{spill_hot_tokens}", side=True,
+    ),
+)  # fmt: skip

@@ -1,0 +1,170 @@
+"""The chain benchmark on the tiny model: every step, refusals, and capacity counted by hand.
+
+Geometry (tests/bench/conftest.py): 2 layers x 2 KV heads x head_dim 16, float32: 512 B per token, a block
+of 16 tokens 8,192 B. Sequences of 96 tokens (6 full blocks), the first 48 (3 blocks) one shared document.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from hf_kvgov.bench.chain import STEPS, ChainBenchConfig, ChainReport, chain_markdown, run_chain, write_chain_plots
+from hf_kvgov.bench.chain_steps import shared_document
+from hf_kvgov.chain.rules import REFUSED_PAIRS
+from hf_kvgov.data_text import demo_text
+from tests.bench.conftest import BYTES_PER_BLOCK, BYTES_PER_TOKEN
+
+LENGTH, SHARED = 96, 48
+BLOCKS, SHARED_BLOCKS = LENGTH // 16, SHARED // 16  # 6 and 3
+BUDGET = 40 * BYTES_PER_BLOCK + 100  # 40 blocks; the 100 bytes cannot make a 41st
+# One sealed int8 block: codes 2 x 16 x 16, fp16 scale + zero per key channel (16) and per value token (16),
+# per layer and KV head.
+SEALED_INT8_BLOCK = 2 * 2 * (2 * 16 * 16 + 16 * 2 * 2 + 16 * 2 * 2)  # 2,560
+SEGMENT = 2 * 16 * 2 * 16 * 4  # K and V of one layer of one block: the disk cache's read-ahead unit
+
+
+@pytest.fixture(scope="module")
+def report(tiny: tuple[Any, Any]) -> ChainReport:
+    model, tokenizer = tiny
+    config = ChainBenchConfig(
+        budget_bytes=BUDGET,
+        shared_tokens=SHARED,
+        length=LENGTH,
+        decode_steps=2,
+        spill_hot_tokens=32,
+        spill_buffer_bytes=2 * SEGMENT,
+        chunk=32,
+        ppl_tokens=48,
+        passkey_samples=1,
+        passkey_length=300,
+        passkey_new_tokens=4,
+    )
+    return run_chain(model, tokenizer, config, demo_text(), model_name="tiny", progress=False)
+
+
+def test_every_step_is_present_in_the_chain_order(report: ChainReport) -> None:
+    assert [r.step for r in report.rows] == ["paged", "prefix", "int8", "h2o", "spill", "disk"]
+    assert [r.step for r in report.rows] == [s.name for s in STEPS]
+    assert [r.side for r in report.rows] == [False] * 5 + [True]
+
+
+def test_refused_steps_carry_the_rules_sentence(report: ChainReport) -> None:
+    spill = report.row("spill")
+    assert spill.refused == (
+        "A chain cannot have both policy= and spill=: " + REFUSED_PAIRS[frozenset({"policy", "spill"})] + "."
+    )
+    assert (spill.sequences, spill.kv_bytes_per_token, spill.perplexity) == (None, None, None)
+    h2o = report.row("h2o")
+    assert h2o.refused is None
+    assert h2o.notes == (
+        "A chain cannot have both policy= and pool=: " + REFUSED_PAIRS[frozenset({"policy", "pool"})] + ".",
+        "A chain cannot have both policy= and prefix=: " + REFUSED_PAIRS[frozenset({"policy", "prefix"})] + ".",
+    )
+    table = chain_markdown(report)
+    assert f"refused: {spill.refused}" in table and f"refused: {h2o.notes[1]}" in table
+
+
+def test_paged_capacity_is_the_sequences_whose_blocks_fit(report: ChainReport) -> None:
+    row = report.row("paged")
+    assert row.capacity_method == "pool refused"
+    assert row.sequences == 40 // BLOCKS == 6  # 36 blocks; a 7th sequence would need 42
+    assert row.held_bytes == 6 * BLOCKS * BYTES_PER_BLOCK
+    assert row.kv_bytes_per_token == BYTES_PER_TOKEN
+    assert row.predicted_sequences == math.floor(BUDGET / (BLOCKS * BYTES_PER_BLOCK)) == 6
+    assert row.measured_vs_predicted == 1.0
+
+
+def test_prefix_sharing_fits_more_than_paged(report: ChainReport) -> None:
+    row = report.row("prefix")
+    # The document's 3 blocks once, then 3 blocks per request: 3 + 3n <= 40 -> 12 requests (39 blocks).
+    assert row.sequences == 12 and row.sequences > report.row("paged").sequences
+    assert row.held_bytes == (SHARED_BLOCKS + 12 * 3) * BYTES_PER_BLOCK
+    assert row.held_bytes_per_token == pytest.approx(39 * BYTES_PER_BLOCK / (12 * LENGTH))
+    assert row.kv_bytes_per_token == BYTES_PER_TOKEN  # one request's own view counts the shared blocks too
+    # The planner: floor((budget - one stored document) / one request's own blocks).
+    assert row.predicted_sequences == (BUDGET - 3 * BYTES_PER_BLOCK) // (3 * BYTES_PER_BLOCK) == 12
+
+
+def test_int8_with_prefix_counts_full_precision_and_sealed_bytes(report: ChainReport) -> None:
+    row = report.row("int8")
+    document = BYTES_PER_BLOCK + 2 * SEALED_INT8_BLOCK  # the sink block stays in full precision
+    own = 3 * SEALED_INT8_BLOCK  # every own block is full, so sealed
+    fit = (BUDGET - document) // own
+    assert fit == 40
+    assert (row.sequences, row.held_bytes) == (fit, document + fit * own)
+    assert row.predicted_sequences == fit and row.measured_vs_predicted == 1.0
+    assert "bench accounting" in (row.capacity_method or "")
+    assert row.kv_bytes_per_token == (BYTES_PER_BLOCK + 5 * SEALED_INT8_BLOCK) / LENGTH
+
+
+def test_measured_capacity_is_within_ten_percent_of_the_planner(report: ChainReport) -> None:
+    for step in ("paged", "prefix", "int8", "h2o"):
+        row = report.row(step)
+        assert row.measured_vs_predicted is not None, step
+        assert abs(row.measured_vs_predicted - 1) <= 0.10, (step, row.sequences, row.predicted_sequences)
+
+
+def test_h2o_caches_are_allocated_until_their_bytes_pass_the_budget(report: ChainReport) -> None:
+    row = report.row("h2o")
+    assert row.capacity_method is not None and row.capacity_method.startswith("caches allocated")
+    # 20% of the 95-token prompt = 19 slots per layer and KV head, each int8 K and V codes (2 x 16) with an fp16
+    # scale and zero (2 x 4), an fp32 attention mass (4), an int64 position and a bool (9).
+    per_sequence = 2 * 2 * 19 * (2 * 16 + 2 * 4 + 4 + 9)
+    assert per_sequence == 4_028
+    assert row.kv_bytes_per_token == per_sequence / LENGTH
+    assert row.sequences == BUDGET // per_sequence == 81
+    assert row.held_bytes == 81 * per_sequence
+    assert row.predicted_sequences == 81
+
+
+def test_disk_side_row_counts_resident_blocks_and_read_ahead(report: ChainReport) -> None:
+    row = report.row("disk")
+    # At the last step 95 tokens are stored: blocks before (95 - 32) // 16 = 3 spill except block 0, so
+    # blocks 0, 3, 4, 5 stay, plus two segments of read-ahead.
+    resident = 4 * BYTES_PER_BLOCK + 2 * SEGMENT
+    assert row.kv_bytes_per_token == resident / LENGTH
+    assert row.sequences == BUDGET // resident
+
+
+def test_numerics_are_reused_where_identical(report: ChainReport) -> None:
+    assert report.row("paged").numerics == "paged@16"
+    assert report.row("prefix").numerics == "= paged (paged@16: same K/V)"
+    assert report.row("prefix").perplexity == report.row("paged").perplexity
+    assert report.row("int8").numerics == "int8@16"
+    assert report.row("h2o").numerics == "h2o@0.2:int8"
+    for step in ("paged", "int8", "h2o", "disk"):
+        row = report.row(step)
+        assert row.perplexity is not None and row.perplexity > 1, step
+        assert row.passkey_accuracy is not None and 0 <= row.passkey_accuracy <= 100, step
+        assert row.decode_tokens_per_s is not None and row.decode_tokens_per_s > 0, step
+    assert report.row("paged").decode_vs_first == 1.0
+
+
+def test_requests_share_exactly_the_document(tiny: tuple[Any, Any]) -> None:
+    _, tokenizer = tiny
+    requests = shared_document(tokenizer, list(range(4, 40)), shared=20, length=30)
+    first, second = requests.tokens(0), requests.tokens(1)
+    assert len(first) == len(second) == 30
+    assert first[:20] == second[:20] == list(range(4, 24))
+    assert first[20] != second[20]  # each request's own part starts with its own token
+    assert first[20] not in tokenizer.all_special_ids
+
+
+def test_json_and_plots(report: ChainReport, tmp_path: Any) -> None:
+    data = report.to_dict()
+    assert data["config"]["budget_bytes"] == BUDGET and len(data["rows"]) == len(STEPS)
+    paths = write_chain_plots(report, tmp_path, "chain_tiny")
+    assert [p.name for p in paths] == ["chain_tiny_bytes_per_token.png", "chain_tiny_capacity.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="shared_tokens is the document every request starts with"):
+        ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=96, length=96)
+    with pytest.raises(ValueError, match=r"ChainBenchConfig.budget_bytes must be an int >= 1; got 0"):
+        ChainBenchConfig(budget_bytes=0, shared_tokens=0)
+    with pytest.raises(ValueError, match="budget"):
+        ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=0, h2o_budget=1.5)

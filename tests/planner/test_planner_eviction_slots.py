@@ -1,0 +1,154 @@
+"""The planner's model of eviction slots and of caches that keep every token in sliding-window layers.
+
+Byte counts are worked out by hand first; then the planner's figure for a real cache on a tiny model must
+equal the cache's own `stats()` (within 2%, as the chain benchmark relies on).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
+from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
+from hf_kvgov.hf.compat import quiet_generate_warnings
+from hf_kvgov.planner import CacheSetup, ModelGeometry
+from hf_kvgov.planner.accounting import sequence_bytes
+from hf_kvgov.planner.layout import SLOT_CODECS
+from tests.conftest import tiny_llama
+
+# Per kept slot and KV head: positions (int64) and validity (bool), plus H2O's fp32 attention mass.
+METADATA, SCORE = 8 + 1, 4
+
+
+@pytest.mark.parametrize(
+    ("codec", "slot"),
+    [
+        ("int8", 2 * (16 + 2 * 2)),  # codes D, then scale + zero (fp16) for the slot's one group, K and V
+        ("int4", 2 * (8 + 2 * 2)),  # two codes per byte
+        ("fp8", 2 * (16 + 2)),  # no zero point
+    ],
+)
+def test_slot_codes_by_hand(codec: str, slot: int) -> None:
+    layout = SLOT_CODECS[codec](2, None)
+    assert layout.slot_bytes(16) == slot
+    assert SLOT_CODECS[codec](2, 8).slot_bytes(16) - slot == 2 * (2 if codec != "fp8" else 1) * 2  # a second group
+
+
+def test_eviction_slots_are_counted_per_kept_slot(unit: ModelGeometry) -> None:
+    # unit: 1 layer x 1 KV head x head_dim 8. 20% of 100 tokens = 20 slots.
+    setup = CacheSetup(
+        block_size=1, kv_dtype="fp32", codec="int8", h2o_budget=0.2, h2o_recent=1, h2o_metadata_bytes=METADATA,
+        eviction_slots=True,
+    )  # fmt: skip
+    per_slot = 2 * (8 + 2 * 2) + SCORE + METADATA
+    assert sequence_bytes(unit, setup, 100).device == 20 * per_slot
+    # Without a codec a slot is K and V in the model's precision.
+    dense = CacheSetup(block_size=1, kv_dtype="fp32", h2o_budget=0.2, h2o_recent=1, eviction_slots=True)
+    assert sequence_bytes(unit, dense, 100).device == 20 * (2 * 8 * 4 + SCORE)
+
+
+def test_eviction_budget_comes_from_the_sequence_and_windows_cap_it() -> None:
+    geometry = ModelGeometry("g", 2, 1, 8, 4096, sliding_window=64, sliding_layers=(0,))
+    setup = CacheSetup(block_size=1, kv_dtype="fp32", h2o_budget=0.2, h2o_recent=1, h2o_score_bytes=0)
+    # 20% of 1,000 tokens = 200 slots in the full layer; the window layer keeps at most 63 (its next query's).
+    assert sequence_bytes(geometry, setup, 1000).device == (200 + 63) * 2 * 8 * 4
+    # Below the window, both layers keep the same budget: 20% of 300 = 60.
+    assert sequence_bytes(geometry, setup, 300).device == 2 * 60 * 2 * 8 * 4
+
+
+def test_eviction_slots_refuse_sharing_and_spill() -> None:
+    with pytest.raises(ValueError, match="eviction_slots describes an eviction cache's per-head slots"):
+        CacheSetup(block_size=1, eviction_slots=True)
+    with pytest.raises(ValueError, match="neither shares prefixes nor spills"):
+        CacheSetup(block_size=1, h2o_budget=0.2, shared_fraction=0.5, eviction_slots=True)
+
+
+def test_a_cache_that_keeps_every_token_ignores_the_window() -> None:
+    geometry = ModelGeometry("g", 2, 1, 8, 4096, sliding_window=32, sliding_layers=(0,))
+    block = 2 * 16 * 8 * 2  # fp16, 16 tokens
+    freeing = CacheSetup(block_size=16)
+    keeping = CacheSetup(block_size=16, window_frees=False)
+    # 160 tokens = 10 blocks. Freeing: the window [128, 160) spans blocks 8..9 = 2 blocks in layer 0.
+    assert sequence_bytes(geometry, freeing, 160).device == (10 + 2) * block
+    assert sequence_bytes(geometry, keeping, 160).device == 2 * 10 * block
+
+
+# ------------------------------------------------------------------ against the caches' own accounting
+
+
+def tiny_gemma3() -> Gemma3ForCausalLM:
+    """3 layers (sliding, full, sliding; window 8), 2 KV heads of dim 16: a model with both layer kinds."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )  # fmt: skip
+    return Gemma3ForCausalLM(config).eval()
+
+
+MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request: pytest.FixtureRequest) -> Any:
+    return MODELS[request.param]()
+
+
+def _run(model: Any, cache: Any, tokens: int, evicting: bool) -> Any:
+    """The prompt (all tokens but the last), then one decode step, as the chain benchmark feeds a sequence."""
+    ids = torch.arange(4, 4 + tokens).remainder(90).add(4)[None]
+    context = eviction_attention(model) if evicting else quiet_generate_warnings()
+    with context, quiet_generate_warnings(), torch.inference_mode():
+        model(ids[:, :-1], past_key_values=cache)
+        model(ids[:, -1:], past_key_values=cache)
+    return cache
+
+
+def _predicted(model: Any, cache: Any, tokens: int) -> int:
+    geometry = planner_geometry(model)
+    setup = planner_setup(cache, "fp32")
+    assert geometry is not None and setup is not None
+    return sequence_bytes(geometry, setup, tokens).device
+
+
+# 61 tokens: floor(0.2 x 60) = floor(0.2 x 61) = 12 and floor(0.5 x 60) = floor(0.5 x 61) = 30, so the budget
+# the cache resolves on its 60-token prompt is the planner's for the 61-token sequence.
+EVICTING: dict[str, Callable[[Any], Any]] = {
+    "h2o": lambda m: HeavyHitterCache(m, budget=0.2),
+    "h2o-int8": lambda m: HeavyHitterCache(m, budget=0.2, codec="int8"),
+    "h2o-int4": lambda m: HeavyHitterCache(m, budget=0.5, codec="int4"),
+    "h2o-fp8": lambda m: HeavyHitterCache(m, budget=0.5, codec="fp8"),
+    "sink-int8": lambda m: SinkCache(m, n_sink=2, window=6, budget=0.5, codec="int8"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EVICTING))
+def test_eviction_bytes_match_stats(model: Any, name: str) -> None:
+    cache = _run(model, EVICTING[name](model), 61, evicting=True)
+    measured = cache.stats().bytes_used
+    assert _predicted(model, cache, 61) == measured  # exact; the chain benchmark needs within 2%
+
+
+def test_h2o_int8_bytes_by_hand_on_the_tiny_llama() -> None:
+    model = tiny_llama()
+    cache = _run(model, HeavyHitterCache(model, budget=0.2, codec="int8"), 61, evicting=True)
+    # 2 layers x 2 KV heads x 12 slots x (40 B of codes and scales + 4 B mass + 9 B bookkeeping).
+    expected = 2 * 2 * 12 * (40 + SCORE + METADATA)
+    assert cache.stats().bytes_used == expected == _predicted(model, cache, 61)
+
+
+@pytest.mark.parametrize("make", [lambda m: PagedCache(m), lambda m: QuantizedCache(m, bits=8)], ids=["paged", "int8"])
+def test_block_caches_match_stats(model: Any, make: Callable[[Any], Any]) -> None:
+    cache = _run(model, make(model), 61, evicting=False)
+    # Every layer holds all 4 blocks (3 full, 1 tail), sliding layers included.
+    assert _predicted(model, cache, 61) == cache.stats().bytes_used
+    blocks = math.ceil(61 / 16)
+    if isinstance(cache, PagedCache) and not isinstance(cache, QuantizedCache):
+        assert cache.stats().bytes_used == blocks * 16 * 2 * len(cache.layers) * 2 * 16 * 4
