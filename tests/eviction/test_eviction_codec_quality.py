@@ -15,7 +15,7 @@ text as a share of float16 K/V for the same tokens):
     H2O 20%, int4, value/key groups of 32     24.137   (+5.66%)      0.0624
     H2O 20%, int4, value/key groups of 16     23.663   (+3.58%)      0.0749
 
-int8 adds 0.10% to H2O's own loss. The test runs the first three rows (about a minute on two idle cores).
+int8 adds 0.10% to H2O's own loss. The test runs the first three rows, on one thread.
 
 Bytes, SmolLM2 (30 layers, 3 KV heads, head_dim 64): float16 K + V cost 2 x 30 x 3 x 64 x 2 = 23,040 bytes
 per token. int8 + H2O holds 409 slots per (layer, KV head), each 2 x (64 codes + float16 scale + float16
@@ -41,6 +41,16 @@ CHUNK = 16
 BUDGET = 409  # floor(0.2 x 2048)
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 FP16_BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_DIM * 2  # 23,040
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # type: ignore[no-untyped-def]
+    """One intra-op thread: the cores are shared with other test processes, and two threads contending for
+    a busy core make these small forwards several times slower (measured here: 439 s on two threads, 90 s on one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
