@@ -9,8 +9,8 @@ the planner's prediction. `hf_kvgov.bench.chain` describes every figure and meth
     OMP_NUM_THREADS=2 python eval/bench_chain.py --model smollm2 --budget-mb 500 --shared-tokens 1536 \\
         --ppl-tokens 2048 --ppl-chunk 64 --json eval/results/chain_smollm2.json --plots eval/results/plots
     OMP_NUM_THREADS=2 python eval/bench_chain.py --model gemma3-270m --budget-mb 500 --shared-tokens 1536 \\
-        --ppl-tokens 2048 --ppl-chunk 64 --passkey-samples 3 --json eval/results/chain_gemma3.json \\
-        --plots eval/results/plots
+        --ppl-tokens 2048 --ppl-chunk 64 --passkey-samples 3 --passkey-new-tokens 16 \\
+        --json eval/results/chain_gemma3.json --plots eval/results/plots
 
 Prints a Markdown table; writes the JSON and chain_<model>_bytes_per_token.png / _capacity.png.
 """
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--ppl-chunk", type=int, default=16, help="tokens per forward in the perplexity run")
     parser.add_argument("--passkey-samples", type=int, default=0, help="passkey samples per cache (0: none)")
     parser.add_argument("--passkey-length", type=int, default=4096)
+    parser.add_argument("--passkey-new-tokens", type=int, help="cap on each answer's tokens (default: RULER's 128)")
     parser.add_argument("--decode-steps", type=int, default=16, help="interleaved decode rounds")
     parser.add_argument("--text", type=Path, default=TEXT, help="text the requests and perplexity are cut from")
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -53,6 +54,7 @@ def main() -> None:
         ppl_chunk=args.ppl_chunk,
         passkey_samples=args.passkey_samples,
         passkey_length=args.passkey_length,
+        passkey_new_tokens=args.passkey_new_tokens,
     )
     text = args.text.read_text(encoding="utf-8") if args.text.exists() else demo_text()
     model, tokenizer = load_model(args.model)

@@ -127,8 +127,12 @@ def fit_in_order(order: Sequence[int], bytes_of: Mapping[int, int], budget: int)
 def describe_setup(setup: CacheSetup) -> str:
     """A short label of the planner's setup: 'block 16, int8 (sink 1 block)', 'block 1, budget 20% (at least 64)'."""
     parts = [f"block {setup.block_size}"]
+    if setup.shared_fraction:
+        parts.append(f"{setup.shared_fraction:.0%} shared")
     if setup.codec is not None:
-        parts.append(f"{setup.codec} (sink {setup.sink_blocks} block)")
+        parts.append(
+            f"{setup.codec} slots" if setup.eviction_slots else f"{setup.codec} (sink {setup.sink_blocks} block)"
+        )
     if setup.h2o_budget is not None:
         parts.append(f"budget {setup.h2o_budget:.0%} (at least {setup.h2o_recent})")
     if setup.spill_hot_tokens is not None:

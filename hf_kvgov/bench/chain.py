@@ -189,7 +189,7 @@ def run_chain(model: Any, tokenizer: Any, config: ChainBenchConfig, text: str, m
     probes: dict[str, Probe] = {}
     with tempfile.TemporaryDirectory(prefix="kvgov-chain-") as spill_dir:
         ids = torch.tensor([requests.tokens(0)], device=next(model.parameters()).device)
-        ctx = Context(model, config, requests, alloc.reference_kv(model, ids), spill_dir)
+        ctx = Context(model, config, requests, alloc.reference_kv(model, ids), spill_dir, progress)
         try:
             for step in tqdm(STEPS, desc="chain steps", disable=not progress):
                 try:

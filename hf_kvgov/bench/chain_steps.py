@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import fit_in_order
@@ -59,7 +60,15 @@ class ChainBenchConfig:
     passkey_new_tokens: int | None = None  # caps the task's answer budget (None: RULER's)
 
     def __post_init__(self) -> None:
-        positive = ("budget_bytes", "length", "decode_steps", "block_size", "spill_hot_tokens", "chunk", "ppl_chunk")
+        positive: tuple[str, ...] = (
+            "budget_bytes",
+            "length",
+            "decode_steps",
+            "block_size",
+            "spill_hot_tokens",
+            "chunk",
+        )
+        positive += ("ppl_chunk",) if self.passkey_new_tokens is None else ("ppl_chunk", "passkey_new_tokens")
         for name in (*positive, "shared_tokens", "ppl_tokens", "passkey_samples", "passkey_length"):
             value, lowest = getattr(self, name), 1 if name in positive else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
@@ -69,11 +78,6 @@ class ChainBenchConfig:
                 f"shared_tokens is the document every request starts with, so it must be below length={self.length} "
                 f"(a request has at least one token of its own); got {self.shared_tokens}."
             )
-        if self.passkey_new_tokens is not None and (
-            isinstance(self.passkey_new_tokens, bool) or not isinstance(self.passkey_new_tokens, int)
-            or self.passkey_new_tokens < 1
-        ):  # fmt: skip
-            raise ValueError(f"passkey_new_tokens must be a positive int or None; got {self.passkey_new_tokens!r}.")
         HeavyHitter(self.h2o_budget)  # the chain's own check of a budget
 
 
@@ -154,6 +158,11 @@ class Context:
     requests: SharedDocument
     kv: alloc.LayerKV
     spill_dir: str
+    progress: bool = True
+
+    def counter(self, what: str) -> Any:
+        """A progress bar of sequences allocated (silent unless `progress`)."""
+        return tqdm(desc=f"  {what}", unit="seq", leave=False, disable=not self.progress)
 
     def ids(self, index: int) -> torch.Tensor:
         """Long `[1, length]`: the tokens of request `index`."""
@@ -221,7 +230,8 @@ def pool_refused(ctx: Context, probe: Probe) -> alloc.Fit:
     pool = alloc.capped_pool(probe.cache.pool, ctx.config.budget_bytes)
     # The paged attention path holds the same blocks and is filled without gathering them (`write_tokens`).
     twin = lambda p: ctx.build(pool=p, attention="paged")  # noqa: E731
-    return alloc.fill_until_refused(twin, pool, ctx.kv, (ctx.config.length,))
+    with ctx.counter("sequences written") as bar:
+        return alloc.fill_until_refused(twin, pool, ctx.kv, (ctx.config.length,), bar)
 
 
 def shared_pool_refused(codec: str | None) -> Capacity:
@@ -230,7 +240,8 @@ def shared_pool_refused(codec: str | None) -> Capacity:
         c = ctx.config
         try:
             twin = ctx.sharing(codec, "paged")  # the same blocks as the contiguous path, filled without gathers
-            return alloc.fill_shared(twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk)
+            with ctx.counter("requests written") as bar:
+                return alloc.fill_shared(twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk, bar)
         finally:
             prefix.close()
 
@@ -238,7 +249,8 @@ def shared_pool_refused(codec: str | None) -> Capacity:
 
 
 def allocated_copies(ctx: Context, probe: Probe) -> alloc.Fit:
-    return alloc.fill_by_copies(probe.cache, ctx.config.length, ctx.config.budget_bytes)
+    with ctx.counter("caches allocated") as bar:
+        return alloc.fill_by_copies(probe.cache, ctx.config.length, ctx.config.budget_bytes, bar)
 
 
 def measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
@@ -300,6 +312,6 @@ STEPS: tuple[ChainStep, ...] = (
     ChainStep(
         "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(_disk), measured_bytes,
         "measured bytes (one sequence's stats: resident blocks + read-ahead buffers)",
-        numerics="disk@{spill_hot_tokens}", side=True,
+        reuses="paged", side=True,  # spilled blocks come back bit for bit: PagedCache's numerics
     ),
 )  # fmt: skip

@@ -135,6 +135,7 @@ def test_numerics_are_reused_where_identical(report: ChainReport) -> None:
     assert report.row("prefix").perplexity == report.row("paged").perplexity
     assert report.row("int8").numerics == "int8@16"
     assert report.row("h2o").numerics == "h2o@0.2:int8"
+    assert report.row("disk").numerics == "= paged (paged@16: same K/V)"  # spilled blocks return bit for bit
     for step in ("paged", "int8", "h2o", "disk"):
         row = report.row(step)
         assert row.perplexity is not None and row.perplexity > 1, step
