@@ -46,6 +46,8 @@ _EXPORTS = {
     "SpillFileLost": "hf_kvgov.errors",
     "QuantizedCache": "hf_kvgov.hf.quantized_cache",
     "QuantizedCacheStats": "hf_kvgov.hf.quantized_cache",
+    "QuantizedDiskCache": "hf_kvgov.hf.quantized_disk_cache",
+    "QuantizedDiskCacheStats": "hf_kvgov.hf.quantized_disk_cache",
     "QuantConfig": "hf_kvgov.hf.quant_config",
     "QuantizedBlockPool": "hf_kvgov.storage.quantized_pool",
     "check_quantization": "hf_kvgov.quality",
@@ -78,6 +80,8 @@ __all__ = [
     "QuantizedBlockPool",
     "QuantizedCache",
     "QuantizedCacheStats",
+    "QuantizedDiskCache",
+    "QuantizedDiskCacheStats",
     "Sink",
     "SinkCache",
     "SpillCorrupted",
@@ -111,6 +115,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
     from hf_kvgov.hf.quant_config import QuantConfig
     from hf_kvgov.hf.quantized_cache import QuantizedCache, QuantizedCacheStats
+    from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache, QuantizedDiskCacheStats
     from hf_kvgov.models import load_model
     from hf_kvgov.prefix.sharing import PrefixCache
     from hf_kvgov.quality import CheckOptions, check_quantization

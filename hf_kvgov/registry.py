@@ -28,6 +28,7 @@ from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 
@@ -295,6 +296,12 @@ for _spec in (
         "DiskOffloadCache: blocks older than a 512-token hot window spill to a private temp file",
         DiskOffloadCache,
         True,
+    ),
+    CacheSpec(
+        "int8+disk",
+        "QuantizedDiskCache int8: sealed blocks older than a 512-token hot window spill as codes to a temp file",
+        lambda m: QuantizedDiskCache(m, bits=8),
+        False,
     ),
 ):
     register_cache(_spec)

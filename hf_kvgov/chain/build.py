@@ -14,6 +14,7 @@ from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
@@ -85,17 +86,43 @@ def _prefix_arguments(parts: ChainParts) -> dict[str, Any]:
 
 
 def _disk(model: Any, parts: ChainParts) -> GovernedCache:
-
     d = parts.spill
     assert d is not None, "the disk mechanism needs a spill part"
-    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
+    # With a tree and no Paging, the blocks are the tree's (None lets the cache take its block size).
+    block_size = parts.pool.block_size if isinstance(parts.pool, (Paging, BlockPool)) else None
     return DiskOffloadCache(
         model,
         path=d.path,
         hot_tokens=d.hot_tokens,
         max_resident_bytes=d.max_resident_bytes,
         max_write_bytes=d.max_write_bytes,
+        block_size=block_size,
+        read_buffer_bytes=d.read_buffer_bytes,
+        prefetch=d.prefetch,
+        on_full=d.on_full,
+        attention=parts.attention,  # type: ignore[arg-type]
+        extent_blocks=d.extent_blocks,
+        **_prefix_arguments(parts),
+    )
+
+
+def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
+    q, d = parts.codec, parts.spill
+    assert q is not None and d is not None, "the quantized_disk mechanism needs a codec and a spill part"
+    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
+    return QuantizedDiskCache(
+        model,
+        path=d.path,
+        hot_tokens=d.hot_tokens,
+        max_resident_bytes=d.max_resident_bytes,
+        max_write_bytes=d.max_write_bytes,
+        bits=q.bits,
+        fmt=q.fmt,
         block_size=paging.block_size,
+        residual=q.residual,
+        sink_blocks=q.sink_blocks,
+        full_precision_layers=q.full_precision_layers,
+        group_size=q.group_size,
         read_buffer_bytes=d.read_buffer_bytes,
         prefetch=d.prefetch,
         on_full=d.on_full,
@@ -140,6 +167,7 @@ _BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {
     "paged": _paged,
     "quantized": _quantized,
     "disk": _disk,
+    "quantized_disk": _quantized_disk,
     "eviction": _eviction,
 }
 

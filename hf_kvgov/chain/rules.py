@@ -33,14 +33,6 @@ REFUSED_PAIRS: dict[frozenset[str], str] = {
         "an eviction policy already bounds each sequence to its budget of slots, which attention reads at "
         "every step, so there is no cold KV to spill, and evicted tokens are dropped by design; drop spill="
     ),
-    frozenset({"codec", "spill"}): (
-        "the disk tier spills full-precision pool blocks, while a codec moves sealed blocks out of the pool "
-        "into a store of codes that the tier does not write; use either a codec or a disk tier"
-    ),
-    frozenset({"prefix", "spill"}): (
-        "blocks published to the prefix tree must stay in the pool, which the tree reclaims from, but the disk "
-        "tier moves cold blocks out of it; use either prefix sharing or a disk tier"
-    ),
 }
 
 
@@ -55,7 +47,8 @@ class Mechanism:
 
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec"})),
-    Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool"})),
+    Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool"})),
+    Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
     Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
     Mechanism("paged", frozenset(), frozenset({"pool", "prefix"})),
 )
@@ -72,6 +65,7 @@ def mechanism_for(parts: ChainParts, num_layers: int | None = None) -> Mechanism
         if pair <= present:
             first, second = sorted(pair)
             raise ChainRefused(f"A chain cannot have both {first}= and {second}=: {reason}.")
+    _check_sealed_spill(parts)
     _check_overrides(parts, num_layers)
     _check_pool(parts)
     for mechanism in MECHANISMS:
@@ -99,7 +93,9 @@ def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:
 
 
 def _check_pool(parts: ChainParts) -> None:
-    if parts.spill is not None and isinstance(parts.pool, Paging) and parts.pool.capped:
+    _check_spill_with_prefix(parts)
+    own_pool = parts.spill is not None and parts.prefix is None  # a disk tier with a tree draws from the tree's pool
+    if own_pool and isinstance(parts.pool, Paging) and parts.pool.capped:
         raise ChainRefused(
             "With a disk tier the pool's cap is what stays in memory: give it as Disk(max_resident_bytes=...), "
             "not as Paging(max_tokens=/max_bytes=)."
@@ -109,7 +105,7 @@ def _check_pool(parts: ChainParts) -> None:
             f"attention={parts.attention!r} reads pool blocks in place, but an eviction policy stores per-head slots "
             "and always attends with the hf_kvgov eviction attention; leave attention at its default."
         )
-    if parts.spill is not None and parts.pool is not None and not isinstance(parts.pool, Paging):
+    if own_pool and parts.pool is not None and not isinstance(parts.pool, Paging):
         raise ChainRefused(
             "A disk tier creates its own pool, capped by Disk(max_resident_bytes=...); pass Paging(...) for its block "
             "size and attention path, not an existing BlockPool."
@@ -128,4 +124,23 @@ def _check_pool(parts: ChainParts) -> None:
             f"Paging(block_size={parts.pool.block_size}) differs from the prefix tree's "
             f"{parts.prefix.block_size}-token blocks; the cache draws its blocks from the tree's pool, so give the "
             "same block size."
+        )
+
+
+def _check_spill_with_prefix(parts: ChainParts) -> None:
+    if parts.spill is None or parts.prefix is None or parts.spill.max_resident_bytes is None:
+        return
+    raise ChainRefused(
+        f"Disk(max_resident_bytes={parts.spill.max_resident_bytes}) cannot cap a disk tier with prefix=: the cache "
+        "draws its blocks from the tree's pool, which other requests share; cap that pool where it is created "
+        "(BlockPool(..., max_bytes=...)) and leave max_resident_bytes=None."
+    )
+
+
+def _check_sealed_spill(parts: ChainParts) -> None:
+    """A disk tier of sealed codes (the quantized_disk mechanism) shares no prefix tree."""
+    if parts.codec is not None and parts.spill is not None and parts.prefix is not None:
+        raise ChainRefused(
+            "A chain cannot have both prefix= and spill= when it also has a codec: the tree would hold sealed "
+            "blocks that the disk tier moves out of the store it reclaims from; drop prefix= or the codec."
         )

@@ -11,13 +11,16 @@ DynamicCache's. Memory: `resident_bytes` (pool blocks held + read-ahead buffers)
 `max_resident_bytes`, which caps the pool the cache creates. The pool must hold the hot window plus the
 tokens of one forward step: feed long prompts in chunks (``generate(..., prefill_chunk_size=512)``).
 Not counted: the one layer of K/V handed to attention, which every cache materialises.
+
+Prefix sharing (``prefix=PrefixCache(pool)``, `match` / `publish` as PagedCache's): the cache draws its blocks
+from the tree's pool, whose own cap bounds memory; blocks the tree holds stay resident and only a row's
+private cold blocks spill (`hf_kvgov.hf.disk_prefix` says why, and what `publish` brings back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,50 +28,19 @@ import torch
 
 from hf_kvgov.chain.parts import Paging
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer
+from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
-from hf_kvgov.tiers.accounting import TierStats
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier, TierLayout
 from hf_kvgov.tiers.kv_segments import SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes, spilled_id
-from hf_kvgov.tiers.moves import bring_back, spill
+from hf_kvgov.tiers.moves import bring_back, raw_blocks, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
 RESIDENT_FIRST_BLOCKS = 1  # the attention-sink block: read by every query, so never worth a round trip
-_NO_TIER = TierStats(None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # before the first K/V arrives
-
-
-@dataclass(frozen=True)
-class DiskCacheStats(CacheStats):
-    """`CacheStats` plus the disk tier's accounting.
-
-    Here `bytes_used` (and `bytes_per_token`) count memory only: `resident_bytes`, the pool blocks this
-    cache holds plus the read-ahead buffers. A fetch reads one layer of a run of adjacent blocks;
-    write amplification is bytes written / KV bytes spilled (1.0 unless a write failed halfway).
-    """
-
-    resident_blocks: int
-    spilled_blocks: int
-    resident_bytes: int
-    read_buffer_bytes: int
-    disk_bytes: int  # live slots x slot size
-    disk_file_bytes: int  # reserved on disk
-    spills: int  # blocks written
-    bytes_written: int
-    kv_bytes_spilled: int
-    write_amplification: float
-    fetches: int
-    blocks_fetched: int  # (block, layer) segments read back
-    bytes_read: int
-    prefetched: int  # segments served by the read-ahead
-    fetched_on_demand: int  # segments read when their layer asked
-    fetch_latency_mean_s: float
-    fetch_latency_p99_s: float
-    fetch_wait_s: float  # time layers waited for spilled blocks (I/O the read-ahead did not hide)
-    spilling: bool
-    stop_reason: str | None
-    spill_path: str | None
 
 
 class DiskOffloadCache(PagedCache):
@@ -89,6 +61,11 @@ class DiskOffloadCache(PagedCache):
             (stop spilling; blocks stay in memory).
         attention: "contiguous" or "paged", as for `PagedCache`.
         extent_blocks: blocks reserved on disk per file growth step.
+        prefix: a `PrefixCache` over a plain `BlockPool`, shared across requests; enables `match` and
+            `publish`. Blocks come from its pool, whose cap bounds memory (max_resident_bytes is refused).
+            block_size None: the tree's (else 16 tokens).
+        namespace: prefix-sharing namespace (tenant salt). Blocks are stored as PagedCache stores them,
+            so a PagedCache and a DiskOffloadCache on one tree share blocks of the same namespace.
     """
 
     def __init__(
@@ -99,12 +76,14 @@ class DiskOffloadCache(PagedCache):
         max_resident_bytes: int | None = None,
         max_write_bytes: int | None = None,
         *,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         read_buffer_bytes: int | None = None,
         prefetch: bool = True,
         on_full: str = "raise",
         attention: AttentionPath = "contiguous",
         extent_blocks: int = DEFAULT_EXTENT_SLOTS,
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         self.disk = DiskCacheConfig(
             path=None if path is None else str(path),
@@ -122,7 +101,17 @@ class DiskOffloadCache(PagedCache):
         # Per device: the block-table tensor a layout was computed from, and the layout (None: nothing spilled).
         self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
         self._kv_bytes_spilled = 0
-        super().__init__(model_or_config, block_size=block_size, max_bytes=self.disk.pool_bytes, attention=attention)
+        if prefix is not None:
+            block_size = disk_prefix.shared_pool_block_size(prefix, self.disk, block_size)
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        super().__init__(
+            model_or_config,
+            block_size,
+            max_bytes=self.disk.pool_bytes,
+            attention=attention,
+            prefix=prefix,
+            namespace=namespace,
+        )
         self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
 
     # ------------------------------------------------------------------ pool and tier
@@ -179,8 +168,9 @@ class DiskOffloadCache(PagedCache):
             return
         stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
         keep_resident = self.disk.on_full == "keep_resident"
+        private = disk_prefix.private_blocks(raw_blocks(pool), disk_prefix.tree_held(self))
         try:
-            moved, cold = spill(pool, tables, tier, RESIDENT_FIRST_BLOCKS, stop, within_budget=keep_resident)
+            moved, cold = spill(pool, tables, tier, RESIDENT_FIRST_BLOCKS, stop, keep_resident, private)
         except SpillSpaceExhausted as err:
             if not keep_resident:
                 raise
@@ -267,13 +257,39 @@ class DiskOffloadCache(PagedCache):
 
     def _bring_back_tail(self) -> None:
         """A crop may end inside a spilled block; the next write lands there, so it returns to the pool."""
-        pool, tables, tier, prefetcher = self._parts()
+        pool, tables, _, prefetcher = self._parts()
         if tables.num_tokens % pool.block_size:
-            try:
-                bring_back(pool, tables, tier, tables.num_tokens // pool.block_size)
-            except SpillCorrupted as err:
-                raise self._located(err) from err
+            self._bring_back(tables.num_tokens // pool.block_size)
         prefetcher.clear()
+
+    def _bring_back(self, first: int, stop: int | None = None) -> None:
+        """The spilled blocks at block columns [first, stop) (default: `first` only) return to the pool."""
+        pool, tables, tier, prefetcher = self._parts()
+        try:
+            bring_back(pool, tables, tier, first, stop=stop)
+        except SpillCorrupted as err:
+            raise self._located(err) from err
+        prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def match(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """As `PagedCache.match`; the matched blocks stay in memory for as long as this cache holds them."""
+        inputs = super().match(input_ids, attention_mask, pad_token_id)
+        disk_prefix.make_rows_tiered(self._parts()[1])
+        return inputs
+
+    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """As `PagedCache.publish`, after bringing the spilled blocks it offers back into the pool.
+
+        Raises `PoolExhausted` (nothing brought back, nothing published) when the pool cannot take them.
+        """
+        tables = self.tables
+        if self.prefix is not None and tables is not None and tables.batch_size == sequences.shape[0] > 0:
+            self._bring_back(0, disk_prefix.publish_stop(self, sequences, attention_mask))
+        return super().publish(sequences, attention_mask)
 
     def reset(self) -> None:
         """Forget every token: blocks return to the pool, disk slots to the spill file (which stays)."""
@@ -298,35 +314,5 @@ class DiskOffloadCache(PagedCache):
     # ------------------------------------------------------------------ accounting
 
     def stats(self) -> DiskCacheStats:
-        base = super().stats()
-        held = {b for row in self.tables.rows for b in row.block_ids} if self.tables is not None else set()
-        resident_blocks = sum(1 for b in held if b >= 0)
-        reader = self.prefetcher
-        buffers = reader.buffer_bytes if reader is not None else 0
-        resident = resident_blocks * (self.pool.bytes_per_block if self.pool is not None else 0) + buffers
-        t = self.tier.stats() if self.tier is not None else _NO_TIER
-        per_token = resident / base.tokens if base.tokens else 0.0
-        return DiskCacheStats(
-            **(dataclasses.asdict(base) | {"bytes_used": resident, "bytes_per_token": per_token}),
-            resident_blocks=resident_blocks,
-            spilled_blocks=len(held) - resident_blocks,
-            resident_bytes=resident,
-            read_buffer_bytes=buffers,
-            disk_bytes=t.slots_in_use * t.slot_bytes,
-            disk_file_bytes=t.file_bytes,
-            spills=t.blocks_written,
-            bytes_written=t.bytes_written,
-            kv_bytes_spilled=self._kv_bytes_spilled,
-            write_amplification=t.bytes_written / self._kv_bytes_spilled if self._kv_bytes_spilled else 0.0,
-            fetches=t.fetches,
-            blocks_fetched=t.blocks_fetched,
-            bytes_read=t.bytes_read,
-            prefetched=reader.prefetched if reader is not None else 0,
-            fetched_on_demand=reader.on_demand if reader is not None else 0,
-            fetch_latency_mean_s=t.fetch_latency_mean_s,
-            fetch_latency_p99_s=t.fetch_latency_p99_s,
-            fetch_wait_s=reader.wait_s if reader is not None else 0.0,
-            spilling=self.stop_reason is None,
-            stop_reason=self.stop_reason,
-            spill_path=t.path,
-        )
+        """`DiskCacheStats`: what this cache holds in memory and on disk (see its docstring)."""
+        return disk_cache_stats(self, super().stats())

@@ -164,6 +164,20 @@ class QuantizedBlockPool(BlockPool):
         for layer, (source, target) in enumerate(zip(sources, targets, strict=True)):
             self.sealed.write(layer, target, self.keys[layer][source], self.values[layer][source])
 
+    def allocate_sealed(self, n: int) -> list[int]:
+        """`n` sealed block-table entries with one reference each, whose pieces the caller then writes
+        (`write_sealed_pieces`): for sealed blocks coming back from a tier."""
+        with self._lock:
+            return [sealed_ref(s) for s in self.sealed.allocate(n)]
+
+    def write_sealed_pieces(self, layer: int, block_ids: Sequence[int], pieces: dict[str, Tensor]) -> None:
+        """Store encoded pieces `[n, *shape]` of layer `layer` under sealed entries `block_ids` (all < 0)."""
+        ids = [sealed_id_of(b) for b in block_ids]
+        with self._lock:
+            self.sealed.check_live(ids, "write")
+            target = torch.tensor(ids, dtype=torch.long, device=self.geometry.layer_device(layer))
+            self.sealed.write_pieces(layer, target, pieces)
+
     def unseal(self, block_id: int) -> int:
         """A writable full-precision block holding the decoded content of sealed `block_id`.
 

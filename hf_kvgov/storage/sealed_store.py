@@ -167,9 +167,24 @@ class SealedBlockStore:
             # Item assignment rather than index_copy_: the latter has no CPU kernel for float8 codes.
             self.pieces[layer][name][sealed_ids] = piece
 
+    def layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Layer `layer`'s pieces of one block: name -> (shape without the leading block dim, dtype)."""
+        return dict(self._layouts[layer])
+
+    def write_pieces(self, layer: int, sealed_ids: Tensor, pieces: dict[str, Tensor]) -> None:
+        """Store already encoded pieces (each `[n, *shape]`, as `layout(layer)`) under sealed ids long `[n]`.
+
+        For blocks coming back from a tier that holds them as stored: no re-encoding, bit for bit.
+        """
+        if set(pieces) != set(self.pieces[layer]):
+            raise ValueError(f"Layer {layer} stores pieces {sorted(self.pieces[layer])}; got {sorted(pieces)}.")
+        for name, piece in pieces.items():
+            self.pieces[layer][name][sealed_ids] = piece.to(self.devices[layer])
+
     def read(self, layer: int, sealed_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Decoded keys, values `[n, block_size, H, D]` of `dtype` for sealed ids long `[n]`, on the layer's device."""
-        pieces = {name: t[sealed_ids] for name, t in self.pieces[layer].items()}
+        # index_select rather than t[ids]: 5-15x faster on the CPU for int8 codes, and it takes float8.
+        pieces = {name: t.index_select(0, sealed_ids) for name, t in self.pieces[layer].items()}
         return self.formats[layer].decode(pieces, dtype)
 
     def stats(self) -> SealedStats:

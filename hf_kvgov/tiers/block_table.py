@@ -1,8 +1,11 @@
 """Block tables whose entries are pool ids or spilled blocks of a `DiskTier`.
 
 An entry `b >= 0` is a pool block, as in `BlockTable`; an entry `b < 0` is the spilled block with handle
-`-1 - b`. References work the same in both tiers: forking a row takes one more reference on each of its
-blocks wherever they live, truncating or releasing drops them, so a spilled block shared by several
+`-1 - b`. A quantized pool, whose sealed blocks are negative entries already, names spilled blocks below
+-2**62 instead (`SpilledIds`): every entry the `SpilledIds` does not claim is the pool's.
+
+References work the same in both tiers: forking a row takes one more reference on each of its blocks
+wherever they live, truncating or releasing drops them, so a spilled block shared by several
 beams is one handle with several references, and its disk slot is freed with the last one.
 
 Only sealed blocks spill and writes only touch the tail, so a write never lands on a spilled block;
@@ -18,25 +21,28 @@ import torch
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
-from hf_kvgov.tiers.kv_segments import handle_of
+from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SpilledIds
 
 
 class TieredBlockTable(BlockTable):
-    """One sequence's blocks, each in the pool (id >= 0) or on disk (id < 0)."""
+    """One sequence's blocks, each in the pool (id >= 0) or on disk (id < 0, or as `ids` says)."""
 
-    def __init__(self, pool: BlockPool, tier: DiskTier, block_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self, pool: BlockPool, tier: DiskTier, block_ids: Sequence[int] = (), ids: SpilledIds = RAW_SPILLED_IDS
+    ) -> None:
         super().__init__(pool, block_ids)
         self.tier = tier
+        self.ids = ids
 
     def fork(self) -> TieredBlockTable:
-        self.pool.incref([b for b in self.block_ids if b >= 0])
-        self.tier.incref([handle_of(b) for b in self.block_ids if b < 0])
-        return TieredBlockTable(self.pool, self.tier, self.block_ids)
+        self.pool.incref([b for b in self.block_ids if not self.ids.is_spilled(b)])
+        self.tier.incref([self.ids.handle(b) for b in self.block_ids if self.ids.is_spilled(b)])
+        return TieredBlockTable(self.pool, self.tier, self.block_ids, self.ids)
 
     def write_plan(self, start: int, end: int, copied_away: dict[int, int]) -> tuple[list[int], int]:
         bs = self.pool.block_size
         touched = self.block_ids[start // bs : -(-end // bs)] if end > start else []
-        assert all(b >= 0 for b in touched), "a write reached a spilled block; it must be brought back first"
+        assert not any(map(self.ids.is_spilled, touched)), "a write reached a spilled block; bring it back first"
         return super().write_plan(start, end, copied_away)
 
     def truncate(self, num_tokens: int) -> None:
@@ -50,21 +56,22 @@ class TieredBlockTable(BlockTable):
         self._drop(dropped)
 
     def _drop(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self.pool.decref([b for b in ids if b >= 0])
-        self.tier.decref([handle_of(b) for b in ids if b < 0])
+        entries = list(block_ids)
+        self.pool.decref([b for b in entries if not self.ids.is_spilled(b)])
+        self.tier.decref([self.ids.handle(b) for b in entries if self.ids.is_spilled(b)])
 
 
 class TieredBlockTables(BlockTables):
     """`BlockTables` of `TieredBlockTable` rows, plus the two moves between tiers."""
 
-    def __init__(self, pool: BlockPool, tier: DiskTier) -> None:
+    def __init__(self, pool: BlockPool, tier: DiskTier, ids: SpilledIds = RAW_SPILLED_IDS) -> None:
         super().__init__(pool)
         self.tier = tier
+        self.ids = ids
 
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         if not self.rows:
-            self.rows = [TieredBlockTable(self.pool, self.tier) for _ in range(batch)]
+            self.rows = [TieredBlockTable(self.pool, self.tier, ids=self.ids) for _ in range(batch)]
             self._changed()
         return super().slots_for(batch, start, count)
 
@@ -76,7 +83,7 @@ class TieredBlockTables(BlockTables):
         counts: dict[int, int] = {}
         for row in self.rows:
             for block in row.block_ids[first:stop]:
-                if (block < 0) == spilled:
+                if self.ids.is_spilled(block) == spilled:
                     counts[block] = counts.get(block, 0) + 1
         return counts
 
@@ -87,4 +94,4 @@ class TieredBlockTables(BlockTables):
         self._changed()
 
     def has_spilled(self) -> bool:
-        return any(b < 0 for row in self.rows for b in row.block_ids)
+        return any(self.ids.is_spilled(b) for row in self.rows for b in row.block_ids)

@@ -1,7 +1,8 @@
 """The disk tier: ref-counted spilled blocks in one `SlotFile`, a checksum per (block, layer), a write budget.
 
-Bytes in, bytes out: the tier never interprets what a segment holds (raw K/V today, quantized codes
-later), it only needs every block to have `layers` segments made of the same parts (`part_bytes`).
+Bytes in, bytes out: the tier never interprets what a segment holds (raw K/V, or a quantized pool's codes
+and scales); it only needs every block to have `layers` segments, layer l's made of the same parts in
+every block (`TierLayout.parts(l)`).
 
 A block is written once, when it spills, and never rewritten: blocks shared by several sequences (beam
 search) are one handle with a reference count, and the slot is freed when the count reaches zero.
@@ -43,27 +44,49 @@ SegmentSource = Callable[[int], Sequence[Sequence[memoryview]]]
 
 @dataclass(frozen=True)
 class TierLayout:
-    """Every block has `layers` segments, each the parts of `part_bytes` (raw K/V: keys, values)."""
+    """Every block has `layers` segments, each the parts of `part_bytes` (raw K/V: keys, values).
+
+    `layer_parts`, when given, overrides `part_bytes` per layer (one tuple per layer): blocks whose layers
+    are stored differently, such as sealed blocks with some layers kept in full precision.
+    """
 
     layers: int
     part_bytes: tuple[int, ...]
     extent_slots: int = DEFAULT_EXTENT_SLOTS  # blocks reserved on disk per file growth step
+    layer_parts: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "extent_slots"):
             _check_positive(f"TierLayout.{name}", getattr(self, name))
-        if not isinstance(self.part_bytes, tuple) or not self.part_bytes:
-            raise ValueError(f"TierLayout.part_bytes must be a non-empty tuple of ints; got {self.part_bytes!r}.")
-        for size in self.part_bytes:
-            _check_positive("Every TierLayout.part_bytes entry", size)
+        _check_parts("TierLayout.part_bytes", self.part_bytes)
+        if self.layer_parts is not None:
+            if not isinstance(self.layer_parts, tuple) or len(self.layer_parts) != self.layers:
+                raise ValueError(
+                    f"TierLayout.layer_parts must be a tuple of one parts tuple per layer ({self.layers}); "
+                    f"got {self.layer_parts!r}."
+                )
+            for layer, parts in enumerate(self.layer_parts):
+                _check_parts(f"TierLayout.layer_parts[{layer}]", parts)
+
+    def parts(self, layer: int) -> tuple[int, ...]:
+        """Bytes of each part of a layer-`layer` segment."""
+        return self.part_bytes if self.layer_parts is None else self.layer_parts[layer]
 
     @property
     def segment_bytes(self) -> int:
-        return sum(self.part_bytes)
+        """Bytes of the largest segment (every segment, unless `layer_parts` differ)."""
+        return max(sum(self.parts(layer)) for layer in range(self.layers))
 
     @property
     def slot_bytes(self) -> int:
-        return self.layers * self.segment_bytes
+        return sum(sum(self.parts(layer)) for layer in range(self.layers))
+
+
+def _check_parts(name: str, parts: object) -> None:
+    if not isinstance(parts, tuple) or not parts:
+        raise ValueError(f"{name} must be a non-empty tuple of ints; got {parts!r}.")
+    for size in parts:
+        _check_positive(f"Every {name} entry", size)
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -142,7 +165,8 @@ class DiskTier:
 
     def _new_file(self, directory: Path, private: bool) -> SlotFile:
         layout = self.layout
-        return SlotFile(directory, layout.layers, layout.part_bytes, layout.extent_slots, private)
+        parts = [layout.parts(layer) for layer in range(layout.layers)]
+        return SlotFile(directory, layout.layers, parts, layout.extent_slots, private)
 
     def close(self) -> None:
         """Delete the spill file (the tier stays usable: the next `put` creates a new one)."""
@@ -228,15 +252,15 @@ class DiskTier:
                 self._check_parts([part.nbytes for part in parts], layer)
                 sums.append(segment_checksum(parts))
             for start, stop in _runs(slots, self.layout.extent_slots):
-                for p in range(len(self.layout.part_bytes)):
+                for p in range(len(self.layout.parts(layer))):
                     file.write_at(file.offset(slots[start], layer, p), [parts[p] for parts in blocks[start:stop]])
         return checksums
 
     def _check_parts(self, sizes: list[int], layer: int) -> None:
-        if tuple(sizes) != self.layout.part_bytes:
+        if tuple(sizes) != self.layout.parts(layer):
             raise ValueError(
                 f"A layer {layer} segment has parts of {sizes} bytes; this tier stores parts of "
-                f"{list(self.layout.part_bytes)}."
+                f"{list(self.layout.parts(layer))} for that layer."
             )
 
     # ------------------------------------------------------------------ references
@@ -291,7 +315,7 @@ class DiskTier:
         blocks = [block for block in found if block is not None]
         if len(blocks) != len(handles) or file is None:
             raise StaleRead(f"Blocks {list(handles)} are not all spilled.")
-        sizes = self.layout.part_bytes
+        sizes = self.layout.parts(layer)
         views = [part.cast("B") for part in parts]
         self._check_parts([view.nbytes // len(handles) for view in views], layer)
         file.check()

@@ -32,6 +32,31 @@ def handle_of(block_id: int) -> int:
     return -1 - block_id
 
 
+@dataclass(frozen=True)
+class SpilledIds:
+    """How block-table entries name spilled blocks: handle h is entry `base - h`, every entry <= `base`.
+
+    Raw pools use every negative entry (`RAW_SPILLED_IDS`, base -1). A quantized pool already names its
+    sealed blocks by negative entries (-1 - sealed id), so its spilled blocks live far below them
+    (`SEALED_SPILLED_IDS`): no store reaches 2**62 sealed ids, so the two ranges never meet.
+    """
+
+    base: int
+
+    def entry(self, handle: int) -> int:
+        return self.base - handle
+
+    def handle(self, entry: int) -> int:
+        return self.base - entry
+
+    def is_spilled(self, entry: int) -> bool:
+        return entry <= self.base
+
+
+RAW_SPILLED_IDS = SpilledIds(-1)
+SEALED_SPILLED_IDS = SpilledIds(-(1 << 62))
+
+
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor's own memory (no copy; writable)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -68,20 +93,21 @@ SegmentReader = Callable[[list[torch.Tensor]], None]
 class SpilledLayout:
     """Where each entry of a batch's block table lives, as flat (row-major) positions of the table."""
 
-    block_table: torch.Tensor  # long [batch, blocks]; spilled entries negative
+    block_table: torch.Tensor  # long [batch, blocks]; spilled entries <= the SpilledIds base
     handles: list[int]  # distinct spilled handles, ascending: row r of a spilled stack holds handles[r]
     resident_positions: torch.Tensor  # long: positions of pool entries
-    resident_ids: torch.Tensor  # long: their pool ids
+    resident_ids: torch.Tensor  # long: their entries (pool ids; sealed entries too in a quantized pool)
     spilled_positions: torch.Tensor  # long: positions of spilled entries
     spilled_rows: torch.Tensor  # long: the stack row each of them reads
     direct: slice | None  # when the spilled entries are positions [a, b) holding handles[0], handles[1], ...
 
     @classmethod
-    def of(cls, block_table: torch.Tensor) -> SpilledLayout:
+    def of(cls, block_table: torch.Tensor, ids: SpilledIds = RAW_SPILLED_IDS) -> SpilledLayout:
         flat = block_table.reshape(-1)
-        resident = (flat >= 0).nonzero().squeeze(1)
-        spilled = (flat < 0).nonzero().squeeze(1)
-        distinct, rows = torch.unique(-1 - flat[spilled], sorted=True, return_inverse=True)
+        is_spilled = flat <= ids.base
+        resident = (~is_spilled).nonzero().squeeze(1)
+        spilled = is_spilled.nonzero().squeeze(1)
+        distinct, rows = torch.unique(ids.base - flat[spilled], sorted=True, return_inverse=True)
         n = spilled.numel()
         in_order = n > 0 and bool((rows == torch.arange(n, device=rows.device)).all())
         contiguous = in_order and int(spilled[-1]) - int(spilled[0]) == n - 1

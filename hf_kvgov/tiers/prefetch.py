@@ -15,7 +15,8 @@ copy stream moves each run to device rows as soon as it is read; the consumer on
 after that copy's event.
 
 Several devices (a model split over accelerators): each device has its own rows, an equal share of the
-buffer, so a layer's blocks are read ahead into memory on the device of the layer that reads them.
+buffer, so a layer's blocks are read ahead into memory on the device of the layer that reads them. Layers
+whose segments differ (`TierLayout.layer_parts`) likewise get rows of their own shape, an equal share each.
 
 Correctness never depends on the thread: a read ahead that failed for any reason (its block freed
 meanwhile, damage, a lost file) is redone by the consumer, on its own thread, which then raises the
@@ -39,6 +40,7 @@ from hf_kvgov.tiers.kv_segments import byte_view
 _POLL_S = 1.0  # how often a waiting consumer checks that the reader thread is still alive
 
 DeviceOf = Callable[[int], torch.device]  # layer -> the device its reader wants the blocks on
+_RowsKey = tuple[torch.device, tuple[int, ...]]  # (device, a segment's part bytes)
 
 
 @dataclass(eq=False)
@@ -47,6 +49,7 @@ class _Rows:
 
     device: torch.device
     capacity: int
+    part_bytes: tuple[int, ...]
     host: list[torch.Tensor] | None = None  # per part: [capacity, part bytes]
     staged: list[torch.Tensor] | None = None  # CUDA: device copies of the host rows
     stream: Any = None
@@ -59,8 +62,8 @@ class _Rows:
     def cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def allocate(self, part_bytes: tuple[int, ...]) -> None:
-        shapes = [(self.capacity, size) for size in part_bytes]
+    def allocate(self) -> None:
+        shapes = [(self.capacity, size) for size in self.part_bytes]
         self.host = [torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda) for shape in shapes]
         if self.cuda:
             self.staged = [torch.empty(shape, dtype=torch.uint8, device=self.device) for shape in shapes]
@@ -109,10 +112,10 @@ class LayerPrefetcher:
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0; got {buffer_bytes}.")
         self.tier = tier
-        self.part_bytes = tier.layout.part_bytes
         self.capacity = buffer_bytes // tier.layout.segment_bytes
+        self._budget = buffer_bytes
         self._device_of: DeviceOf = device if callable(device) else _always(torch.device(device))
-        self._rows: dict[torch.device, _Rows] | None = None  # per device, allocated on the first request
+        self._rows: dict[_RowsKey, _Rows] | None = None  # per device and segment shape, allocated on first use
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._cond = threading.Condition()
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -133,15 +136,18 @@ class LayerPrefetcher:
             return None
         return [part for rows in self._rows.values() for part in rows.host or []]
 
+    def _key(self, layer: int) -> _RowsKey:
+        return torch.device(self._device_of(layer)), self.tier.layout.parts(layer)
+
     def _rows_of(self, layer: int) -> _Rows | None:
-        """Layer `layer`'s device's rows, allocated with every device's on the first call."""
+        """Layer `layer`'s rows (its device's, its segment shape's), allocated with all the others on first use."""
         if self._rows is None:
-            layers = range(self.tier.layout.layers)
-            devices = list(dict.fromkeys(torch.device(self._device_of(layer)) for layer in layers))
-            self._rows = {device: _Rows(device, self.capacity // len(devices)) for device in devices}
+            keys = list(dict.fromkeys(self._key(layer) for layer in range(self.tier.layout.layers)))
+            budget = self._budget // len(keys)
+            self._rows = {key: _Rows(key[0], budget // sum(key[1]), key[1]) for key in keys}
             for rows in self._rows.values():
-                rows.allocate(self.part_bytes)
-        return self._rows.get(torch.device(self._device_of(layer)))
+                rows.allocate()
+        return self._rows.get(self._key(layer))
 
     # ------------------------------------------------------------------ the consumer's side
 
@@ -175,8 +181,9 @@ class LayerPrefetcher:
             raise ValueError("take writes into its output tensors in place; give contiguous ones.")
         began = time.perf_counter()
         parts = [out.reshape(len(handles), -1).view(torch.uint8) for out in outs]
-        if tuple(part.shape[1] for part in parts) != self.part_bytes:
-            raise ValueError(f"take needs one tensor per part, with rows of {list(self.part_bytes)} bytes.")
+        wanted = self.tier.layout.parts(layer)
+        if tuple(part.shape[1] for part in parts) != wanted:
+            raise ValueError(f"take needs one tensor per part, with rows of {list(wanted)} bytes.")
         with self._cond:
             found = [self._entries.pop((handle, layer), None) for handle in handles]
             for entry in found:

@@ -8,9 +8,11 @@ shows up when an extent is added, not halfway through a block::
     file        = extent 0 | extent 1 | extent 2 | ...
     extent e    = layer 0 | layer 1 | ... | layer L-1                  (C slots each)
     layer l     = part 0 of slots eC .. eC+C-1 | part 1 of the same slots | ...
-    (slot s, layer l, part p) -> (s // C) * C*S*L + l * C*S + C * (P_0 + .. + P_{p-1}) + (s % C) * P_p
+    (slot s, layer l, part p) -> (s // C) * C*(S_0 + .. + S_{L-1}) + C * (S_0 + .. + S_{l-1})
+                                 + C * (P_l0 + .. + P_l(p-1)) + (s % C) * P_lp
 
-    C = extent_slots, L = layers, P_p = bytes of part p, S = P_0 + P_1 + ... (one segment)
+    C = extent_slots, L = layers, P_lp = bytes of part p of layer l, S_l = P_l0 + P_l1 + ... (one segment;
+    usually the same for every layer)
 
 Why this order: reads are per layer, over many blocks, into one buffer per part (the K stack, the V
 stack). Part p of consecutive slots is one contiguous range of the file, so a run of blocks is one
@@ -51,6 +53,7 @@ class SlotFile:
 
     Args:
         directory: where the file is created (must exist).
+        part_bytes: the parts of every layer's segment, or one such tuple per layer.
         remove_directory: also delete `directory` when the file is closed (a private temporary one).
     """
 
@@ -58,16 +61,17 @@ class SlotFile:
         self,
         directory: Path,
         layers: int,
-        part_bytes: Sequence[int],
+        part_bytes: Sequence[int] | Sequence[Sequence[int]],
         extent_slots: int,
         remove_directory: bool = False,
     ) -> None:
         self.layers = layers
-        self.part_bytes = tuple(part_bytes)
+        self.layer_parts = _per_layer(part_bytes, layers)
         self.extent_slots = extent_slots
-        self._layer_bytes = extent_slots * sum(self.part_bytes)
-        self._part_starts = [extent_slots * sum(self.part_bytes[:p]) for p in range(len(self.part_bytes))]
-        self.extent_bytes = layers * self._layer_bytes
+        sizes = [sum(parts) for parts in self.layer_parts]
+        self._layer_starts = [extent_slots * sum(sizes[:layer]) for layer in range(layers)]
+        self._part_starts = [[extent_slots * sum(parts[:p]) for p in range(len(parts))] for parts in self.layer_parts]
+        self.extent_bytes = extent_slots * sum(sizes)
         try:
             self._fd, path = tempfile.mkstemp(prefix="kvgov-", suffix=".spill", dir=directory)
         except OSError as err:
@@ -85,8 +89,8 @@ class SlotFile:
 
     def offset(self, slot: int, layer: int, part: int = 0) -> int:
         extent, index = divmod(slot, self.extent_slots)
-        start = extent * self.extent_bytes + layer * self._layer_bytes + self._part_starts[part]
-        return start + index * self.part_bytes[part]
+        start = extent * self.extent_bytes + self._layer_starts[layer] + self._part_starts[layer][part]
+        return start + index * self.layer_parts[layer][part]
 
     def add_extent(self) -> None:
         """Reserve `extent_slots` more slots on disk; raises OSError (e.g. ENOSPC) and changes nothing."""
@@ -140,6 +144,17 @@ class SlotFile:
     def close(self) -> None:
         """Close and delete the file (and a private directory); idempotent."""
         self._finalizer()
+
+
+def _per_layer(part_bytes: Sequence[int] | Sequence[Sequence[int]], layers: int) -> list[tuple[int, ...]]:
+    """One parts tuple per layer, from one for all layers or one per layer."""
+    flat = [size for size in part_bytes if isinstance(size, int)]
+    if len(flat) == len(part_bytes):
+        return [tuple(flat)] * layers
+    nested = [tuple(parts) for parts in part_bytes if not isinstance(parts, int)]
+    if len(nested) != layers:
+        raise ValueError(f"part_bytes per layer needs one tuple per layer ({layers}); got {len(part_bytes)}.")
+    return nested
 
 
 def _advance(views: list[memoryview], done: int) -> list[memoryview]:

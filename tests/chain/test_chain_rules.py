@@ -47,6 +47,10 @@ EXPECTED_MECHANISM = {
     ("pool", "prefix", "codec"): "quantized",
     ("spill",): "disk",
     ("pool", "spill"): "disk",
+    ("codec", "spill"): "quantized_disk",
+    ("pool", "codec", "spill"): "quantized_disk",
+    ("prefix", "spill"): "disk",
+    ("pool", "prefix", "spill"): "disk",
     ("policy",): "eviction",
     ("codec", "policy"): "eviction",
 }
@@ -101,6 +105,26 @@ def test_kwargs_round_trip() -> None:
 def test_overrides_and_knobs_that_cannot_apply_are_refused(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ChainRefused, match=message):
         mechanism_for(ChainParts.of(**kwargs))  # type: ignore[arg-type]
+
+
+def test_a_disk_tier_with_a_tree_draws_from_the_trees_pool() -> None:
+    tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
+    assert mechanism_for(ChainParts.of(prefix=tree, pool=tree.pool, spill=Disk(hot_tokens=64))).name == "disk"
+    with pytest.raises(ChainRefused, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
+        mechanism_for(ChainParts.of(prefix=tree, spill=Disk(max_resident_bytes=65536)))
+    with pytest.raises(ChainRefused, match="prefix= brings its own pool, whose cap applies"):
+        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(16, max_tokens=1024), spill=Disk()))
+    other = BlockPool(KVGeometry(2, 2, 8), block_size=16)
+    with pytest.raises(ChainRefused, match="pass that same pool as pool="):
+        mechanism_for(ChainParts.of(prefix=tree, pool=other, spill=Disk()))
+
+
+def test_a_disk_tier_of_codes_refuses_a_tree_and_takes_full_precision_layers() -> None:
+    tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
+    with pytest.raises(ChainRefused, match="prefix= and spill= when it also has a codec"):
+        mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk()))
+    parts = ChainParts.of(codec="int4", spill=Disk(), layers={1: Layer(full_precision=True)})
+    assert mechanism_for(parts).name == "quantized_disk"
 
 
 def test_layer_outside_the_model_is_refused() -> None:

@@ -21,9 +21,11 @@ from hf_kvgov import (
     HeavyHitterCache,
     PagedCache,
     QuantizedCache,
+    QuantizedDiskCache,
     SinkCache,
     eviction_attention,
     paged_attention,
+    prefix_tree,
 )
 from hf_kvgov.chain import Disk, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.hf.eviction import EvictionCache
@@ -31,6 +33,7 @@ from tests.conftest import tiny_llama
 
 MODEL = tiny_llama()
 Build = Callable[[Any], Any]
+TREE = prefix_tree(MODEL, pool=Paging(block_size=4))  # generate below never publishes: it stays empty
 
 PRESETS: dict[str, Build] = {
     "paged": lambda m: PagedCache(m, block_size=8),
@@ -41,6 +44,11 @@ PRESETS: dict[str, Build] = {
         m, bits=8, fmt="fp8", block_size=4, residual=8, attention="paged"
     ),
     "disk": lambda m: DiskOffloadCache(m, hot_tokens=8, block_size=4),
+    "disk with a prefix tree": lambda m: DiskOffloadCache(m, hot_tokens=8, prefix=TREE, namespace="a"),
+    "int8 + disk": lambda m: QuantizedDiskCache(m, hot_tokens=8, block_size=4),
+    "int4 + disk, residual, paged attention": lambda m: QuantizedDiskCache(
+        m, hot_tokens=4, bits=4, block_size=4, residual=4, attention="paged"
+    ),
     "h2o": lambda m: HeavyHitterCache(m, budget=12, recent=4),
     "sink": lambda m: SinkCache(m, n_sink=2, window=10),
     "h2o, int8 slots, layer 0 budget": lambda m: HeavyHitterCache(m, budget=12, codec="int8", layer_budgets={0: 16}),
@@ -58,6 +66,14 @@ COMPOSED: dict[str, tuple[Build, Build]] = {
     "disk": (
         lambda m: DiskOffloadCache(m, hot_tokens=8, block_size=4),
         lambda m: GovernedCache(m, pool=Paging(4), spill=Disk(hot_tokens=8)),
+    ),
+    "prefix sharing + disk": (
+        lambda m: DiskOffloadCache(m, hot_tokens=8, block_size=4, prefix=TREE),
+        lambda m: GovernedCache(m, pool=Paging(4), prefix=TREE, spill=Disk(hot_tokens=8)),
+    ),
+    "int8 + disk": (
+        lambda m: QuantizedDiskCache(m, hot_tokens=8, block_size=4),
+        lambda m: GovernedCache(m, pool=Paging(4), codec="int8", spill=Disk(hot_tokens=8)),
     ),
     "h2o": (
         lambda m: HeavyHitterCache(m, budget=12, recent=4),

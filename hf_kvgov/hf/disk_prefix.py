@@ -1,0 +1,120 @@
+"""Prefix sharing for `DiskOffloadCache`: which blocks may spill, and what a publish must bring back first.
+
+The prefix tree holds pool block ids, reclaims them from the pool, and hands them to any request that
+matches; so a block the tree holds must stay in the pool. The disk cache therefore splits a row's blocks::
+
+    row:   [ 0 | d1 d2 d3 (matched) | p4 p5 p6 p7 (private, cold) | p8 p9 (hot) | tail ]
+             |        stay resident             spill to disk           stay resident
+             +-- first block: read by every query, never worth a round trip
+
+Blocks the tree holds (matched from it, or published by this cache) are locked by this cache until it is
+released, so the tree can neither evict them nor hand out their memory while a row uses them. They are
+shared by every request that matched them, hence hot in aggregate: they never spill. Only a row's private
+sealed blocks older than the hot window do.
+
+Publishing a row whose private blocks have spilled brings them back into the pool first (all at once, or
+`PoolExhausted` and nothing changed), so the tree only ever references resident blocks. Publishing only the
+resident leading run instead would lose exactly what sharing is for: when a first request computes a shared
+document, the document's blocks turn cold and spill during its own decode steps, so the run would stop at
+block 0 and no later request could reuse the document. The cost is one read of those blocks and the pool
+memory the tree then holds, which is the tree's to manage (it evicts unlocked blocks when the pool is full).
+Blocks brought back but not published (a row padded before them) spill again at the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_kvgov.hf import paged_prefix
+from hf_kvgov.hf.prefix_layout import publishable_tokens
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
+from hf_kvgov.tiers.block_table import TieredBlockTable, TieredBlockTables
+from hf_kvgov.tiers.moves import TierBlocks
+from hf_kvgov.tiers.spill_config import DiskCacheConfig
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.paged_cache import PagedCache
+
+
+def shared_pool_block_size(prefix: PrefixCache, disk: DiskCacheConfig, block_size: int | None) -> int:
+    """The block size of a disk cache drawing from `prefix`'s pool; refuses settings that cannot apply.
+
+    Args:
+        prefix: the tree whose pool the cache draws from.
+        disk: the cache's disk settings.
+        block_size: the block size the caller asked for; None takes the tree's.
+    """
+    pool = prefix.pool
+    if isinstance(pool, QuantizedBlockPool):
+        raise ValueError(
+            "DiskOffloadCache(prefix=...) got a tree over a QuantizedBlockPool, whose sealed blocks are codes the "
+            "disk tier does not spill; build the tree over a plain BlockPool (prefix_tree(model) without a codec)."
+        )
+    if disk.max_resident_bytes is not None:
+        raise ValueError(
+            f"max_resident_bytes={disk.max_resident_bytes} was given with prefix=, but then the cache draws its "
+            "blocks from the tree's pool, which other requests share, so no per-cache cap can hold; cap that pool "
+            "where it is created (BlockPool(..., max_bytes=...)) and leave max_resident_bytes=None."
+        )
+    if block_size is not None and block_size != pool.block_size:
+        raise ValueError(
+            f"block_size={block_size} differs from the prefix tree's {pool.block_size}-token blocks; the cache "
+            "draws its blocks from the tree's pool, so pass the same block size or leave block_size=None."
+        )
+    needed = 1 + math.ceil(disk.hot_tokens / pool.block_size) + 2  # first block + hot window + tail + one step
+    if pool.max_blocks is not None and pool.max_blocks < needed:
+        raise ValueError(
+            f"The prefix tree's pool holds at most {pool.max_blocks} blocks, but one sequence keeps the first "
+            f"block, a {disk.hot_tokens}-token hot window and one decode step in memory: {needed} blocks of "
+            f"{pool.block_size} tokens. Give the pool a larger cap, or lower hot_tokens."
+        )
+    return pool.block_size
+
+
+def tree_held(cache: PagedCache) -> frozenset[int]:
+    """Pool ids this cache holds that the tree also holds: the blocks it matched or published.
+
+    Each carries a tree lock taken by this cache (released with the cache), so the set is exact: a block
+    the tree holds in one of this cache's rows can only have come in through `match` or `publish`.
+    """
+    return frozenset(cache._prefix_locks)
+
+
+def private_blocks(kind: TierBlocks, shared: Collection[int]) -> TierBlocks:
+    """`kind`, except that the blocks in `shared` (the tree's, see `tree_held`) never move to disk."""
+    return dataclasses.replace(kind, movable=lambda entry: entry not in shared and kind.movable(entry))
+
+
+def make_rows_tiered(tables: TieredBlockTables) -> None:
+    """After `match`: the rows it built become tiered tables (their references carry over unchanged).
+
+    `match` builds plain block tables from the tree's hits; a row must be tiered before any of its blocks
+    can spill, since only a tiered row knows how to fork, truncate and release spilled entries.
+    """
+    tables.rows = [
+        row
+        if isinstance(row, TieredBlockTable)
+        else TieredBlockTable(tables.pool, tables.tier, row.block_ids, tables.ids)
+        for row in tables.rows
+    ]
+    tables._changed()
+
+
+def publish_stop(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    """Block columns [0, stop) hold every full block `publish` would offer, over all rows.
+
+    Args:
+        sequences: long `[batch, length]`, as for `publish`.
+        attention_mask: long `[batch, prompt length]` or None, as for `publish`.
+    """
+    assert cache.pool is not None, "publishing needs the tree's pool"
+    stored, bs = cache.get_seq_length(), cache.pool.block_size
+    first_pads = paged_prefix._first_pads(cache, sequences, attention_mask)  # the rows' limits, as publish sets them
+    pairs = zip(sequences, first_pads, strict=True)
+    return max((len(publishable_tokens(row, stored, pad)) // bs for row, pad in pairs), default=0)

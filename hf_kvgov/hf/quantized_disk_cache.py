@@ -1,0 +1,303 @@
+"""`QuantizedDiskCache`: a `QuantizedCache` whose sealed blocks older than a hot window spill to SSD as codes.
+
+Per row, where each block lives::
+
+    block:    0        1  ..  k-1      k  ..  n-2       n-1
+           [ sink ][ spilled codes ][ sealed codes ][ resid. ][ tail ]
+             fp       disk tier       sealed store     fp       fp
+                   (older than hot_tokens)  (the hot window)
+
+Sealing is `QuantizedCache`'s (at the end of the step that filled a block). At the start of each step the
+sealed blocks that left the hot window are written to the disk tier once, as their stored bytes (codes +
+scales: one segment per (block, layer), `tiers.sealed_segments`), their sealed slots are freed and their
+table entries point at disk. Each layer then reads its spilled blocks back (mostly from the read-ahead
+buffers filled while the previous layer computed) and attention decodes them exactly as the sealed store
+would: the output is `QuantizedCache`'s with the same codec, block size and residual, bit for bit.
+
+Against a 16-bit full-precision spill of the same tokens, an int8 spill writes (and reads back) 0.58x the
+bytes at 16-token blocks of head dim 64 and 0.53x at 64-token blocks, int4 0.33x and 0.28x: codes plus
+the scales and zero points (`QuantizedDiskCacheStats.spill_ratio` reports it). Spilled blocks read back by a step are
+appended after the store's pieces for the layer that reads them (one copy of the layer's resident sealed
+slots, which the hot window bounds), so every attention path, in-place kernels included, reads them as
+sealed blocks.
+
+Layers kept in full precision (`full_precision_layers`) spill their sealed blocks as raw K/V, the other
+layers as codes: the tier records each layer's segment layout.
+
+Memory: `max_resident_bytes` caps the full-precision pool blocks and the read-ahead buffers, as for
+`DiskOffloadCache`; sealed slots come on top: the hot window's (``hot_tokens / block_size + 1`` blocks of
+codes per row) and the blocks a step seals, which spill at the start of the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hf_kvgov.chain.parts import Paging
+from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats, quantized_disk_stats
+from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
+from hf_kvgov.tiers.block_table import TieredBlockTables
+from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier
+from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS, SpilledLayout
+from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
+from hf_kvgov.tiers.prefetch import LayerPrefetcher
+from hf_kvgov.tiers.sealed_segments import empty_pieces, sealed_blocks, sealed_tier_layout
+from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
+
+IDS = SEALED_SPILLED_IDS  # sealed entries are -1 - sealed id; spilled ones sit below -2**62
+
+
+class QuantizedDiskCache(QuantizedCache):
+    """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
+
+    Args:
+        model_or_config: as for `QuantizedCache`.
+        path, hot_tokens, max_resident_bytes, max_write_bytes, read_buffer_bytes, prefetch, on_full,
+            extent_blocks: the disk tier, as for `DiskOffloadCache` (see the module docstring for the cap).
+        bits, fmt, block_size, residual, sink_blocks, full_precision_layers, group_size, attention: as for
+            `QuantizedCache`.
+    """
+
+    def __init__(
+        self,
+        model_or_config: Any,
+        path: str | Path | None = None,
+        hot_tokens: int = DEFAULT_HOT_TOKENS,
+        max_resident_bytes: int | None = None,
+        max_write_bytes: int | None = None,
+        *,
+        bits: int = 8,
+        fmt: str = "int",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        residual: int = 0,
+        sink_blocks: int = 1,
+        full_precision_layers: Iterable[int] = (),
+        group_size: int | None = None,
+        read_buffer_bytes: int | None = None,
+        prefetch: bool = True,
+        on_full: str = "raise",
+        attention: AttentionPath = "contiguous",
+        extent_blocks: int = DEFAULT_EXTENT_SLOTS,
+    ) -> None:
+        self.disk = DiskCacheConfig(
+            None if path is None else str(path),
+            hot_tokens,
+            max_resident_bytes,
+            max_write_bytes,
+            read_buffer_bytes,
+            prefetch,
+            on_full,
+            extent_blocks,
+        )
+        self.tier: DiskTier | None = None
+        self.prefetcher: LayerPrefetcher | None = None
+        self.stop_reason: str | None = None
+        self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
+        self.blocks_spilled = 0  # distinct blocks written to the tier since construction
+        super().__init__(
+            model_or_config,
+            bits,
+            fmt,
+            block_size,
+            residual,
+            sink_blocks,
+            full_precision_layers,
+            group_size,
+            max_bytes=self.disk.pool_bytes,
+            attention=attention,
+        )
+        self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
+
+    # ------------------------------------------------------------------ pool and tier
+
+    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._check_pool_budget(self._geometry(dtype, device))
+        super()._create_pool(dtype, device)
+
+    def _check_pool_budget(self, geometry: KVGeometry) -> None:
+        pool_bytes, block_size = self.disk.pool_bytes, self._pool_args["block_size"]
+        if pool_bytes is None or block_size is None:
+            return
+        blocks = self.quant.sink_blocks + math.ceil(self.quant.residual / block_size) + 2  # + tail + one step
+        needed = blocks * geometry.bytes_per_token * block_size
+        if pool_bytes < needed:
+            raise ValueError(
+                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
+                f"blocks after {self.disk.buffer_bytes} of read-ahead buffers, but the sink, the residual window and "
+                f"one decode step need {blocks} blocks = {needed} bytes at this geometry. Raise max_resident_bytes, "
+                "or lower residual or read_buffer_bytes."
+            )
+
+    def _adopt_pool(self, pool: BlockPool) -> None:
+        super()._adopt_pool(pool)  # refuses anything but a QuantizedBlockPool of this configuration
+        assert isinstance(pool, QuantizedBlockPool)
+        self.tier = DiskTier(
+            sealed_tier_layout(pool, self.disk.extent_blocks), self.disk.path, self.disk.max_write_bytes
+        )
+        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.layer_device)
+        self.tables = TieredBlockTables(pool, self.tier, IDS)
+        self._sealed_kind: TierBlocks = sealed_blocks(pool)
+
+    def _parts(self) -> tuple[QuantizedBlockPool, TieredBlockTables, DiskTier, LayerPrefetcher]:
+        assert isinstance(self.tables, TieredBlockTables)
+        assert self.tier is not None and self.prefetcher is not None
+        return self._quantized_pool, self.tables, self.tier, self.prefetcher
+
+    # ------------------------------------------------------------------ spilling
+
+    def _update_layer(
+        self,
+        layer: PagedLayer,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        attn_kwargs: dict[str, Any] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.index == 0:  # the previous step is complete: its blocks are sealed, the cold ones can go
+            self._seal_ready_blocks()
+            self._spill_cold_blocks()
+        return super()._update_layer(layer, key_states, value_states, attn_kwargs)
+
+    def _spill_cold_blocks(self) -> None:
+        """Write the sealed blocks older than the hot window to disk once, then free their sealed slots."""
+        pool, tables, tier, _ = self._parts()
+        if self.stop_reason is not None or not tables.rows:
+            return
+        stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+        keep_resident = self.disk.on_full == "keep_resident"
+        first = self.quant.sink_blocks
+        try:
+            moved, cold = spill(pool, tables, tier, first, stop, within_budget=keep_resident, blocks=self._sealed_kind)
+        except SpillSpaceExhausted as err:
+            if not keep_resident:
+                raise
+            self.stop_reason = str(err)
+            return
+        self.blocks_spilled += moved
+        if moved < cold:
+            self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
+
+    # ------------------------------------------------------------------ reading back
+
+    def _spilled_layout(self, layer: int) -> SpilledLayout | None:
+        """Where the batch's blocks live, on `layer`'s device (cached until the tables change); None: none spilled."""
+        pool, tables = self._parts()[:2]
+        device = pool.layer_device(layer)
+        table = tables.tensor(device)
+        cached = self._layouts.get(device)
+        if cached is None or cached[0] is not table:
+            cached = (table, SpilledLayout.of(table, IDS) if tables.has_spilled() else None)
+            self._layouts[device] = cached
+        return cached[1]
+
+    def _with_spilled(self, layer: int) -> tuple[torch.Tensor, SealedReader, SealedBlocks] | None:
+        """This layer's (block table, sealed reader, sealed blocks) with its spilled blocks read back.
+
+        The spilled blocks' pieces follow the store's, and their table entries name them there as sealed
+        entries (`-1 - (capacity + i)`), so readers decode them exactly as the store decodes its own.
+        """
+        layout = self._spilled_layout(layer)
+        if layout is None:
+            return None
+        pool, _, _, prefetcher = self._parts()
+        stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
+        try:
+            prefetcher.take(layer, layout.handles, list(stack.values()))
+        except SpillCorrupted as err:
+            raise self._located(err) from err
+        prefetcher.request((layer + 1) % self.num_layers, layout.handles)
+        stored, capacity = pool.sealed.pieces[layer], pool.sealed.capacity
+        pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
+        flat = layout.block_table.clone().reshape(-1)
+        flat[layout.spilled_positions] = -1 - capacity - layout.spilled_rows
+        fmt = pool.sealed.formats[layer]
+
+        def read(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            return fmt.decode({name: piece.index_select(0, -1 - entries) for name, piece in pieces.items()}, dtype)
+
+        return flat.view_as(layout.block_table), read, SealedBlocks(fmt.name, pieces)
+
+    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        spilled = self._with_spilled(layer.index)
+        if spilled is None:
+            return super()._contiguous_kv(layer)
+        pool, (table, read, _) = self._quantized_pool, spilled
+        i = layer.index
+        return gather_quantized(pool.keys[i], pool.values[i], table, layer.length, read, pool.geometry.dtype)
+
+    def _hand_view_to_attention(
+        self,
+        layer: PagedLayer,
+        attn_kwargs: dict[str, Any] | None,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+        spilled = self._with_spilled(layer.index)
+        if spilled is not None and attn_kwargs is not None:
+            view = attn_kwargs[PAGED_VIEW_KEY]
+            view.block_table, view.read_sealed, view.sealed = spilled
+        return result
+
+    def _located(self, err: SpillCorrupted) -> SpillCorrupted:
+        """The same error, naming the token positions the damaged block holds."""
+        tables, bs = self._parts()[1], self._quantized_pool.block_size
+        entry = IDS.entry(err.block)
+        for row in tables.rows:
+            if entry in row.block_ids:
+                index = row.block_ids.index(entry)
+                return SpillCorrupted(err.block, err.layer, err.path, err.offset, (index * bs, (index + 1) * bs))
+        return err
+
+    # ------------------------------------------------------------------ generate's bookkeeping
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As `QuantizedCache.crop`; a spilled block the new tail falls in comes back first (then is decoded)."""
+        if tokens_to_remove <= 0 and isinstance(self.tables, TieredBlockTables) and self.tables.rows:
+            pool, tables, tier, _ = self._parts()
+            length = max(0, self.get_seq_length() + tokens_to_remove)
+            if length % pool.block_size:
+                try:
+                    bring_back(pool, tables, tier, length // pool.block_size, self._sealed_kind)
+                except SpillCorrupted as err:
+                    raise self._located(err) from err
+        super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+
+    def reset(self) -> None:
+        """Forget every token: blocks return to the pool and the store, disk slots to the spill file (which stays)."""
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+        super().release()
+        self.stop_reason = None
+
+    def release(self) -> None:
+        """Forget every token, stop the reader thread, delete the spill file (and a private directory)."""
+        self.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.tier is not None:
+            self.tier.close()
+
+    def drop_page_cache(self) -> None:
+        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
+        if self.tier is not None:
+            self.tier.drop_page_cache()
+
+    # ------------------------------------------------------------------ accounting
+
+    def stats(self) -> QuantizedDiskCacheStats:  # type: ignore[override]
+        """What this cache holds in memory and wrote to / read from disk (see `QuantizedDiskCacheStats`)."""
+        return quantized_disk_stats(self, PagedCache.stats(self))

@@ -1,0 +1,82 @@
+"""Sealed (quantized) blocks in the disk tier: written as stored, codes and scales, never decoded.
+
+Segment of (sealed block s, layer l): one part per piece of the layer's `SealedFormat`, in the store's
+piece order, each exactly the bytes the store holds for that block::
+
+    int8:  part 0 = key_codes[l][s]   (block_size x H x D, uint8)
+           part 1 = key_scale[l][s]   (1 x H x D, fp16)        part 2 = key_zero[l][s]   (the same)
+           part 3 = value_codes[l][s] (block_size x H x D, uint8)
+           part 4 = value_scale[l][s] (block_size x H x D/g)   part 5 = value_zero[l][s] (the same)
+
+so a block read back holds the very bytes that were sealed, and decodes exactly as the store would decode
+it. A layer kept in full precision stores its raw K/V (`keys`, `values`): its segments have other parts,
+which the tier's layout records per layer (`TierLayout.layer_parts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hf_kvgov.storage.geometry import index_per_layer
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed, sealed_id_of
+from hf_kvgov.tiers.disk_tier import DiskTier, SegmentSource, TierLayout
+from hf_kvgov.tiers.kv_segments import byte_view
+from hf_kvgov.tiers.moves import TierBlocks
+
+
+def sealed_tier_layout(pool: QuantizedBlockPool, extent_slots: int) -> TierLayout:
+    """The tier layout of the pool's sealed blocks: one part per piece, per layer when the layers differ."""
+    parts = tuple(_part_bytes(pool, layer) for layer in range(pool.geometry.num_layers))
+    per_layer = parts if any(p != parts[0] for p in parts) else None
+    return TierLayout(len(parts), parts[0], extent_slots, per_layer)
+
+
+def _part_bytes(pool: QuantizedBlockPool, layer: int) -> tuple[int, ...]:
+    layout = pool.sealed.layout(layer)
+    return tuple(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in layout.values())
+
+
+def empty_pieces(pool: QuantizedBlockPool, layer: int, count: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialised pieces of `count` blocks of layer `layer`, `[count, *shape]` each, on `device`."""
+    return {
+        name: torch.empty((count, *shape), dtype=dtype, device=device)
+        for name, (shape, dtype) in pool.sealed.layout(layer).items()
+    }
+
+
+def sealed_segments(pool: QuantizedBlockPool, entries: Sequence[int]) -> SegmentSource:
+    """The segments of sealed entries (all < 0), one layer at a time (views on CPU, one copy on GPU)."""
+    ids = [sealed_id_of(entry) for entry in entries]
+    index = index_per_layer(ids, pool.geometry)
+
+    def segments(layer: int) -> list[list[memoryview]]:
+        pieces = pool.sealed.pieces[layer].values()
+        if pool.geometry.layer_device(layer).type == "cpu":
+            return [[byte_view(piece[s]) for piece in pieces] for s in ids]
+        host = [piece[index[layer]].cpu() for piece in pieces]
+        return [[byte_view(piece[i]) for piece in host] for i in range(len(ids))]
+
+    return segments
+
+
+def restore_sealed(pool: QuantizedBlockPool, tier: DiskTier, handles: list[int]) -> list[int]:
+    """Read spilled sealed blocks into fresh sealed slots (one reference each); returns their entries."""
+    fresh = pool.allocate_sealed(len(handles))
+    try:
+        for layer in range(pool.geometry.num_layers):
+            pieces = empty_pieces(pool, layer, len(handles), torch.device("cpu"))
+            tier.read(layer, handles, [byte_view(piece) for piece in pieces.values()])
+            pool.write_sealed_pieces(layer, fresh, pieces)
+    except BaseException:
+        pool.decref(fresh)
+        raise
+    return fresh
+
+
+def sealed_blocks(pool: QuantizedBlockPool) -> TierBlocks:
+    """Sealed blocks of a quantized pool, moved as stored; its full-precision blocks (sink, tail) stay."""
+    return TierBlocks(
+        is_sealed, lambda entries: sealed_segments(pool, entries), lambda tier, h: restore_sealed(pool, tier, h)
+    )
