@@ -8,7 +8,7 @@ At the same bit widths, in one run:
 
 and DynamicCache. transformers' caches run with their defaults (q_group_size 64, residual_length 128,
 axis 0 for keys and values; fp8 takes no options); hf_kvgov's with blocks of `COMPACT_BLOCK_SIZE`
-(128) and one full-precision sink block. Measured:
+(128) and, as `*-b16`, with its default 16-token blocks, each with one full-precision sink block. Measured:
 
 1. Perplexity with the cache in the loop: `--tokens` tokens of Pride and Prejudice fed in chunks of 128,
    every cache in one batch against a lossless PagedCache (hf_kvgov.quality.score_in_lockstep). A chunk of
@@ -72,6 +72,10 @@ CANDIDATES: dict[str, tuple[str, Builder]] = {
     "kvgov-int8": ("int8", lambda m: QuantizedCache(m, bits=8, block_size=COMPACT_BLOCK_SIZE)),
     "hf-fp8": ("fp8", lambda m: HFQuantizedCache("fp8", m.config)),
     "kvgov-fp8": ("fp8", lambda m: QuantizedCache(m, bits=8, fmt="fp8", block_size=COMPACT_BLOCK_SIZE)),
+    # The default 16-token blocks: fewer full-precision tokens (sink + tail), more scales per token.
+    "kvgov-int4-b16": ("int4", lambda m: QuantizedCache(m, bits=4)),
+    "kvgov-int8-b16": ("int8", lambda m: QuantizedCache(m, bits=8)),
+    "kvgov-fp8-b16": ("fp8", lambda m: QuantizedCache(m, bits=8, fmt="fp8")),
 }
 
 

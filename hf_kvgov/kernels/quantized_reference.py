@@ -14,6 +14,7 @@ the online-softmax state, O(batch x heads x queries x chunk_tokens).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -33,16 +34,44 @@ def read_blocks(
     `key_cache`, `value_cache`: one layer's full-precision blocks `[num_blocks, block_size, H, D]`.
     """
     if not bool((block_ids < 0).any()):
-        return key_cache[block_ids].to(dtype), value_cache[block_ids].to(dtype)
+        return _take(key_cache, block_ids).to(dtype), _take(value_cache, block_ids).to(dtype)
+    run = _single_sealed_run(block_ids)
+    if run is not None:  # one row read front to back: [full ids][sealed run][full ids]
+        start, stop = run
+        flat = block_ids.reshape(-1)
+        sealed_k, sealed_v = read_sealed(flat[start:stop], dtype)
+        head, tail = flat[:start], flat[stop:]
+        keys = torch.cat([_take(key_cache, head).to(dtype), sealed_k, _take(key_cache, tail).to(dtype)])
+        values = torch.cat([_take(value_cache, head).to(dtype), sealed_v, _take(value_cache, tail).to(dtype)])
+        return keys.view(*block_ids.shape, *keys.shape[1:]), values.view(*block_ids.shape, *values.shape[1:])
     # Sorted distinct ids put the sealed (negative) ones first: decode those once each, stack the
     # full-precision ones after them, and pick every entry from that stack with one gather.
     distinct, position = torch.unique(block_ids, return_inverse=True)
     num_sealed = int((distinct < 0).sum())
     sealed_k, sealed_v = read_sealed(distinct[:num_sealed], dtype)
     full = distinct[num_sealed:]
-    keys = torch.cat([sealed_k, key_cache[full].to(dtype)])
-    values = torch.cat([sealed_v, value_cache[full].to(dtype)])
-    return keys[position], values[position]
+    keys = torch.cat([sealed_k, key_cache.index_select(0, full).to(dtype)])
+    values = torch.cat([sealed_v, value_cache.index_select(0, full).to(dtype)])
+    return _take(keys, position), _take(values, position)
+
+
+def _single_sealed_run(block_ids: Tensor) -> tuple[int, int] | None:
+    """(start, stop) when `block_ids` is one row whose sealed entries are one contiguous run, else None.
+
+    That is a single sequence's table (sink, sealed blocks, tail); it can be decoded in table order and
+    concatenated, skipping the dedup and the final gather of the general path (two copies of the K/V).
+    """
+    if block_ids.dim() > 1 and math.prod(block_ids.shape[:-1]) != 1:
+        return None
+    where = (block_ids.reshape(-1) < 0).nonzero().flatten()
+    start, stop = int(where[0]), int(where[-1]) + 1
+    return (start, stop) if stop - start == where.numel() else None
+
+
+def _take(blocks: Tensor, ids: Tensor) -> Tensor:
+    """``blocks[ids]`` for ids of any shape: index_select on the flattened ids, 2-5x faster than advanced
+    indexing on the CPU for whole blocks."""
+    return blocks.index_select(0, ids.reshape(-1)).view(*ids.shape, *blocks.shape[1:])
 
 
 def gather_quantized(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 from pathlib import Path
 
@@ -72,9 +73,12 @@ def test_peak_rss_is_reset_between_measurements() -> None:
     peak = memory.ProcessPeakRss()
     peak.reset()
     before = peak.peak_bytes()
-    block = torch.ones(64 * 2**20 // 4)  # touch 64 MiB
+    # Fresh anonymous pages: a torch tensor may reuse memory the allocator kept from earlier tests.
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):  # touch 64 MiB
+        block[offset] = 1
     grown = peak.peak_bytes()
-    del block
+    block.close()
     peak.reset()
     after = peak.peak_bytes()
     assert peak.resettable and before > 0
