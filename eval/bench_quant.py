@@ -28,12 +28,12 @@ or fails is reported with the reason instead of numbers. Beware that transformer
 is installed (cache_utils), which pulls in torch's inductor: every `import transformers` then takes ~3 s
 longer, so keep hqq out of the environment the tests run in.
 
-    python eval/bench_quant.py              # 30-60 minutes on 2 CPU cores; writes eval/out/bench_quant.json
+    python eval/bench_quant.py              # about 10 minutes on one CPU thread; writes eval/out/bench_quant.json
     python eval/bench_quant.py --tokens 256 --context 256 --steps 4 --rounds 1      # a smoke run, ~4 minutes
 
 The perplexity pass dominates: at every 128-token flush transformers' quanto and HQQ caches dequantize and
 re-quantize their whole history (HQQ with its iterative optimizer), so their cost grows with the square
-of the text; 1,024 tokens took 11 minutes on the shared machine, 2,048 take about 3-4 times that.
+of the text; the 2,048-token pass took 3-7 minutes of the 10 on a shared 2-core machine.
 """
 
 from __future__ import annotations
