@@ -109,7 +109,8 @@ def _disk(model: Any, parts: ChainParts) -> GovernedCache:
 def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
     q, d = parts.codec, parts.spill
     assert q is not None and d is not None, "the quantized_disk mechanism needs a codec and a spill part"
-    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
+    # With a tree and no Paging, the blocks are the tree's (None lets the cache take its block size).
+    block_size = parts.pool.block_size if isinstance(parts.pool, (Paging, BlockPool)) else None
     return QuantizedDiskCache(
         model,
         path=d.path,
@@ -118,7 +119,7 @@ def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
         max_write_bytes=d.max_write_bytes,
         bits=q.bits,
         fmt=q.fmt,
-        block_size=paging.block_size,
+        block_size=block_size,
         residual=q.residual,
         sink_blocks=q.sink_blocks,
         full_precision_layers=q.full_precision_layers,
@@ -128,6 +129,7 @@ def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
         on_full=d.on_full,
         attention=parts.attention,  # type: ignore[arg-type]
         extent_blocks=d.extent_blocks,
+        **_prefix_arguments(parts),
     )
 
 

@@ -47,7 +47,7 @@ class Mechanism:
 
 MECHANISMS: tuple[Mechanism, ...] = (
     Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec"})),
-    Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool"})),
+    Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool", "prefix"})),
     Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
     Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
     Mechanism("paged", frozenset(), frozenset({"pool", "prefix"})),
@@ -65,7 +65,6 @@ def mechanism_for(parts: ChainParts, num_layers: int | None = None) -> Mechanism
         if pair <= present:
             first, second = sorted(pair)
             raise ChainRefused(f"A chain cannot have both {first}= and {second}=: {reason}.")
-    _check_sealed_spill(parts)
     _check_overrides(parts, num_layers)
     _check_pool(parts)
     for mechanism in MECHANISMS:
@@ -135,12 +134,3 @@ def _check_spill_with_prefix(parts: ChainParts) -> None:
         "draws its blocks from the tree's pool, which other requests share; cap that pool where it is created "
         "(BlockPool(..., max_bytes=...)) and leave max_resident_bytes=None."
     )
-
-
-def _check_sealed_spill(parts: ChainParts) -> None:
-    """A disk tier of sealed codes (the quantized_disk mechanism) shares no prefix tree."""
-    if parts.codec is not None and parts.spill is not None and parts.prefix is not None:
-        raise ChainRefused(
-            "A chain cannot have both prefix= and spill= when it also has a codec: the tree would hold sealed "
-            "blocks that the disk tier moves out of the store it reclaims from; drop prefix= or the codec."
-        )

@@ -1,7 +1,9 @@
-"""Prefix sharing for `DiskOffloadCache`: which blocks may spill, and what a publish must bring back first.
+"""Prefix sharing for the disk caches: which blocks may spill, and what a publish must bring back first.
 
-The prefix tree holds pool block ids, reclaims them from the pool, and hands them to any request that
-matches; so a block the tree holds must stay in the pool. The disk cache therefore splits a row's blocks::
+`DiskOffloadCache` spills raw pool blocks, `QuantizedDiskCache` sealed blocks as their codes; both use the
+helpers here, with the same rules. The prefix tree holds pool block ids (sealed ones included), reclaims them
+from the pool, and hands them to any request that matches; so a block the tree holds must stay in the pool
+(or in its sealed store). The disk caches therefore split a row's blocks::
 
     row:   [ 0 | d1 d2 d3 (matched) | p4 p5 p6 p7 (private, cold) | p8 p9 (hot) | tail ]
              |        stay resident             spill to disk           stay resident
@@ -19,20 +21,27 @@ document, the document's blocks turn cold and spill during its own decode steps,
 block 0 and no later request could reuse the document. The cost is one read of those blocks and the pool
 memory the tree then holds, which is the tree's to manage (it evicts unlocked blocks when the pool is full).
 Blocks brought back but not published (a row padded before them) spill again at the next step.
+
+With a codec (`QuantizedDiskCache`) the first block is the full-precision sink (`sink_blocks` of them), the
+tree-held blocks are the sink and sealed codes, and what comes back for a publish are codes into the sealed
+store, which grows as needed: the tree's pool cap bounds the full-precision blocks only, as for
+`QuantizedCache`, so one sequence needs the sink, the residual window and one decode step there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
 
 from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.prefix_layout import publishable_tokens
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTable, TieredBlockTables
 from hf_kvgov.tiers.moves import TierBlocks
@@ -42,20 +51,28 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.paged_cache import PagedCache
 
 
-def shared_pool_block_size(prefix: PrefixCache, disk: DiskCacheConfig, block_size: int | None) -> int:
+def cache_block_size(
+    prefix: PrefixCache | None, disk: DiskCacheConfig, block_size: int | None, sealed: QuantConfig | None = None
+) -> int:
+    """The block size of a disk cache: `shared_pool_block_size` with a tree, else `block_size` (default 16)."""
+    if prefix is not None:
+        return shared_pool_block_size(prefix, disk, block_size, sealed)
+    return DEFAULT_BLOCK_SIZE if block_size is None else block_size
+
+
+def shared_pool_block_size(
+    prefix: PrefixCache, disk: DiskCacheConfig, block_size: int | None, sealed: QuantConfig | None = None
+) -> int:
     """The block size of a disk cache drawing from `prefix`'s pool; refuses settings that cannot apply.
 
     Args:
         prefix: the tree whose pool the cache draws from.
         disk: the cache's disk settings.
         block_size: the block size the caller asked for; None takes the tree's.
+        sealed: the codec of a cache that spills sealed blocks (`QuantizedDiskCache`); None for raw blocks.
     """
     pool = prefix.pool
-    if isinstance(pool, QuantizedBlockPool):
-        raise ValueError(
-            "DiskOffloadCache(prefix=...) got a tree over a QuantizedBlockPool, whose sealed blocks are codes the "
-            "disk tier does not spill; build the tree over a plain BlockPool (prefix_tree(model) without a codec)."
-        )
+    _check_pool_kind(pool, sealed)
     if disk.max_resident_bytes is not None:
         raise ValueError(
             f"max_resident_bytes={disk.max_resident_bytes} was given with prefix=, but then the cache draws its "
@@ -67,14 +84,42 @@ def shared_pool_block_size(prefix: PrefixCache, disk: DiskCacheConfig, block_siz
             f"block_size={block_size} differs from the prefix tree's {pool.block_size}-token blocks; the cache "
             "draws its blocks from the tree's pool, so pass the same block size or leave block_size=None."
         )
-    needed = 1 + math.ceil(disk.hot_tokens / pool.block_size) + 2  # first block + hot window + tail + one step
+    needed, kept = _resident_need(pool.block_size, disk, sealed)
     if pool.max_blocks is not None and pool.max_blocks < needed:
         raise ValueError(
-            f"The prefix tree's pool holds at most {pool.max_blocks} blocks, but one sequence keeps the first "
-            f"block, a {disk.hot_tokens}-token hot window and one decode step in memory: {needed} blocks of "
-            f"{pool.block_size} tokens. Give the pool a larger cap, or lower hot_tokens."
+            f"The prefix tree's pool holds at most {pool.max_blocks} blocks, but one sequence keeps {kept} in "
+            f"memory: {needed} blocks of {pool.block_size} tokens. Give the pool a larger cap, or lower "
+            f"{'residual' if sealed is not None else 'hot_tokens'}."
         )
     return pool.block_size
+
+
+def _check_pool_kind(pool: BlockPool, sealed: QuantConfig | None) -> None:
+    """A raw disk tier needs a plain pool, a tier of codes a quantized one (whose formats the cache checks)."""
+    if sealed is None and isinstance(pool, QuantizedBlockPool):
+        raise ValueError(
+            "DiskOffloadCache(prefix=...) got a tree over a QuantizedBlockPool, whose sealed blocks are codes the "
+            "disk tier does not spill; build the tree over a plain BlockPool (prefix_tree(model) without a codec)."
+        )
+    if sealed is not None and not isinstance(pool, QuantizedBlockPool):
+        raise TypeError(
+            f"QuantizedDiskCache(prefix=...) got a tree over a {type(pool).__name__}, which cannot hold the sealed "
+            f"blocks a {sealed.codec_name} cache stores and spills; build the tree with the same codec "
+            f"(prefix_tree(model, codec={sealed.codec_name!r}))."
+        )
+
+
+def _resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, str]:
+    """(pool blocks one sequence keeps in memory, what they are), counted against the pool's cap."""
+    if sealed is None:
+        needed = 1 + math.ceil(disk.hot_tokens / block_size) + 2  # first block + hot window + tail + one step
+        return needed, f"the first block, a {disk.hot_tokens}-token hot window and one decode step"
+    # The cap counts full-precision blocks only: the hot window is sealed, in the store.
+    needed = sealed.sink_blocks + math.ceil(sealed.residual / block_size) + 2  # + tail + one step
+    return needed, (
+        f"{sealed.sink_blocks} sink block(s), a {sealed.residual}-token residual window and one decode step "
+        "in full precision"
+    )
 
 
 def tree_held(cache: PagedCache) -> frozenset[int]:
@@ -104,6 +149,26 @@ def make_rows_tiered(tables: TieredBlockTables) -> None:
         for row in tables.rows
     ]
     tables._changed()
+
+
+def bring_back_offered(
+    cache: PagedCache,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    bring_back: Callable[[int, int], None],
+) -> None:
+    """Before `publish`: the spilled blocks it would offer come back (`bring_back(first, stop)` on block columns).
+
+    All of them at once, or `bring_back` raises and nothing has changed. Nothing to do without a tree or
+    rows, or with a row count `publish` refuses (it says why).
+
+    Args:
+        sequences: long `[batch, length]`, as for `publish`.
+        attention_mask: long `[batch, prompt length]` or None, as for `publish`.
+    """
+    tables = cache.tables
+    if cache.prefix is not None and tables is not None and tables.batch_size == sequences.shape[0] > 0:
+        bring_back(0, publish_stop(cache, sequences, attention_mask))
 
 
 def publish_stop(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> int:

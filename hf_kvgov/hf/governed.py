@@ -6,9 +6,9 @@
 Every hf_kvgov cache is a `GovernedCache`, and the named caches are its presets: `PagedCache` is the chain
 with only paged blocks (and optionally prefix sharing), `QuantizedCache` adds a codec, `DiskOffloadCache` a
 disk tier (optionally under a prefix tree, whose blocks stay resident), `QuantizedDiskCache` a codec and a
-disk tier (sealed blocks spill as codes), `HeavyHitterCache` and `SinkCache` an eviction policy (optionally
-with a codec). Each cache's
-`parts` says which chain it is, and ``GovernedCache(model, **cache.parts.kwargs())`` builds the same cache.
+disk tier (sealed blocks spill as codes; optionally under a prefix tree, whose blocks stay resident),
+`HeavyHitterCache` and `SinkCache` an eviction policy (optionally with a codec). Each cache's `parts` says
+which chain it is, and ``GovernedCache(model, **cache.parts.kwargs())`` builds the same cache.
 
 Constructing `GovernedCache` itself checks the parts (`hf_kvgov.chain.rules`: a combination that cannot
 work raises `ChainRefused` saying why) and returns an instance of the implementation that serves them

@@ -27,6 +27,11 @@ layers as codes: the tier records each layer's segment layout.
 Memory: `max_resident_bytes` caps the full-precision pool blocks and the read-ahead buffers, as for
 `DiskOffloadCache`; sealed slots come on top: the hot window's (``hot_tokens / block_size + 1`` blocks of
 codes per row) and the blocks a step seals, which spill at the start of the next.
+
+Prefix sharing (``prefix=PrefixCache(pool)`` over a `QuantizedBlockPool` of this configuration, `match` /
+`publish` as `QuantizedCache`'s, so the two share blocks): blocks the tree holds (the sink and sealed codes)
+stay resident, and only a row's private sealed blocks spill; `publish` first brings the spilled blocks it
+offers back into the sealed store, so the tree never points at disk (`hf_kvgov.hf.disk_prefix`).
 """
 
 from __future__ import annotations
@@ -41,19 +46,22 @@ import torch
 
 from hf_kvgov.chain.parts import Paging
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
+from hf_kvgov.hf import disk_prefix
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats, quantized_disk_stats
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier
-from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS, SpilledLayout
+from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
-from hf_kvgov.tiers.sealed_segments import empty_pieces, sealed_blocks, sealed_tier_layout
+from hf_kvgov.tiers.sealed_segments import after_the_store, empty_pieces, sealed_blocks, sealed_tier_layout
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
 IDS = SEALED_SPILLED_IDS  # sealed entries are -1 - sealed id; spilled ones sit below -2**62
@@ -66,8 +74,12 @@ class QuantizedDiskCache(QuantizedCache):
         model_or_config: as for `QuantizedCache`.
         path, hot_tokens, max_resident_bytes, max_write_bytes, read_buffer_bytes, prefetch, on_full,
             extent_blocks: the disk tier, as for `DiskOffloadCache` (see the module docstring for the cap).
-        bits, fmt, block_size, residual, sink_blocks, full_precision_layers, group_size, attention: as for
-            `QuantizedCache`.
+        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, attention: as for `QuantizedCache`.
+        block_size: tokens per block (None: the prefix tree's, else 16).
+        prefix: a `PrefixCache` over a `QuantizedBlockPool` of this configuration (`prefix_tree(model,
+            codec=...)`); enables `match` and `publish`. Its pool's cap bounds the full-precision blocks
+            (max_resident_bytes is refused).
+        namespace: prefix-sharing namespace, as for `QuantizedCache` (which shares blocks with this cache).
     """
 
     def __init__(
@@ -80,7 +92,7 @@ class QuantizedDiskCache(QuantizedCache):
         *,
         bits: int = 8,
         fmt: str = "int",
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         residual: int = 0,
         sink_blocks: int = 1,
         full_precision_layers: Iterable[int] = (),
@@ -90,6 +102,8 @@ class QuantizedDiskCache(QuantizedCache):
         on_full: str = "raise",
         attention: AttentionPath = "contiguous",
         extent_blocks: int = DEFAULT_EXTENT_SLOTS,
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         self.disk = DiskCacheConfig(
             None if path is None else str(path),
@@ -104,8 +118,10 @@ class QuantizedDiskCache(QuantizedCache):
         self.tier: DiskTier | None = None
         self.prefetcher: LayerPrefetcher | None = None
         self.stop_reason: str | None = None
-        self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
         self.blocks_spilled = 0  # distinct blocks written to the tier since construction
+        layers = tuple(full_precision_layers)
+        quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size)
+        block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size, sealed=quant)
         super().__init__(
             model_or_config,
             bits,
@@ -113,10 +129,12 @@ class QuantizedDiskCache(QuantizedCache):
             block_size,
             residual,
             sink_blocks,
-            full_precision_layers,
+            layers,
             group_size,
             max_bytes=self.disk.pool_bytes,
             attention=attention,
+            prefix=prefix,
+            namespace=namespace,
         )
         self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
 
@@ -177,8 +195,9 @@ class QuantizedDiskCache(QuantizedCache):
         stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
         keep_resident = self.disk.on_full == "keep_resident"
         first = self.quant.sink_blocks
+        private = disk_prefix.private_blocks(self._sealed_kind, disk_prefix.tree_held(self))
         try:
-            moved, cold = spill(pool, tables, tier, first, stop, within_budget=keep_resident, blocks=self._sealed_kind)
+            moved, cold = spill(pool, tables, tier, first, stop, within_budget=keep_resident, blocks=private)
         except SpillSpaceExhausted as err:
             if not keep_resident:
                 raise
@@ -190,43 +209,25 @@ class QuantizedDiskCache(QuantizedCache):
 
     # ------------------------------------------------------------------ reading back
 
-    def _spilled_layout(self, layer: int) -> SpilledLayout | None:
-        """Where the batch's blocks live, on `layer`'s device (cached until the tables change); None: none spilled."""
-        pool, tables = self._parts()[:2]
-        device = pool.layer_device(layer)
-        table = tables.tensor(device)
-        cached = self._layouts.get(device)
-        if cached is None or cached[0] is not table:
-            cached = (table, SpilledLayout.of(table, IDS) if tables.has_spilled() else None)
-            self._layouts[device] = cached
-        return cached[1]
-
     def _with_spilled(self, layer: int) -> tuple[torch.Tensor, SealedReader, SealedBlocks] | None:
-        """This layer's (block table, sealed reader, sealed blocks) with its spilled blocks read back.
-
-        The spilled blocks' pieces follow the store's, and their table entries name them there as sealed
-        entries (`-1 - (capacity + i)`), so readers decode them exactly as the store decodes its own.
-        """
-        layout = self._spilled_layout(layer)
+        """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back after the store's."""
+        pool, tables, _, prefetcher = self._parts()
+        layout = tables.spilled_layout(pool.layer_device(layer))
         if layout is None:
             return None
-        pool, _, _, prefetcher = self._parts()
         stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
         try:
             prefetcher.take(layer, layout.handles, list(stack.values()))
         except SpillCorrupted as err:
             raise self._located(err) from err
         prefetcher.request((layer + 1) % self.num_layers, layout.handles)
-        stored, capacity = pool.sealed.pieces[layer], pool.sealed.capacity
-        pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
-        flat = layout.block_table.clone().reshape(-1)
-        flat[layout.spilled_positions] = -1 - capacity - layout.spilled_rows
+        table, pieces = after_the_store(pool, layer, layout, stack)
         fmt = pool.sealed.formats[layer]
 
         def read(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             return fmt.decode({name: piece.index_select(0, -1 - entries) for name, piece in pieces.items()}, dtype)
 
-        return flat.view_as(layout.block_table), read, SealedBlocks(fmt.name, pieces)
+        return table, read, SealedBlocks(fmt.name, pieces)
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         spilled = self._with_spilled(layer.index)
@@ -252,29 +253,48 @@ class QuantizedDiskCache(QuantizedCache):
 
     def _located(self, err: SpillCorrupted) -> SpillCorrupted:
         """The same error, naming the token positions the damaged block holds."""
-        tables, bs = self._parts()[1], self._quantized_pool.block_size
-        entry = IDS.entry(err.block)
-        for row in tables.rows:
-            if entry in row.block_ids:
-                index = row.block_ids.index(entry)
-                return SpillCorrupted(err.block, err.layer, err.path, err.offset, (index * bs, (index + 1) * bs))
-        return err
+        tokens = self._parts()[1].tokens_of(err.block)
+        return err if tokens is None else SpillCorrupted(err.block, err.layer, err.path, err.offset, tokens)
 
     # ------------------------------------------------------------------ generate's bookkeeping
 
     def crop(self, tokens_to_remove: int) -> None:
         """As `QuantizedCache.crop`; a spilled block the new tail falls in comes back first (then is decoded)."""
         if tokens_to_remove <= 0 and isinstance(self.tables, TieredBlockTables) and self.tables.rows:
-            pool, tables, tier, _ = self._parts()
-            length = max(0, self.get_seq_length() + tokens_to_remove)
-            if length % pool.block_size:
-                try:
-                    bring_back(pool, tables, tier, length // pool.block_size, self._sealed_kind)
-                except SpillCorrupted as err:
-                    raise self._located(err) from err
+            length, block_size = max(0, self.get_seq_length() + tokens_to_remove), self._quantized_pool.block_size
+            if length % block_size:
+                self._bring_back(length // block_size)
         super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
         if self.prefetcher is not None:
             self.prefetcher.clear()
+
+    def _bring_back(self, first: int, stop: int | None = None) -> None:
+        """The spilled blocks at block columns [first, stop) (default: `first` only) return to the sealed store."""
+        pool, tables, tier, prefetcher = self._parts()
+        try:
+            bring_back(pool, tables, tier, first, self._sealed_kind, stop)
+        except SpillCorrupted as err:
+            raise self._located(err) from err
+        prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def match(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """As `QuantizedCache.match`; the matched blocks stay resident for as long as this cache holds them."""
+        inputs = super().match(input_ids, attention_mask, pad_token_id)
+        disk_prefix.make_rows_tiered(self._parts()[1])
+        return inputs
+
+    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """As `QuantizedCache.publish`, after bringing the spilled sealed blocks it offers back into the store.
+
+        If they cannot come back (the store cannot grow, or `SpillCorrupted`), that error is raised and nothing
+        has changed: no block brought back, none published.
+        """
+        disk_prefix.bring_back_offered(self, sequences, attention_mask, self._bring_back)
+        return super().publish(sequences, attention_mask)
 
     def reset(self) -> None:
         """Forget every token: blocks return to the pool and the store, disk slots to the spill file (which stays)."""

@@ -21,7 +21,7 @@ import torch
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
-from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SpilledIds
+from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SpilledIds, SpilledLayout
 
 
 class TieredBlockTable(BlockTable):
@@ -68,6 +68,8 @@ class TieredBlockTables(BlockTables):
         super().__init__(pool)
         self.tier = tier
         self.ids = ids
+        # Per device: the table tensor a layout was computed from, and the layout (None: nothing spilled).
+        self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
 
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         if not self.rows:
@@ -95,3 +97,24 @@ class TieredBlockTables(BlockTables):
 
     def has_spilled(self) -> bool:
         return any(self.ids.is_spilled(b) for row in self.rows for b in row.block_ids)
+
+    def spilled_layout(self, device: torch.device) -> SpilledLayout | None:
+        """Where the batch's blocks live, with tensors on `device`; None when nothing has spilled.
+
+        Cached per device until the tables change, so layers split over devices each index on their own.
+        """
+        table = self.tensor(device)
+        cached = self._layouts.get(device)
+        if cached is None or cached[0] is not table:
+            cached = (table, SpilledLayout.of(table, self.ids) if self.has_spilled() else None)
+            self._layouts[device] = cached
+        return cached[1]
+
+    def tokens_of(self, handle: int) -> tuple[int, int] | None:
+        """Token positions [start, stop) of spilled block `handle` in the first row holding it (None: no row)."""
+        entry, block_size = self.ids.entry(handle), self.pool.block_size
+        for row in self.rows:
+            if entry in row.block_ids:
+                index = row.block_ids.index(entry)
+                return index * block_size, (index + 1) * block_size
+        return None

@@ -22,7 +22,7 @@ import torch
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed, sealed_id_of
 from hf_kvgov.tiers.disk_tier import DiskTier, SegmentSource, TierLayout
-from hf_kvgov.tiers.kv_segments import byte_view
+from hf_kvgov.tiers.kv_segments import SpilledLayout, byte_view
 from hf_kvgov.tiers.moves import TierBlocks
 
 
@@ -44,6 +44,21 @@ def empty_pieces(pool: QuantizedBlockPool, layer: int, count: int, device: torch
         name: torch.empty((count, *shape), dtype=dtype, device=device)
         for name, (shape, dtype) in pool.sealed.layout(layer).items()
     }
+
+
+def after_the_store(
+    pool: QuantizedBlockPool, layer: int, layout: SpilledLayout, stack: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(block table, pieces) of layer `layer` with the spilled blocks read back (`stack`) after the store's.
+
+    Spilled block i (row i of `stack`) becomes sealed entry ``-1 - (capacity + i)`` in the returned table (long
+    `[batch, blocks]`), so a reader of sealed entries decodes it exactly as the store decodes its own.
+    """
+    stored, capacity = pool.sealed.pieces[layer], pool.sealed.capacity
+    pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
+    flat = layout.block_table.clone().reshape(-1)
+    flat[layout.spilled_positions] = -1 - capacity - layout.spilled_rows
+    return flat.view_as(layout.block_table), pieces
 
 
 def sealed_segments(pool: QuantizedBlockPool, entries: Sequence[int]) -> SegmentSource:

@@ -49,6 +49,8 @@ EXPECTED_MECHANISM = {
     ("pool", "spill"): "disk",
     ("codec", "spill"): "quantized_disk",
     ("pool", "codec", "spill"): "quantized_disk",
+    ("prefix", "codec", "spill"): "quantized_disk",
+    ("pool", "prefix", "codec", "spill"): "quantized_disk",
     ("prefix", "spill"): "disk",
     ("pool", "prefix", "spill"): "disk",
     ("policy",): "eviction",
@@ -119,10 +121,13 @@ def test_a_disk_tier_with_a_tree_draws_from_the_trees_pool() -> None:
         mechanism_for(ChainParts.of(prefix=tree, pool=other, spill=Disk()))
 
 
-def test_a_disk_tier_of_codes_refuses_a_tree_and_takes_full_precision_layers() -> None:
+def test_a_disk_tier_of_codes_takes_a_tree_and_full_precision_layers() -> None:
     tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
-    with pytest.raises(ChainRefused, match="prefix= and spill= when it also has a codec"):
-        mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk()))
+    assert mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk())).name == "quantized_disk"
+    with pytest.raises(ChainRefused, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
+        mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk(max_resident_bytes=65536)))
+    with pytest.raises(ChainRefused, match="differs from the prefix tree's 16-token blocks"):
+        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(block_size=4), codec="int8", spill=Disk()))
     parts = ChainParts.of(codec="int4", spill=Disk(), layers={1: Layer(full_precision=True)})
     assert mechanism_for(parts).name == "quantized_disk"
 

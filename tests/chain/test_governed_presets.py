@@ -34,6 +34,7 @@ from tests.conftest import tiny_llama
 MODEL = tiny_llama()
 Build = Callable[[Any], Any]
 TREE = prefix_tree(MODEL, pool=Paging(block_size=4))  # generate below never publishes: it stays empty
+INT8_TREE = prefix_tree(MODEL, pool=Paging(block_size=4), codec="int8")  # the same, over an int8 pool
 
 PRESETS: dict[str, Build] = {
     "paged": lambda m: PagedCache(m, block_size=8),
@@ -49,6 +50,7 @@ PRESETS: dict[str, Build] = {
     "int4 + disk, residual, paged attention": lambda m: QuantizedDiskCache(
         m, hot_tokens=4, bits=4, block_size=4, residual=4, attention="paged"
     ),
+    "int8 + disk with a prefix tree": lambda m: QuantizedDiskCache(m, hot_tokens=8, prefix=INT8_TREE, namespace="a"),
     "h2o": lambda m: HeavyHitterCache(m, budget=12, recent=4),
     "sink": lambda m: SinkCache(m, n_sink=2, window=10),
     "h2o, int8 slots, layer 0 budget": lambda m: HeavyHitterCache(m, budget=12, codec="int8", layer_budgets={0: 16}),
@@ -74,6 +76,10 @@ COMPOSED: dict[str, tuple[Build, Build]] = {
     "int8 + disk": (
         lambda m: QuantizedDiskCache(m, hot_tokens=8, block_size=4),
         lambda m: GovernedCache(m, pool=Paging(4), codec="int8", spill=Disk(hot_tokens=8)),
+    ),
+    "prefix sharing + int8 + disk": (
+        lambda m: QuantizedDiskCache(m, hot_tokens=8, block_size=4, prefix=INT8_TREE),
+        lambda m: GovernedCache(m, pool=Paging(4), prefix=INT8_TREE, codec="int8", spill=Disk(hot_tokens=8)),
     ),
     "h2o": (
         lambda m: HeavyHitterCache(m, budget=12, recent=4),
