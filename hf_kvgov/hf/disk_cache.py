@@ -27,23 +27,21 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf import disk_prefix
 from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.hf.disk_tiered import DiskTieredCache
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedLayer
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
-from hf_kvgov.tiers.block_table import TieredBlockTables
-from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier, TierLayout
-from hf_kvgov.tiers.kv_segments import SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes, spilled_id
-from hf_kvgov.tiers.moves import bring_back, raw_blocks, spill
-from hf_kvgov.tiers.prefetch import LayerPrefetcher
+from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, TierLayout
+from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes
+from hf_kvgov.tiers.moves import raw_blocks
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
 RESIDENT_FIRST_BLOCKS = 1  # the attention-sink block: read by every query, so never worth a round trip
 
 
-class DiskOffloadCache(PagedCache):
+class DiskOffloadCache(DiskTieredCache):
     """Lossless KV cache whose sealed blocks older than a hot window live in a file on disk.
 
     Args:
@@ -85,21 +83,18 @@ class DiskOffloadCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        self.disk = DiskCacheConfig(
-            path=None if path is None else str(path),
-            hot_tokens=hot_tokens,
-            max_resident_bytes=max_resident_bytes,
-            max_write_bytes=max_write_bytes,
-            read_buffer_bytes=read_buffer_bytes,
-            prefetch=prefetch,
-            on_full=on_full,
-            extent_blocks=extent_blocks,
+        self._init_tier(
+            DiskCacheConfig(
+                path=None if path is None else str(path),
+                hot_tokens=hot_tokens,
+                max_resident_bytes=max_resident_bytes,
+                max_write_bytes=max_write_bytes,
+                read_buffer_bytes=read_buffer_bytes,
+                prefetch=prefetch,
+                on_full=on_full,
+                extent_blocks=extent_blocks,
+            )
         )
-        self.tier: DiskTier | None = None
-        self.prefetcher: LayerPrefetcher | None = None
-        self.stop_reason: str | None = None
-        # Per device: the block-table tensor a layout was computed from, and the layout (None: nothing spilled).
-        self._layouts: dict[torch.device, tuple[torch.Tensor, SpilledLayout | None]] = {}
         self._kv_bytes_spilled = 0
         if prefix is not None:
             block_size = disk_prefix.shared_pool_block_size(prefix, self.disk, block_size)
@@ -139,14 +134,11 @@ class DiskOffloadCache(PagedCache):
         layout = TierLayout(
             pool.geometry.num_layers, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
         )
-        self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
-        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.layer_device)
-        self.tables = TieredBlockTables(pool, self.tier)
+        self._attach_tier(pool, layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
 
-    def _parts(self) -> tuple[BlockPool, TieredBlockTables, DiskTier, LayerPrefetcher]:
-        assert self.pool is not None and isinstance(self.tables, TieredBlockTables)
-        assert self.tier is not None and self.prefetcher is not None
-        return self.pool, self.tables, self.tier, self.prefetcher
+    def _count_spilled(self, blocks: int) -> None:
+        assert self.pool is not None
+        self._kv_bytes_spilled += blocks * self.pool.bytes_per_block
 
     # ------------------------------------------------------------------ spilling
 
@@ -161,54 +153,16 @@ class DiskOffloadCache(PagedCache):
             self._spill_cold_blocks()
         return super()._update_layer(layer, key_states, value_states, attn_kwargs)
 
-    def _spill_cold_blocks(self) -> None:
-        """Write the sealed blocks older than the hot window to disk once, then free their pool blocks."""
-        pool, tables, tier, _ = self._parts()
-        if self.stop_reason is not None or not tables.rows:
-            return
-        stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
-        keep_resident = self.disk.on_full == "keep_resident"
-        private = disk_prefix.private_blocks(raw_blocks(pool), disk_prefix.tree_held(self))
-        try:
-            moved, cold = spill(pool, tables, tier, RESIDENT_FIRST_BLOCKS, stop, keep_resident, private)
-        except SpillSpaceExhausted as err:
-            if not keep_resident:
-                raise
-            self.stop_reason = str(err)
-            return
-        self._kv_bytes_spilled += moved * pool.bytes_per_block
-        if moved < cold:
-            self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
-
     # ------------------------------------------------------------------ reading back
 
     def _spilled_layout(self, layer: int) -> SpilledLayout | None:
-        """Where the batch's blocks live, on `layer`'s device, or None when nothing has spilled.
-
-        Cached per device until the tables change, so layers split over devices (``device_map``) each index
-        with tensors on their own device.
-        """
+        """Where the batch's blocks live, on `layer`'s device, or None when nothing has spilled."""
         pool, tables = self._parts()[:2]
-        device = pool.layer_device(layer)
-        table = tables.tensor(device)
-        cached = self._layouts.get(device)
-        if cached is None or cached[0] is not table:
-            cached = (table, SpilledLayout.of(table) if tables.has_spilled() else None)
-            self._layouts[device] = cached
-        return cached[1]
+        return tables.spilled_layout(pool.layer_device(layer))
 
     def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
         """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
-        prefetcher = self._parts()[3]
-
-        def read(outs: list[torch.Tensor]) -> None:
-            try:
-                prefetcher.take(layer, layout.handles, outs)
-            except SpillCorrupted as err:
-                raise self._located(err) from err
-            prefetcher.request((layer + 1) % self.num_layers, layout.handles)
-
-        return read
+        return lambda outs: self._take_spilled(layer, layout.handles, outs)
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         layout = self._spilled_layout(layer.index)
@@ -238,16 +192,6 @@ class DiskOffloadCache(PagedCache):
             view.block_table = layout.paged_table(capacity)
         return result
 
-    def _located(self, err: SpillCorrupted) -> SpillCorrupted:
-        """The same error, naming the token positions the damaged block holds."""
-        _, tables, _, _ = self._parts()
-        bs = self._pool_args["block_size"] or 1
-        for row in tables.rows:
-            if spilled_id(err.block) in row.block_ids:
-                index = row.block_ids.index(spilled_id(err.block))
-                return SpillCorrupted(err.block, err.layer, err.path, err.offset, (index * bs, (index + 1) * bs))
-        return err
-
     # ------------------------------------------------------------------ generate's bookkeeping
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -261,55 +205,6 @@ class DiskOffloadCache(PagedCache):
         if tables.num_tokens % pool.block_size:
             self._bring_back(tables.num_tokens // pool.block_size)
         prefetcher.clear()
-
-    def _bring_back(self, first: int, stop: int | None = None) -> None:
-        """The spilled blocks at block columns [first, stop) (default: `first` only) return to the pool."""
-        pool, tables, tier, prefetcher = self._parts()
-        try:
-            bring_back(pool, tables, tier, first, stop=stop)
-        except SpillCorrupted as err:
-            raise self._located(err) from err
-        prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
-
-    # ------------------------------------------------------------------ prefix sharing
-
-    def match(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
-    ) -> dict[str, torch.Tensor]:
-        """As `PagedCache.match`; the matched blocks stay in memory for as long as this cache holds them."""
-        inputs = super().match(input_ids, attention_mask, pad_token_id)
-        disk_prefix.make_rows_tiered(self._parts()[1])
-        return inputs
-
-    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """As `PagedCache.publish`, after bringing the spilled blocks it offers back into the pool.
-
-        Raises `PoolExhausted` (nothing brought back, nothing published) when the pool cannot take them.
-        """
-        tables = self.tables
-        if self.prefix is not None and tables is not None and tables.batch_size == sequences.shape[0] > 0:
-            self._bring_back(0, disk_prefix.publish_stop(self, sequences, attention_mask))
-        return super().publish(sequences, attention_mask)
-
-    def reset(self) -> None:
-        """Forget every token: blocks return to the pool, disk slots to the spill file (which stays)."""
-        if self.prefetcher is not None:
-            self.prefetcher.clear()
-        super().release()
-        self.stop_reason = None
-
-    def release(self) -> None:
-        """Forget every token, stop the reader thread, delete the spill file (and a private directory)."""
-        self.reset()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.tier is not None:
-            self.tier.close()
-
-    def drop_page_cache(self) -> None:
-        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
-        if self.tier is not None:
-            self.tier.drop_page_cache()
 
     # ------------------------------------------------------------------ accounting
 

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.disk_tiered import DiskTieredCache
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
@@ -57,17 +57,13 @@ from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
-from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, DiskTier
+from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
-from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
-from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.sealed_segments import after_the_store, empty_pieces, sealed_blocks, sealed_tier_layout
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
-IDS = SEALED_SPILLED_IDS  # sealed entries are -1 - sealed id; spilled ones sit below -2**62
 
-
-class QuantizedDiskCache(QuantizedCache):
+class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
     """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
 
     Args:
@@ -105,7 +101,7 @@ class QuantizedDiskCache(QuantizedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        self.disk = DiskCacheConfig(
+        disk = DiskCacheConfig(
             None if path is None else str(path),
             hot_tokens,
             max_resident_bytes,
@@ -115,9 +111,7 @@ class QuantizedDiskCache(QuantizedCache):
             on_full,
             extent_blocks,
         )
-        self.tier: DiskTier | None = None
-        self.prefetcher: LayerPrefetcher | None = None
-        self.stop_reason: str | None = None
+        self._init_tier(disk)
         self.blocks_spilled = 0  # distinct blocks written to the tier since construction
         layers = tuple(full_precision_layers)
         quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size)
@@ -161,17 +155,12 @@ class QuantizedDiskCache(QuantizedCache):
     def _adopt_pool(self, pool: BlockPool) -> None:
         super()._adopt_pool(pool)  # refuses anything but a QuantizedBlockPool of this configuration
         assert isinstance(pool, QuantizedBlockPool)
-        self.tier = DiskTier(
-            sealed_tier_layout(pool, self.disk.extent_blocks), self.disk.path, self.disk.max_write_bytes
-        )
-        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.layer_device)
-        self.tables = TieredBlockTables(pool, self.tier, IDS)
-        self._sealed_kind: TierBlocks = sealed_blocks(pool)
+        layout = sealed_tier_layout(pool, self.disk.extent_blocks)
+        # Sealed entries are -1 - sealed id, so spilled ones are numbered below -2**62.
+        self._attach_tier(pool, layout, sealed_blocks(pool), self.quant.sink_blocks, SEALED_SPILLED_IDS)
 
-    def _parts(self) -> tuple[QuantizedBlockPool, TieredBlockTables, DiskTier, LayerPrefetcher]:
-        assert isinstance(self.tables, TieredBlockTables)
-        assert self.tier is not None and self.prefetcher is not None
-        return self._quantized_pool, self.tables, self.tier, self.prefetcher
+    def _count_spilled(self, blocks: int) -> None:
+        self.blocks_spilled += blocks
 
     # ------------------------------------------------------------------ spilling
 
@@ -187,40 +176,16 @@ class QuantizedDiskCache(QuantizedCache):
             self._spill_cold_blocks()
         return super()._update_layer(layer, key_states, value_states, attn_kwargs)
 
-    def _spill_cold_blocks(self) -> None:
-        """Write the sealed blocks older than the hot window to disk once, then free their sealed slots."""
-        pool, tables, tier, _ = self._parts()
-        if self.stop_reason is not None or not tables.rows:
-            return
-        stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
-        keep_resident = self.disk.on_full == "keep_resident"
-        first = self.quant.sink_blocks
-        private = disk_prefix.private_blocks(self._sealed_kind, disk_prefix.tree_held(self))
-        try:
-            moved, cold = spill(pool, tables, tier, first, stop, within_budget=keep_resident, blocks=private)
-        except SpillSpaceExhausted as err:
-            if not keep_resident:
-                raise
-            self.stop_reason = str(err)
-            return
-        self.blocks_spilled += moved
-        if moved < cold:
-            self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
-
     # ------------------------------------------------------------------ reading back
 
     def _with_spilled(self, layer: int) -> tuple[torch.Tensor, SealedReader, SealedBlocks] | None:
         """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back after the store's."""
-        pool, tables, _, prefetcher = self._parts()
+        pool, tables = self._quantized_pool, self._parts()[1]
         layout = tables.spilled_layout(pool.layer_device(layer))
         if layout is None:
             return None
         stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
-        try:
-            prefetcher.take(layer, layout.handles, list(stack.values()))
-        except SpillCorrupted as err:
-            raise self._located(err) from err
-        prefetcher.request((layer + 1) % self.num_layers, layout.handles)
+        self._take_spilled(layer, layout.handles, list(stack.values()))
         table, pieces = after_the_store(pool, layer, layout, stack)
         fmt = pool.sealed.formats[layer]
 
@@ -251,11 +216,6 @@ class QuantizedDiskCache(QuantizedCache):
             view.block_table, view.read_sealed, view.sealed = spilled
         return result
 
-    def _located(self, err: SpillCorrupted) -> SpillCorrupted:
-        """The same error, naming the token positions the damaged block holds."""
-        tokens = self._parts()[1].tokens_of(err.block)
-        return err if tokens is None else SpillCorrupted(err.block, err.layer, err.path, err.offset, tokens)
-
     # ------------------------------------------------------------------ generate's bookkeeping
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -267,54 +227,6 @@ class QuantizedDiskCache(QuantizedCache):
         super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
         if self.prefetcher is not None:
             self.prefetcher.clear()
-
-    def _bring_back(self, first: int, stop: int | None = None) -> None:
-        """The spilled blocks at block columns [first, stop) (default: `first` only) return to the sealed store."""
-        pool, tables, tier, prefetcher = self._parts()
-        try:
-            bring_back(pool, tables, tier, first, self._sealed_kind, stop)
-        except SpillCorrupted as err:
-            raise self._located(err) from err
-        prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
-
-    # ------------------------------------------------------------------ prefix sharing
-
-    def match(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0
-    ) -> dict[str, torch.Tensor]:
-        """As `QuantizedCache.match`; the matched blocks stay resident for as long as this cache holds them."""
-        inputs = super().match(input_ids, attention_mask, pad_token_id)
-        disk_prefix.make_rows_tiered(self._parts()[1])
-        return inputs
-
-    def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """As `QuantizedCache.publish`, after bringing the spilled sealed blocks it offers back into the store.
-
-        If they cannot come back (the store cannot grow, or `SpillCorrupted`), that error is raised and nothing
-        has changed: no block brought back, none published.
-        """
-        disk_prefix.bring_back_offered(self, sequences, attention_mask, self._bring_back)
-        return super().publish(sequences, attention_mask)
-
-    def reset(self) -> None:
-        """Forget every token: blocks return to the pool and the store, disk slots to the spill file (which stays)."""
-        if self.prefetcher is not None:
-            self.prefetcher.clear()
-        super().release()
-        self.stop_reason = None
-
-    def release(self) -> None:
-        """Forget every token, stop the reader thread, delete the spill file (and a private directory)."""
-        self.reset()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.tier is not None:
-            self.tier.close()
-
-    def drop_page_cache(self) -> None:
-        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
-        if self.tier is not None:
-            self.tier.drop_page_cache()
 
     # ------------------------------------------------------------------ accounting
 
