@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hf_kvgov.hf.disk_prefix import tree_held
 from hf_kvgov.hf.paged_cache import CacheStats
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
@@ -21,7 +22,9 @@ class QuantizedDiskCacheStats(CacheStats):
 
     Blocks are distinct blocks of the batch (shared by beams: counted once). `full_precision_bytes_spilled`
     is what a full-precision spill (`DiskOffloadCache`) writes for the blocks this cache spilled, and
-    `spill_ratio` = `kv_bytes_spilled` / that. A fetch reads one layer of a run of adjacent blocks.
+    `spill_ratio` = `kv_bytes_spilled` / that. A fetch reads one layer of a run of adjacent blocks. With
+    prefix sharing, the tree's blocks this cache uses (`prefix_blocks`) count in full in its resident
+    bytes, as for `DiskCacheStats`.
     """
 
     codec: str
@@ -49,6 +52,7 @@ class QuantizedDiskCacheStats(CacheStats):
     spilling: bool
     stop_reason: str | None
     spill_path: str | None
+    prefix_blocks: int = 0  # resident blocks this cache uses that the prefix tree holds (never spilled)
 
 
 def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> QuantizedDiskCacheStats:
@@ -75,6 +79,7 @@ def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> Quantiz
         kv_bytes_spilled=written,
         full_precision_bytes_spilled=fp_written,
         spill_ratio=_per(written, fp_written),
+        prefix_blocks=len(held & tree_held(cache)),
         **_tier_stats(cache, written),
     )
 

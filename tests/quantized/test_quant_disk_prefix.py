@@ -220,6 +220,7 @@ def test_spill_skips_tree_blocks_and_publish_brings_private_ones_back() -> None:
     assert (pool.num_used, pool.sealed.num_used) == (2, 4)  # ids 0, 6; sealed 0, 1, 2 and 4 (3 was spilled)
     stats = cache.stats()
     assert (stats.spilled_blocks, stats.sealed_blocks, stats.full_precision_blocks) == (1, 4, 2)
+    assert stats.prefix_blocks == 4  # the sink and sealed -1, -2, -3 matched from the tree
     assert stats.disk_bytes == stats.bytes_written == SPILLED_BYTES
     # Publishing 25 tokens offers 6 full blocks: handle 0 comes back into sealed id 5 (entry -6), then the
     # tree adopts -6 and -5.
@@ -227,7 +228,7 @@ def test_spill_skips_tree_blocks_and_publish_brings_private_ones_back() -> None:
     assert rows[0].block_ids == [0, -1, -2, -3, -6, -5, 6] and len(shared.tree) == 6
     assert [pool.ref_count(b) for b in rows[0].block_ids] == [2, 2, 2, 2, 2, 2, 1]
     assert cache.tier is not None and not cache.tier.is_live(0) and cache.stats().disk_bytes == 0
-    assert pool.sealed.num_used == 5
+    assert pool.sealed.num_used == 5 and cache.stats().prefix_blocks == 6  # -6 and -5 published
     got += forwards(cache, ids, [(25, 26)])  # at 25 tokens columns 1..4 are cold, all the tree's now
     assert cache.stats().spills == 1 and rows[0].block_ids[:6] == [0, -1, -2, -3, -6, -5]
     expected = computed_by_quantized_cache(ids, [(16, 24), (24, 25), (25, 26)])
