@@ -30,8 +30,10 @@ REFUSED_PAIRS: dict[frozenset[str], str] = {
         "would keep different tokens of the same prefix; use one or the other"
     ),
     frozenset({"policy", "spill"}): (
-        "an eviction policy already bounds each sequence to its budget of slots, which attention reads at "
-        "every step, so there is no cold KV to spill, and evicted tokens are dropped by design; drop spill="
+        "the disk tier writes each full block once and reads it back unchanged, but an eviction policy "
+        "overwrites its slots in place (each new token takes an evicted token's slot, anywhere in the budget), "
+        "so no slot stays cold and unchanged and a spilled one would be rewritten at every step (SSD wear); "
+        "the policy's budget already bounds the memory, so drop spill="
     ),
 }
 
