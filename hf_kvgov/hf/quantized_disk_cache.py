@@ -59,7 +59,13 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
-from hf_kvgov.tiers.sealed_segments import after_the_store, empty_pieces, sealed_blocks, sealed_tier_layout
+from hf_kvgov.tiers.sealed_segments import (
+    after_the_store,
+    empty_pieces,
+    read_store_or_stack,
+    sealed_blocks,
+    sealed_tier_layout,
+)
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
 
@@ -178,21 +184,32 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
 
     # ------------------------------------------------------------------ reading back
 
-    def _with_spilled(self, layer: int) -> tuple[torch.Tensor, SealedReader, SealedBlocks] | None:
-        """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back after the store's."""
+    def _with_spilled(
+        self, layer: int, in_place: bool = False
+    ) -> tuple[torch.Tensor, SealedReader, SealedBlocks | None] | None:
+        """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back and numbered
+        after the store's; None when nothing has spilled.
+
+        The reader copies only the blocks it is asked for. The sealed blocks, for kernels that read codes in
+        place (`in_place`, the paged path), are the store's pieces followed by the read-back ones: one copy of
+        the layer's store per step.
+        """
         pool, tables = self._quantized_pool, self._parts()[1]
         layout = tables.spilled_layout(pool.layer_device(layer))
         if layout is None:
             return None
         stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
         self._take_spilled(layer, layout.handles, list(stack.values()))
-        table, pieces = after_the_store(pool, layer, layout, stack)
-        fmt = pool.sealed.formats[layer]
+        stored, fmt = pool.sealed.pieces[layer], pool.sealed.formats[layer]
 
         def read(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            return fmt.decode({name: piece.index_select(0, -1 - entries) for name, piece in pieces.items()}, dtype)
+            return fmt.decode(read_store_or_stack(stored, stack, -1 - entries), dtype)
 
-        return table, read, SealedBlocks(fmt.name, pieces)
+        if not in_place:
+            return after_the_store(pool, layout), read, None
+        # Kernels reading codes in place take one tensor per piece: the store's, then the stack (one copy).
+        pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
+        return after_the_store(pool, layout), read, SealedBlocks(fmt.name, pieces)
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         spilled = self._with_spilled(layer.index)
@@ -210,7 +227,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         value_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
-        spilled = self._with_spilled(layer.index)
+        spilled = self._with_spilled(layer.index, in_place=True)
         if spilled is not None and attn_kwargs is not None:
             view = attn_kwargs[PAGED_VIEW_KEY]
             view.block_table, view.read_sealed, view.sealed = spilled

@@ -46,19 +46,36 @@ def empty_pieces(pool: QuantizedBlockPool, layer: int, count: int, device: torch
     }
 
 
-def after_the_store(
-    pool: QuantizedBlockPool, layer: int, layout: SpilledLayout, stack: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(block table, pieces) of layer `layer` with the spilled blocks read back (`stack`) after the store's.
-
-    Spilled block i (row i of `stack`) becomes sealed entry ``-1 - (capacity + i)`` in the returned table (long
-    `[batch, blocks]`), so a reader of sealed entries decodes it exactly as the store decodes its own.
-    """
-    stored, capacity = pool.sealed.pieces[layer], pool.sealed.capacity
-    pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
+def after_the_store(pool: QuantizedBlockPool, layout: SpilledLayout) -> torch.Tensor:
+    """The block table (long `[batch, blocks]`) with spilled block i, row i of a stack read back, as sealed
+    entry ``-1 - (capacity + i)``: numbered after the store's own slots, so one reader serves both."""
     flat = layout.block_table.clone().reshape(-1)
-    flat[layout.spilled_positions] = -1 - capacity - layout.spilled_rows
-    return flat.view_as(layout.block_table), pieces
+    flat[layout.spilled_positions] = -1 - pool.sealed.capacity - layout.spilled_rows
+    return flat.view_as(layout.block_table)
+
+
+def read_store_or_stack(
+    stored: dict[str, torch.Tensor], stack: dict[str, torch.Tensor], slots: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Pieces `[n, *shape]` of sealed slots `slots` (long `[n]`, numbered as `after_the_store` numbers them):
+    below the store's capacity from `stored`, the others from row ``slot - capacity`` of `stack`.
+
+    Only the blocks asked for are copied, never the whole store: under a prefix tree's shared pool the store
+    holds every request's blocks.
+    """
+    capacity = next(iter(stored.values())).shape[0]
+    rows = (slots >= capacity).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return {name: piece.index_select(0, slots) for name, piece in stored.items()}
+    store_slots = slots.clamp(max=max(capacity - 1, 0))  # stack rows take a placeholder, overwritten below
+    pieces = {}
+    for name, piece in stored.items():
+        picked = (
+            piece.index_select(0, store_slots) if capacity else stack[name].new_empty((len(slots), *piece.shape[1:]))
+        )
+        picked[rows] = stack[name].index_select(0, slots[rows] - capacity)
+        pieces[name] = picked
+    return pieces
 
 
 def sealed_segments(pool: QuantizedBlockPool, entries: Sequence[int]) -> SegmentSource:
