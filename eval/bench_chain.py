@@ -1,13 +1,15 @@
 """The governance chain measured step by step, against what `kvgov plan` predicts for the same budget.
 
 For each cumulative step (paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill, the last refused by
-the chain's rules, plus "paged + disk spill" as a side row): KV bytes per token, perplexity with the cache
+the chain's rules, plus the side rows "paged + disk spill", "int8 + disk spill", "prefix sharing + disk
+spill" and "prefix sharing + int8 + disk spill", the last two with their own hot window, --spill-hot-shared,
+so that a request's own blocks spill): KV bytes per token, perplexity with the cache
 in the loop, passkey accuracy (when --passkey-samples > 0), decode tokens/s against step 1, and how many
 sequences of --length tokens fit in --budget-mb, found by allocating them until the pool refuses, beside
 the planner's prediction. `hf_kvgov.bench.chain` describes every figure and method.
 
-    OMP_NUM_THREADS=2 python eval/bench_chain.py --model smollm2 --budget-mb 500 --shared-tokens 1536 \\
-        --ppl-tokens 2048 --ppl-chunk 64 --json eval/results/chain_smollm2.json --plots eval/results/plots
+    OMP_NUM_THREADS=2 python eval/bench_chain.py --model smollm2 --budget-mb 1000 --shared-tokens 1536 \\
+        --ppl-chunk 64 --decode-steps 8 --json eval/results/chain_smollm2.json --plots eval/results/plots
     OMP_NUM_THREADS=2 python eval/bench_chain.py --model gemma3-270m --budget-mb 500 --shared-tokens 1536 \\
         --ppl-tokens 2048 --ppl-chunk 64 --passkey-samples 3 --passkey-new-tokens 16 \\
         --json eval/results/chain_gemma3.json --plots eval/results/plots
@@ -40,6 +42,13 @@ def main() -> None:
     parser.add_argument("--passkey-samples", type=int, default=0, help="passkey samples per cache (0: none)")
     parser.add_argument("--passkey-length", type=int, default=4096)
     parser.add_argument("--passkey-new-tokens", type=int, help="cap on each answer's tokens (default: RULER's 128)")
+    parser.add_argument("--spill-hot", type=int, default=512, help="hot window of the paged / int8 + disk rows")
+    parser.add_argument(
+        "--spill-hot-shared",
+        type=int,
+        default=128,
+        help="hot window of the prefix + disk row (below a request's own part)",
+    )
     parser.add_argument("--decode-steps", type=int, default=16, help="interleaved decode rounds")
     parser.add_argument("--text", type=Path, default=TEXT, help="text the requests and perplexity are cut from")
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -50,6 +59,8 @@ def main() -> None:
         shared_tokens=args.shared_tokens,
         length=args.length,
         decode_steps=args.decode_steps,
+        spill_hot_tokens=args.spill_hot,
+        spill_hot_tokens_shared=args.spill_hot_shared,
         ppl_tokens=args.ppl_tokens,
         ppl_chunk=args.ppl_chunk,
         passkey_samples=args.passkey_samples,

@@ -12,7 +12,8 @@ Three ways of filling (each allocates real K/V; none divides a budget by a size)
   `PrefixCache`: the first request publishes its blocks, the others match the document and write their
   own part. A `QuantizedBlockPool` caps only its full-precision blocks (sealed codes live in a store that
   grows), so this fill also refuses a request once `pool_bytes_used` (full-precision + sealed blocks in
-  use) exceeds the budget: the bench's own accounting, checked after each chunk a request writes.
+  use) exceeds the budget: the bench's own accounting, checked after each chunk a request writes. Memory a
+  request holds outside the pool (a disk cache's read-ahead rows) is added to that sum when asked.
 - `fill_by_copies`: for caches with no pool (eviction caches keep dense per-head slots): real caches
   allocated one after another, each a copy of one that the model filled, until their summed
   `stats().bytes_used` would exceed the budget.
@@ -207,12 +208,17 @@ class _OverBudget(Exception):
     """The bench's accounting refused a request: the pool's bytes in use passed the budget."""
 
 
-def _write_request(cache: Any, kv: LayerKV, tokens: list[int], chunk: int, refused: Callable[[], bool]) -> None:
-    """Match `tokens` in the prefix tree, then write the rest `chunk` tokens a step, checking the budget."""
+def _write_request(
+    cache: Any, kv: LayerKV, tokens: list[int], chunk: int, refused: Callable[[Any], bool], last_alone: bool
+) -> None:
+    """Match `tokens` in the prefix tree, then write the rest `chunk` tokens a step, checking the budget
+    after each; with `last_alone` the last token is a step of its own (a decode step)."""
     cache.match(torch.tensor([tokens]))
-    for start in range(cache.get_seq_length(), len(tokens), chunk):
-        write_tokens(cache, kv, start, min(start + chunk, len(tokens)))
-        if refused():
+    stop = len(tokens) - 1 if last_alone else len(tokens)
+    steps = [(start, min(start + chunk, stop)) for start in range(cache.get_seq_length(), stop, chunk)]
+    for start, end in steps + ([(stop, len(tokens))] if last_alone else []):
+        write_tokens(cache, kv, start, end)
+        if refused(cache):
             raise _OverBudget
 
 
@@ -224,6 +230,8 @@ def fill_shared(
     budget_bytes: int,
     chunk: int = 256,
     progress: Any = None,
+    outside_pool: Callable[[Any], int] = lambda cache: 0,
+    last_token_alone: bool = False,
 ) -> Fit:
     """Requests from `request(0)`, `request(1)`, ... each through its own cache on `prefix`'s pool until refused.
 
@@ -231,23 +239,29 @@ def fill_shared(
     and writes the rest. K/V come from `kv` (`[1, kv_heads, >= length, head_dim]` per layer) at each token's
     position: what a block costs does not depend on its content.
 
+    Args:
+        outside_pool: bytes a cache holds besides its pool blocks, counted against the budget with them.
+        last_token_alone: write each request's last token as a step of its own (see `_write_request`).
     Returns:
-        (requests that fit, pool bytes they hold, the length of the refused request).
+        (requests that fit, pool bytes + `outside_pool` bytes they hold, the length of the refused request).
     """
     pool = prefix.pool
     held: list[Any] = []
 
-    def refused() -> bool:
-        return pool_bytes_used(pool) > budget_bytes
+    def used(*caches: Any) -> int:
+        return pool_bytes_used(pool) + sum(outside_pool(c) for c in (*held, *caches))
+
+    def refused(cache: Any) -> bool:
+        return used(cache) > budget_bytes
 
     try:
         for index in itertools.count():
             tokens, cache = request(index), twin(prefix)
             try:
-                _write_request(cache, kv, tokens, chunk, refused)
+                _write_request(cache, kv, tokens, chunk, refused, last_token_alone)
             except (PoolExhausted, _OverBudget):
                 cache.release()  # the refused request keeps nothing
-                return len(held), pool_bytes_used(pool), len(tokens)
+                return len(held), used(), len(tokens)
             if index == 0:
                 cache.publish(torch.tensor([tokens]))
             held.append(cache)

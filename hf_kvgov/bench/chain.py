@@ -1,7 +1,7 @@
 """The governance chain measured step by step, beside what the planner predicts (`eval/bench_chain.py`).
 
-For each step of `chain_steps.STEPS` (paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill, and
-the side row paged + disk spill):
+For each step of `chain_rows.STEPS` (paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill, and
+the side rows paged + disk spill, int8 + disk spill, prefix sharing + disk spill, prefix + int8 + disk spill):
 
 - KV bytes per token: the probe cache's `stats().bytes_used` once it holds one sequence of `length` tokens;
   and, at capacity, the bytes the sequences that fit hold divided by their tokens (shared blocks once);
@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import describe_setup
-from hf_kvgov.bench.chain_steps import STEPS, ChainBenchConfig, ChainStep, Context, Probe, shared_document
+from hf_kvgov.bench.chain_rows import STEPS, ChainStep
+from hf_kvgov.bench.chain_steps import ChainBenchConfig, Context, Probe, shared_document
 from hf_kvgov.bench.plan_setups import kv_dtype_name, planner_geometry, planner_setup, predict, with_shared_prefix
 from hf_kvgov.bench.plots import _pyplot, _save
 from hf_kvgov.bench.timing import machine_description

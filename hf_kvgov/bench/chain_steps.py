@@ -1,8 +1,9 @@
-"""The steps of the chain benchmark (`hf_kvgov.bench.chain`): the workload, each step's probe and its fill.
+"""The chain benchmark's workload, probes and fills (`hf_kvgov.bench.chain`; the rows are `chain_rows.STEPS`).
 
-Cumulative steps, each one cache built by ``GovernedCache(model, **parts)`` (`STEPS`)::
+Cumulative steps, each one cache built by ``GovernedCache(model, **parts)``, and side rows::
 
-    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused)      side row: paged + disk spill
+    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused)
+    side rows: paged + disk spill, int8 + disk spill, prefix sharing (+ int8) + disk spill
 
 A step's probe is the sequence its bytes and decode speed are read from. The prefix steps serve requests
 sharing one document (`SharedDocument`): request 0 is stored and published, request 1 matches the document
@@ -51,6 +52,9 @@ class ChainBenchConfig:
     block_size: int = 16
     h2o_budget: float = 0.2
     spill_hot_tokens: int = 512
+    # The prefix + disk row's hot window: a request's own part is `length - shared_tokens` tokens (512 in the
+    # RESULTS runs), so a 512-token window would keep all of it and spill nothing.
+    spill_hot_tokens_shared: int = 128
     spill_buffer_bytes: int | None = None  # the disk cache's read-ahead memory (None: its default)
     chunk: int = 512  # tokens a request writes per step when a shared pool is filled (a prefill chunk)
     ppl_tokens: int = 2048
@@ -66,6 +70,7 @@ class ChainBenchConfig:
             "decode_steps",
             "block_size",
             "spill_hot_tokens",
+            "spill_hot_tokens_shared",
             "chunk",
         )
         positive += ("ppl_chunk",) if self.passkey_new_tokens is None else ("ppl_chunk", "passkey_new_tokens")
@@ -79,6 +84,18 @@ class ChainBenchConfig:
                 f"(a request has at least one token of its own); got {self.shared_tokens}."
             )
         HeavyHitter(self.h2o_budget)  # the chain's own check of a budget
+        self._check_shared_spill()
+
+    def _check_shared_spill(self) -> None:
+        # The spill at a request's last step moves its own full blocks that end before its hot window.
+        own_cold = (self.length - 1 - self.spill_hot_tokens_shared) // self.block_size
+        if own_cold <= max(1, self.shared_tokens // self.block_size):
+            raise ValueError(
+                f"spill_hot_tokens_shared={self.spill_hot_tokens_shared} keeps every full block of a request's own "
+                f"{self.length - self.shared_tokens} tokens resident, so the prefix + disk spill row would spill "
+                f"nothing; give fewer hot tokens than length - shared_tokens - block_size = "
+                f"{self.length - self.shared_tokens - self.block_size}."
+            )
 
 
 @dataclass(frozen=True)
@@ -171,8 +188,9 @@ class Context:
     def build(self, **parts: Any) -> Any:
         return GovernedCache(self.model, **parts)
 
-    def sharing(self, codec: str | None, attention: str = "contiguous") -> Callable[[PrefixCache], Any]:
-        return lambda prefix: self.build(prefix=prefix, codec=codec, attention=attention)
+    def sharing(self, codec: str | None, attention: str = "contiguous", **parts: Any) -> Callable[[PrefixCache], Any]:
+        """Caches drawing from a tree's pool, with `codec` and further `parts` (a disk tier)."""
+        return lambda prefix: self.build(prefix=prefix, codec=codec, attention=attention, **parts)
 
 
 # ------------------------------------------------------------------ probes: one sequence of each step
@@ -189,15 +207,18 @@ def written(parts: Callable[[Context], Parts]) -> Callable[[Context], Probe]:
     return probe
 
 
-def shared(codec: str | None) -> Callable[[Context], Probe]:
-    """Request 1 of the shared document, once request 0 was stored and published on the same pool."""
+def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}) -> Callable[[Context], Probe]:
+    """Request 1 of the shared document, once request 0 was stored and published on the same pool.
+
+    Request 1's cache adds `parts` (a disk tier); request 0 is the plain sharing cache that publishes the document.
+    """
 
     def probe(ctx: Context) -> Probe:
         prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size), codec=codec).pool)
         first = ctx.sharing(codec, "paged")(prefix)  # stored through `update` only: no gather needed
         alloc.write_tokens(first, ctx.kv, 0, ctx.config.length)
         first.publish(ctx.ids(0))
-        second, ids = ctx.sharing(codec)(prefix), ctx.ids(1)
+        second, ids = ctx.sharing(codec, **parts(ctx))(prefix), ctx.ids(1)
         second.match(ids)
         forward(ctx.model, second, ids[:, second.get_seq_length() : -1])  # the model runs on its own part only
         return Probe(second, ids[:, -1:], companions=(first,))
@@ -206,19 +227,27 @@ def shared(codec: str | None) -> Callable[[Context], Probe]:
 
 
 def evicting(ctx: Context) -> Probe:
-    cache = ctx.build(**_h2o(ctx))
+    cache = ctx.build(**h2o_parts(ctx))
     with eviction_attention(ctx.model):
         forward(ctx.model, cache, ctx.ids(0)[:, :-1])
     return Probe(cache, ctx.ids(0)[:, -1:], eviction_attention)
 
 
-def _h2o(ctx: Context) -> Parts:
+def h2o_parts(ctx: Context) -> Parts:
     return {"policy": HeavyHitter(ctx.config.h2o_budget), "codec": "int8"}
 
 
-def _disk(ctx: Context) -> Parts:
+def disk_parts(ctx: Context) -> Parts:
+    """A disk tier keeping the last `spill_hot_tokens` resident."""
     c = ctx.config
     return {"spill": Disk(path=ctx.spill_dir, hot_tokens=c.spill_hot_tokens, read_buffer_bytes=c.spill_buffer_bytes)}
+
+
+def shared_disk_parts(ctx: Context) -> Parts:
+    """A disk tier under a prefix tree: the `spill_hot_tokens_shared` window, so a request's own blocks spill."""
+    c = ctx.config
+    hot = c.spill_hot_tokens_shared
+    return {"spill": Disk(path=ctx.spill_dir, hot_tokens=hot, read_buffer_bytes=c.spill_buffer_bytes)}
 
 
 # ------------------------------------------------------------------ capacity, by allocation
@@ -256,62 +285,3 @@ def allocated_copies(ctx: Context, probe: Probe) -> alloc.Fit:
 def measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
     length = ctx.config.length
     return fit_in_order((length,), {length: kv_bytes(probe.cache)}, ctx.config.budget_bytes)
-
-
-# ------------------------------------------------------------------ the steps
-
-
-@dataclass(frozen=True)
-class ChainStep:
-    """One row: how its probe is built (raising `ChainRefused` when the rules refuse it) and measured.
-
-    `label`, `numerics` and `reuses` are format strings over `ChainBenchConfig`'s fields. `numerics` is the
-    registry name whose perplexity / passkey runs are this step's; `reuses` names the step whose runs it
-    shares instead. `refusals` are other links tried with this step's parts, whose sentences the row shows.
-    """
-
-    name: str
-    label: str
-    probe: Callable[[Context], Probe]
-    capacity: Capacity
-    method: str
-    shares_document: bool = False
-    numerics: str | None = None
-    reuses: str | None = None
-    refusals: Callable[[Context], list[Parts]] = lambda ctx: []
-    side: bool = False
-
-
-def _policy_with_other_links(ctx: Context) -> list[Parts]:
-    prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size)).pool)
-    return [_h2o(ctx) | {"pool": Paging(ctx.config.block_size)}, _h2o(ctx) | {"prefix": prefix}]
-
-
-STEPS: tuple[ChainStep, ...] = (
-    ChainStep(
-        "paged", "paged ({block_size}-token blocks)", written(lambda ctx: {"pool": Paging(ctx.config.block_size)}),
-        pool_refused, "pool refused", numerics="paged@{block_size}",
-    ),
-    ChainStep(
-        "prefix", "+ prefix sharing ({shared_tokens:,} of {length:,} tokens)", shared(None),
-        shared_pool_refused(None), "pool refused, one prefix tree", shares_document=True, reuses="paged",
-    ),
-    ChainStep(
-        "int8", "+ int8 (keys per channel, values per token)", shared("int8"), shared_pool_refused("int8"),
-        "pool refused, one prefix tree; cap on full-precision + sealed bytes (bench accounting)",
-        shares_document=True, numerics="int8@{block_size}",
-    ),
-    ChainStep(
-        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting, allocated_copies,
-        "caches allocated until their summed stats().bytes_used would pass the budget",
-        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
-    ),
-    ChainStep(
-        "spill", "+ disk spill", written(lambda ctx: _h2o(ctx) | _disk(ctx)), measured_bytes, "-",
-    ),
-    ChainStep(
-        "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(_disk), measured_bytes,
-        "measured bytes (one sequence's stats: resident blocks + read-ahead buffers)",
-        reuses="paged", side=True,  # spilled blocks come back bit for bit: PagedCache's numerics
-    ),
-)  # fmt: skip

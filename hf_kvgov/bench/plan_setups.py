@@ -8,6 +8,8 @@ of type tests; a class with no entry gets no prediction (None).
 
 Block-storing caches (paged, quantized, disk) keep every token in a sliding-window layer too (one block
 id spans all layers), so their setups say ``window_frees=False``; eviction caches keep at most the window.
+Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
+the blocks that never spill and the read-ahead rows they allocate on the first read-back.
 What the planner does not model, and so shows up as a gap between prediction and measurement:
 quantized caches' `residual` window and full-precision layers.
 """
@@ -25,6 +27,7 @@ from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner.config_loading import geometry_from_config
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import LengthDistribution
@@ -96,20 +99,41 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
     )
 
 
+def _read_ahead_bytes(cache: DiskOffloadCache | QuantizedDiskCache) -> int:
+    """The read-ahead rows a spilling cache allocates when it first reads a block back: whole segments (one
+    layer of one block as the tier stores it: raw K/V, or codes and scales) within its buffer budget."""
+    reader = cache.prefetcher
+    return reader.capacity * reader.tier.layout.segment_bytes if reader is not None else 0
+
+
 @planner_setup.register
 def _disk(cache: DiskOffloadCache, kv_dtype: str) -> CacheSetup | None:
+    # With a prefix tree the tree's blocks never spill; the bench adds the shared fraction for its workload.
     if cache.pool is None:
         return None
-    reader = cache.prefetcher
-    buffers = reader.capacity * reader.tier.layout.segment_bytes if reader is not None else 0
     return CacheSetup(
         paged=True,
         block_size=cache.pool.block_size,
         kv_dtype=kv_dtype,
         spill_hot_tokens=cache.disk.hot_tokens,
         spill_pinned_blocks=RESIDENT_FIRST_BLOCKS,
-        spill_buffer_bytes=buffers,  # allocated when the first spilled block is read back
+        spill_buffer_bytes=_read_ahead_bytes(cache),
         window_frees=False,
+    )
+
+
+@planner_setup.register
+def _quantized_disk(cache: QuantizedDiskCache, kv_dtype: str) -> CacheSetup | None:
+    # The hot window's sealed blocks stay as codes, the sink blocks and the tail in full precision; only
+    # sealed blocks spill, from the first block after the sinks.
+    setup = _quantized(cache, kv_dtype)
+    if setup is None:
+        return None
+    return dataclasses.replace(
+        setup,
+        spill_hot_tokens=cache.disk.hot_tokens,
+        spill_pinned_blocks=cache.quant.sink_blocks,
+        spill_buffer_bytes=_read_ahead_bytes(cache),
     )
 
 

@@ -93,13 +93,19 @@ def apply_h2o(run: Run, setup: CacheSetup, own_tokens: int, window: int | None) 
 
 
 def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
-    """(hot run on the accelerator, cold run on disk): the blocks of the last ``spill_hot_tokens`` stay, and
-    so do the run's first ``spill_pinned_blocks`` (a sink block every query reads)."""
+    """(hot run on the accelerator, cold run on disk), as a spilling cache holds a decoding sequence.
+
+    The cache spills at the start of a step, counting the tokens stored before it: a sequence of L tokens
+    (its L-th just written) has moved the full blocks that end before its last ``spill_hot_tokens`` of L - 1,
+    except the run's first ``spill_pinned_blocks`` (a sink block every query reads). So the block holding
+    token L - 1 - hot stays too, and a run of whole blocks keeps one block more than ceil(hot / block).
+    """
     if setup.spill_hot_tokens is None:
         return run, Run(0, False)
     bs = setup.block_size
     pinned = setup.spill_pinned_blocks if run.at_sink else 0
-    cold_blocks = max(0, math.ceil(run.tokens / bs) - math.ceil(setup.spill_hot_tokens / bs) - pinned)
+    # Blocks are counted from the run's start: a prefix before it is whole blocks, so the floor is the same.
+    cold_blocks = max(0, (run.tokens - 1 - setup.spill_hot_tokens) // bs - pinned)
     hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and (cold_blocks == 0 or pinned > 0))
     return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0)
 

@@ -87,7 +87,8 @@ def _spill_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
     step = plan.step("spill")
     lines = [
         f"Spill keeps the blocks of each layer's last {plan.options.spill_hot_tokens:,} tokens on the "
-        "accelerator and moves older sealed blocks to disk; read-back staging buffers count in the reserve."
+        "accelerator (counted when the step before the newest token spilled, so one block more at a block "
+        "boundary) and moves older sealed blocks to disk; read-back staging buffers count in the reserve."
     ]
     if step.disk_bytes_per_sequence > 0:
         per_step = step.concurrent * step.disk_bytes_per_sequence

@@ -46,7 +46,7 @@ class CacheSetup:
             kept token of each KV head costs `slot_format`'s bytes, a codec encoding every slot on its own.
             Such a cache cannot share prefixes nor spill (the chain's rules refuse both).
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
-            to disk, or None for no spill.
+            to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
         spill_buffer_bytes: read-ahead memory each spilling sequence holds besides its blocks.
         window_frees: sliding-window layers free what falls out of their window (True), or keep every
@@ -88,7 +88,8 @@ class CacheSetup:
             raise ValueError(f"h2o_budget is the fraction of tokens H2O keeps, in (0, 1]; got {self.h2o_budget}.")
         if not self.paged and self.max_len is None:
             raise ValueError("A static (pre-allocated) cache needs max_len, the tokens each buffer holds.")
-        if not self.paged and (self.codec or self.shared_fraction or self.h2o_budget or self.spill_hot_tokens):
+        spills = self.spill_hot_tokens is not None
+        if not self.paged and (self.codec or self.shared_fraction or self.h2o_budget or spills):
             raise ValueError(
                 "hf_kvgov applies quantization, prefix sharing, H2O and spill to paged blocks; a static "
                 "(pre-allocated) setup takes none of them. Set paged=True first."
@@ -96,7 +97,7 @@ class CacheSetup:
 
     def _check_ints(self) -> None:
         positive = {"block_size": self.block_size, "max_len": self.max_len, "share_group": self.share_group}
-        positive.update(spill_hot_tokens=self.spill_hot_tokens, group_size=self.group_size)
+        positive.update(group_size=self.group_size)
         non_negative = {"sink_blocks": self.sink_blocks, "h2o_recent": self.h2o_recent}
         non_negative.update(h2o_score_bytes=self.h2o_score_bytes, h2o_metadata_bytes=self.h2o_metadata_bytes)
         non_negative.update(spill_pinned_blocks=self.spill_pinned_blocks, spill_buffer_bytes=self.spill_buffer_bytes)
@@ -106,10 +107,14 @@ class CacheSetup:
         for name, value in non_negative.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"CacheSetup.{name} must be an int >= 0; got {value!r}.")
+        hot = self.spill_hot_tokens  # 0 is a cache that spills every full block but the pinned ones
+        if hot is not None and (isinstance(hot, bool) or not isinstance(hot, int) or hot < 0):
+            raise ValueError(f"CacheSetup.spill_hot_tokens must be an int >= 0 or None (no spill); got {hot!r}.")
         for name in ("window_frees", "eviction_slots"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CacheSetup.{name} must be a bool; got {getattr(self, name)!r}.")
-        if self.eviction_slots and (self.h2o_budget is None or self.shared_fraction or self.spill_hot_tokens):
+        spills = self.spill_hot_tokens is not None
+        if self.eviction_slots and (self.h2o_budget is None or self.shared_fraction or spills):
             raise ValueError(
                 "eviction_slots describes an eviction cache's per-head slots: it needs h2o_budget, and such a cache "
                 "neither shares prefixes nor spills (shared_fraction 0, spill_hot_tokens None)."

@@ -2,6 +2,8 @@
 
 Geometry (tests/bench/conftest.py): 2 layers x 2 KV heads x head_dim 16, float32: 512 B per token, a block
 of 16 tokens 8,192 B. Sequences of 96 tokens (6 full blocks), the first 48 (3 blocks) one shared document.
+A disk cache spills at the start of a step, counting the tokens stored before it: after the 96th token's
+step it has moved the full blocks that end before token 95 - hot (except block 0, which never spills).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ BUDGET = 40 * BYTES_PER_BLOCK + 100  # 40 blocks; the 100 bytes cannot make a 41
 # per layer and KV head.
 SEALED_INT8_BLOCK = 2 * 2 * (2 * 16 * 16 + 16 * 2 * 2 + 16 * 2 * 2)  # 2,560
 SEGMENT = 2 * 16 * 2 * 16 * 4  # K and V of one layer of one block: the disk cache's read-ahead unit
+SEALED_SEGMENT = SEALED_INT8_BLOCK // 2  # one layer of a sealed block: QuantizedDiskCache's read-ahead unit
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +38,7 @@ def report(tiny: tuple[Any, Any]) -> ChainReport:
         length=LENGTH,
         decode_steps=2,
         spill_hot_tokens=32,
+        spill_hot_tokens_shared=8,
         spill_buffer_bytes=2 * SEGMENT,
         chunk=32,
         ppl_tokens=48,
@@ -46,9 +50,11 @@ def report(tiny: tuple[Any, Any]) -> ChainReport:
 
 
 def test_every_step_is_present_in_the_chain_order(report: ChainReport) -> None:
-    assert [r.step for r in report.rows] == ["paged", "prefix", "int8", "h2o", "spill", "disk"]
+    assert [r.step for r in report.rows] == [
+        "paged", "prefix", "int8", "h2o", "spill", "disk", "int8_disk", "prefix_disk", "prefix_int8_disk",
+    ]  # fmt: skip
     assert [r.step for r in report.rows] == [s.name for s in STEPS]
-    assert [r.side for r in report.rows] == [False] * 5 + [True]
+    assert [r.side for r in report.rows] == [False] * 5 + [True] * 4
 
 
 def test_refused_steps_carry_the_rules_sentence(report: ChainReport) -> None:
@@ -101,7 +107,7 @@ def test_int8_with_prefix_counts_full_precision_and_sealed_bytes(report: ChainRe
 
 
 def test_measured_capacity_is_within_ten_percent_of_the_planner(report: ChainReport) -> None:
-    for step in ("paged", "prefix", "int8", "h2o"):
+    for step in ("paged", "prefix", "int8", "h2o", "disk", "int8_disk", "prefix_disk", "prefix_int8_disk"):
         row = report.row(step)
         assert row.measured_vs_predicted is not None, step
         assert abs(row.measured_vs_predicted - 1) <= 0.10, (step, row.sequences, row.predicted_sequences)
@@ -126,7 +132,56 @@ def test_disk_side_row_counts_resident_blocks_and_read_ahead(report: ChainReport
     # blocks 0, 3, 4, 5 stay, plus two segments of read-ahead.
     resident = 4 * BYTES_PER_BLOCK + 2 * SEGMENT
     assert row.kv_bytes_per_token == resident / LENGTH
-    assert row.sequences == BUDGET // resident
+    assert row.sequences == BUDGET // resident == 8
+    assert row.predicted_sequences == 8  # the planner keeps block 3, which holds token 95 - 32 = 63, too
+
+
+def test_int8_disk_row_keeps_the_hot_window_as_codes(report: ChainReport) -> None:
+    row = report.row("int8_disk")
+    assert (row.chain or "").startswith("QuantizedDiskCache")
+    # Blocks 1-2 spill as codes (block 0 is the full-precision sink); blocks 3-5 stay sealed (block 5 filled
+    # and sealed at the end of the last step). Read-ahead: 2 x 4,096 B hold 6 sealed segments of 1,280 B.
+    buffers = (2 * SEGMENT // SEALED_SEGMENT) * SEALED_SEGMENT
+    resident = BYTES_PER_BLOCK + 3 * SEALED_INT8_BLOCK + buffers
+    assert (buffers, resident) == (7_680, 23_552)
+    assert row.kv_bytes_per_token == resident / LENGTH
+    assert row.capacity_method is not None and row.capacity_method.startswith("measured bytes")
+    assert row.sequences == row.predicted_sequences == BUDGET // resident == 13
+    assert row.planner_setup == "block 16, int8 (sink 1 block), spill, hot 32"
+
+
+def test_prefix_disk_row_fills_one_tree_and_counts_read_ahead(report: ChainReport) -> None:
+    row = report.row("prefix_disk")
+    assert (row.chain or "").startswith("DiskOffloadCache")
+    # Request 1: the document's 3 tree blocks stay; own blocks 3-4 end before token 95 - 8 = 87 and spill;
+    # block 5 stays, with two segments of read-ahead allocated by the read-back.
+    assert row.kv_bytes_per_token == (3 * BYTES_PER_BLOCK + BYTES_PER_BLOCK + 2 * SEGMENT) / LENGTH
+    # The fill: request 0 publishes all 6 of its blocks (brought back for the tree) and keeps its buffers: 57,344 B.
+    # Each later request holds 1 block + buffers = 16,384 B, but needs 2 blocks + buffers while it writes tokens
+    # 80-94 (block 3 spilled, block 4 not yet). Request n + 1 fits while 57,344 + 16,384 n + 24,576 <= budget:
+    # n = 16, so 17 requests; the 18th passes the budget with its first chunk (two new blocks).
+    first, later = 6 * BYTES_PER_BLOCK + 2 * SEGMENT, BYTES_PER_BLOCK + 2 * SEGMENT
+    assert first + 15 * later + 2 * BYTES_PER_BLOCK + 2 * SEGMENT <= BUDGET < first + 16 * later + 2 * BYTES_PER_BLOCK
+    assert (row.sequences, row.held_bytes) == (17, first + 16 * later)
+    # The planner: floor((budget - the document's 3 blocks) / one request's 1 block + buffers) = 18.
+    assert row.predicted_sequences == (BUDGET - 3 * BYTES_PER_BLOCK) // later == 18
+    assert "read-ahead" in (row.capacity_method or "")
+
+
+def test_prefix_int8_disk_row_spills_own_sealed_blocks(report: ChainReport) -> None:
+    row = report.row("prefix_int8_disk")
+    assert (row.chain or "").startswith("QuantizedDiskCache") and "prefix sharing" in (row.chain or "")
+    document = BYTES_PER_BLOCK + 2 * SEALED_INT8_BLOCK  # the tree's sink block in float32, blocks 1-2 as codes
+    buffers = 7_680  # 6 sealed segments of 1,280 B in 2 x 4,096 B
+    # Request 1: own blocks 3-4 spill as codes; block 5, filled by the last step, sealed at its end.
+    assert row.kv_bytes_per_token == (document + SEALED_INT8_BLOCK + buffers) / LENGTH
+    # Capacity from the probe's bytes: (budget - the document) // (1 sealed block + buffers) = 30 requests.
+    later = SEALED_INT8_BLOCK + buffers
+    assert row.capacity_method is not None and row.capacity_method.startswith("measured bytes")
+    assert (row.sequences, row.held_bytes) == ((BUDGET - document) // later, document + 30 * later) == (30, 320_512)
+    # The planner's own arithmetic (shared store + own resident blocks + read-ahead) gives the same.
+    assert row.predicted_sequences == 30
+    assert row.numerics == "= int8 (int8@16: same K/V)"
 
 
 def test_numerics_are_reused_where_identical(report: ChainReport) -> None:
@@ -136,7 +191,10 @@ def test_numerics_are_reused_where_identical(report: ChainReport) -> None:
     assert report.row("int8").numerics == "int8@16"
     assert report.row("h2o").numerics == "h2o@0.2:int8"
     assert report.row("disk").numerics == "= paged (paged@16: same K/V)"  # spilled blocks return bit for bit
-    for step in ("paged", "int8", "h2o", "disk"):
+    assert report.row("prefix_disk").numerics == "= paged (paged@16: same K/V)"
+    assert report.row("int8_disk").numerics == "= int8 (int8@16: same K/V)"  # codes spill as stored
+    assert report.row("int8_disk").perplexity == report.row("int8").perplexity
+    for step in ("paged", "int8", "h2o", "disk", "int8_disk", "prefix_disk"):
         row = report.row(step)
         assert row.perplexity is not None and row.perplexity > 1, step
         assert row.passkey_accuracy is not None and 0 <= row.passkey_accuracy <= 100, step
@@ -169,3 +227,8 @@ def test_config_is_validated() -> None:
         ChainBenchConfig(budget_bytes=0, shared_tokens=0)
     with pytest.raises(ValueError, match="budget"):
         ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=0, h2o_budget=1.5)
+    # Own part 48 tokens (blocks 3-5): the spill at token 96 moves blocks ending before token 95 - hot, so block
+    # 3 (tokens 48-63) spills only if 64 <= 95 - hot, i.e. hot <= 31.
+    with pytest.raises(ValueError, match="spill_hot_tokens_shared=32 keeps every full block of a request's own 48"):
+        ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, spill_hot_tokens_shared=32)
+    ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, spill_hot_tokens_shared=31)

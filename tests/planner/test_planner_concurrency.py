@@ -59,9 +59,11 @@ def test_disk_capacity_limits_spill(unit: ModelGeometry) -> None:
     options = ChainOptions(max_len=64, block_size=4, spill_hot_tokens=8)
     inputs = PlanInputs(unit, BUDGET, fixed(40), disk_bytes=2_000)
     spill = make_plan(inputs, "paged,spill", options).step("spill")
-    # 10 blocks: 2 hot (256 B on device), 8 cold (1024 B on disk): the disk holds 1 sequence's worth.
-    assert (spill.bytes_per_sequence, spill.disk_bytes_per_sequence) == (256, 1024)
-    assert (spill.concurrent, spill.limited_by) == (1, "disk")
+    # 10 blocks. The spill at the start of the 40th token's step saw 39 tokens: blocks ending before token
+    # 39 - 8 = 31, i.e. blocks 0-6, went to disk (896 B); blocks 7-9 stay (384 B, token 31 is in block 7).
+    # The disk holds floor(2,000 / 896) = 2 sequences' worth, the accelerator 26.
+    assert (spill.bytes_per_sequence, spill.disk_bytes_per_sequence) == (384, 896)
+    assert (spill.concurrent, spill.limited_by) == (2, "disk")
 
 
 def test_llama_13b_on_80gib_a100_holds_30_full_length_users() -> None:

@@ -1,0 +1,188 @@
+"""The rows of the chain benchmark (`hf_kvgov.bench.chain`): what each step builds, probes and fills.
+
+Cumulative steps, then side rows that compose a disk tier with one link each::
+
+    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused: H2O + spill)
+    side rows: paged + disk spill, int8 + disk spill, prefix sharing + disk spill, prefix + int8 + disk spill
+
+A disk row's numerics are another row's: spilled blocks come back bit for bit, so paged + disk and
+prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk what int8 does (the codes
+are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hf_kvgov.bench import allocation as alloc
+from hf_kvgov.bench.chain_steps import (
+    Capacity,
+    Context,
+    Parts,
+    Probe,
+    allocated_copies,
+    disk_parts,
+    evicting,
+    h2o_parts,
+    measured_bytes,
+    pool_refused,
+    shared,
+    shared_disk_parts,
+    shared_pool_refused,
+    written,
+)
+from hf_kvgov.chain.parts import Paging
+from hf_kvgov.hf.disk_prefix import tree_held
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.registry import kv_bytes
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
+
+__all__ = ["STEPS", "ChainStep"]
+
+_MEASURED_DISK = "measured bytes (one sequence's stats: resident blocks + read-ahead buffers)"
+_SHARED_MEASURED = (
+    "measured bytes: (budget - the tree's document bytes) / (one request's own resident bytes + read-ahead "
+    "buffers), from its stats (not filled by allocation: each read-back step concatenates the layer's whole "
+    "sealed store, and the fill slowed to 16 s a request by the 17th on SmolLM2)"
+)
+_SHARED_DISK = (
+    "pool refused, one prefix tree; each request's last token a step of its own (its cold own blocks spill); "
+    "cap on pool blocks + every request's allocated read-ahead buffers (bench accounting)"
+)
+
+
+# ------------------------------------------------------------------ capacity of the disk rows under a tree
+
+
+def read_ahead_bytes(cache: Any) -> int:
+    """The read-ahead rows a spilling cache has allocated (they come with its first read-back)."""
+    return int(cache.stats().read_buffer_bytes)
+
+
+def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -> Capacity:
+    """Requests with a disk tier (`parts`) on one capped pool + tree, until the pool or the budget refuses.
+
+    Each request writes its own part in `chunk`-token steps and then its last token alone, as a decoding
+    request does: the spill at the start of that step moves its cold own blocks out of the pool and the step
+    reads them back, which allocates its read-ahead rows. The budget holds the pool's blocks in use plus every
+    request's allocated rows (`read_ahead_bytes`), checked after each step; the planner counts those rows
+    as each spilling sequence's `spill_buffer_bytes`. The contiguous path is used: the paged one copies the
+    whole pool layer to append read-back blocks, a cost of the bench's huge pool, not of a request.
+    """
+
+    def capacity(ctx: Context, probe: Probe) -> alloc.Fit:
+        prefix = PrefixCache(alloc.capped_pool(probe.cache.pool, ctx.config.budget_bytes))
+        c = ctx.config
+        try:
+            twin = ctx.sharing(codec, **parts(ctx))
+            with ctx.counter("requests written") as bar:
+                return alloc.fill_shared(
+                    twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk, bar,
+                    outside_pool=read_ahead_bytes, last_token_alone=True,
+                )  # fmt: skip
+        finally:
+            prefix.close()
+
+    return capacity
+
+
+def document_bytes(cache: Any) -> int:
+    """Bytes of the tree's blocks `cache` uses (the shared document): full-precision and sealed blocks."""
+    held, pool = tree_held(cache), cache.pool
+    sealed = sum(1 for entry in held if is_sealed(entry))
+    sealed_block = pool.sealed.bytes_per_block if isinstance(pool, QuantizedBlockPool) else 0
+    return (len(held) - sealed) * pool.bytes_per_block + sealed * sealed_block
+
+
+def shared_measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
+    """(budget - the document's bytes) // (one request's own resident bytes + read-ahead), from the probe's stats.
+
+    For a composition whose fill by allocation is too slow for the bench (see `_SHARED_MEASURED`).
+    """
+    document = document_bytes(probe.cache)
+    own = kv_bytes(probe.cache) - document  # the probe's stats count the tree blocks it uses in full
+    if own <= 0:
+        raise ValueError(
+            f"A request holding {ctx.config.length} tokens reports {own} bytes of its own; it cannot be counted."
+        )
+    count = max(0, (ctx.config.budget_bytes - document) // own)
+    return count, document + count * own, ctx.config.length
+
+
+@dataclass(frozen=True)
+class ChainStep:
+    """One row: how its probe is built (raising `ChainRefused` when the rules refuse it) and measured.
+
+    `label`, `numerics` and `reuses` are format strings over `ChainBenchConfig`'s fields. `numerics` is the
+    registry name whose perplexity / passkey runs are this step's; `reuses` names the step whose runs it
+    shares instead. `refusals` are other links tried with this step's parts, whose sentences the row shows.
+    """
+
+    name: str
+    label: str
+    probe: Callable[[Context], Probe]
+    capacity: Capacity
+    method: str
+    shares_document: bool = False
+    numerics: str | None = None
+    reuses: str | None = None
+    refusals: Callable[[Context], list[Parts]] = lambda ctx: []
+    side: bool = False
+
+
+def _policy_with_other_links(ctx: Context) -> list[Parts]:
+    prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size)).pool)
+    return [h2o_parts(ctx) | {"pool": Paging(ctx.config.block_size)}, h2o_parts(ctx) | {"prefix": prefix}]
+
+
+def _int8_disk(ctx: Context) -> Parts:
+    return {"pool": Paging(ctx.config.block_size), "codec": "int8"} | disk_parts(ctx)
+
+
+STEPS: tuple[ChainStep, ...] = (
+    ChainStep(
+        "paged", "paged ({block_size}-token blocks)", written(lambda ctx: {"pool": Paging(ctx.config.block_size)}),
+        pool_refused, "pool refused", numerics="paged@{block_size}",
+    ),
+    ChainStep(
+        "prefix", "+ prefix sharing ({shared_tokens:,} of {length:,} tokens)", shared(None),
+        shared_pool_refused(None), "pool refused, one prefix tree", shares_document=True, reuses="paged",
+    ),
+    ChainStep(
+        "int8", "+ int8 (keys per channel, values per token)", shared("int8"), shared_pool_refused("int8"),
+        "pool refused, one prefix tree; cap on full-precision + sealed bytes (bench accounting)",
+        shares_document=True, numerics="int8@{block_size}",
+    ),
+    ChainStep(
+        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting, allocated_copies,
+        "caches allocated until their summed stats().bytes_used would pass the budget",
+        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
+    ),
+    ChainStep(
+        "spill", "+ disk spill", written(lambda ctx: h2o_parts(ctx) | disk_parts(ctx)), measured_bytes, "-",
+    ),
+    ChainStep(
+        "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(disk_parts),
+        measured_bytes, _MEASURED_DISK,
+        reuses="paged", side=True,  # spilled blocks come back bit for bit: PagedCache's numerics
+    ),
+    ChainStep(
+        "int8_disk", "side row: int8 + disk spill (hot {spill_hot_tokens:,} tokens)", written(_int8_disk),
+        measured_bytes, _MEASURED_DISK,
+        reuses="int8", side=True,  # sealed blocks spill as their codes: QuantizedCache's numerics, bit for bit
+    ),
+    ChainStep(
+        "prefix_disk",
+        "side row: prefix sharing + disk spill (hot {spill_hot_tokens_shared:,} tokens: own blocks spill)",
+        shared(None, shared_disk_parts), shared_spill_refused(None, shared_disk_parts), _SHARED_DISK,
+        shares_document=True, reuses="paged", side=True,  # tree blocks stay, own blocks return bit for bit
+    ),
+    ChainStep(
+        "prefix_int8_disk",
+        "side row: prefix sharing + int8 + disk spill (hot {spill_hot_tokens_shared:,} tokens: own blocks spill)",
+        shared("int8", shared_disk_parts), shared_measured_bytes, _SHARED_MEASURED,
+        shares_document=True, reuses="int8", side=True,  # own sealed blocks spill as their codes
+    ),
+)  # fmt: skip
