@@ -96,6 +96,22 @@ class PagedLayer(CacheLayerMixin):
         self.length = 0
 
 
+def resolve_block_size(block_size: int | None, given: BlockPool | None) -> int:
+    """The block size of a cache: the one asked for, else the given pool's, else `DEFAULT_BLOCK_SIZE`.
+
+    A size that differs from the pool the cache draws from (its own `pool=`, or its prefix tree's) is refused
+    rather than silently replaced: the caller would plan memory and kernels for blocks it does not get.
+    """
+    if block_size is None:
+        return given.block_size if given is not None else DEFAULT_BLOCK_SIZE
+    if given is not None and block_size != given.block_size:
+        raise ValueError(
+            f"block_size={block_size}, but the cache draws its blocks from a pool (pool= or the prefix tree's) of "
+            f"{given.block_size}-token blocks; pass block_size={given.block_size} or leave it unset."
+        )
+    return block_size
+
+
 class PagedCache(GovernedCache):
     """KV cache in fixed-size blocks from a `BlockPool`; token-for-token equal to `DynamicCache`.
 
@@ -104,7 +120,8 @@ class PagedCache(GovernedCache):
     Args:
         model_or_config: the model (its dtype and device are used) or its config (dtype and device are
             then taken from the first K/V the model stores).
-        block_size: tokens per block when the cache creates its own pool.
+        block_size: tokens per block (None: the pool's or the prefix tree's, else 16); a size that differs
+            from the pool the cache draws from is refused.
         max_tokens / max_bytes: cap of the pool it creates; exceeding it raises `PoolExhausted`.
         pool: an existing pool to draw blocks from (shared by many caches); its geometry must match.
         attention: "contiguous" or "paged" (see the module docstring).
@@ -115,7 +132,7 @@ class PagedCache(GovernedCache):
     def __init__(
         self,
         model_or_config: Any,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
@@ -123,6 +140,7 @@ class PagedCache(GovernedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
+        block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
         config = decoder_config(model_or_config)

@@ -46,13 +46,21 @@ import torch
 
 from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, CacheStats, PagedCache, PagedLayer, PagedView
+from hf_kvgov.hf.paged_cache import (
+    PAGED_VIEW_KEY,
+    AttentionPath,
+    CacheStats,
+    PagedCache,
+    PagedLayer,
+    PagedView,
+    resolve_block_size,
+)
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.kernels import dispatch
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 
@@ -117,7 +125,7 @@ class QuantizedCache(PagedCache):
         model_or_config: Any,
         bits: int = 8,
         fmt: str = "int",
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         residual: int = 0,
         sink_blocks: int = 1,
         full_precision_layers: Iterable[int] = (),
@@ -132,9 +140,8 @@ class QuantizedCache(PagedCache):
         self.quant = QuantConfig(bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size)
         config = decoder_config(model_or_config)
         kv_heads, head_dim = kv_heads_and_head_dim(config)
-        given = pool if pool is not None else prefix.pool if prefix is not None else None
-        size = given.block_size if given is not None else block_size
-        self.quant.check_model(int(config.num_hidden_layers), kv_heads, head_dim, size)
+        block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
+        self.quant.check_model(int(config.num_hidden_layers), kv_heads, head_dim, block_size)
         # Block columns [sink_blocks, _sealed_columns) are sealed in every row; columns past it may be sealed
         # in some rows only (a matched prefix), so sealing checks each id.
         self._sealed_columns = sink_blocks

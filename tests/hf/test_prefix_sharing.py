@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import BlockPool, PagedCache
+from hf_kvgov import BlockPool, GovernedCache, PagedCache, Paging, QuantizedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from tests.conftest import tiny_llama
 
@@ -205,3 +205,17 @@ def test_match_refuses_misuse() -> None:
     MODEL(torch.tensor([[5, 6, 7]]), past_key_values=cache)
     with pytest.raises(ValueError, match="empty cache"):
         cache.match(torch.tensor([[5, 6, 7]]))
+
+
+def test_block_size_comes_from_the_tree_and_a_different_one_is_refused() -> None:
+    pool, prefix = shared_pool()  # 8-token blocks, where a cache's own default would be 16
+    cache = PagedCache(MODEL, prefix=prefix)
+    assert cache.parts.pool == Paging(BLOCK)  # the chain it records rebuilds the same cache
+    rebuilt = GovernedCache(MODEL, **cache.parts.kwargs())
+    assert rebuilt.pool is pool
+    assert PagedCache(MODEL, pool=pool, block_size=BLOCK).pool is pool
+    for kwargs in ({"prefix": prefix}, {"pool": pool}):
+        with pytest.raises(ValueError, match="block_size=16, but the cache draws its blocks from a pool"):
+            PagedCache(MODEL, block_size=16, **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="of 8-token blocks; pass block_size=8"):
+            QuantizedCache(MODEL, block_size=16, **kwargs)  # type: ignore[arg-type]
