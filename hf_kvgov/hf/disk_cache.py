@@ -20,7 +20,6 @@ private cold blocks spill (`hf_kvgov.hf.disk_prefix` says why, and what `publish
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
 from hf_kvgov.hf.disk_tiered import DiskTieredCache
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedLayer
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, TierLayout
 from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes
 from hf_kvgov.tiers.moves import raw_blocks
@@ -110,24 +109,6 @@ class DiskOffloadCache(DiskTieredCache):
         self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
 
     # ------------------------------------------------------------------ pool and tier
-
-    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        self._check_pool_budget(self._geometry(dtype, device))
-        super()._create_pool(dtype, device)
-
-    def _check_pool_budget(self, geometry: KVGeometry) -> None:
-        pool_bytes, block_size = self.disk.pool_bytes, self._pool_args["block_size"]
-        if pool_bytes is None or block_size is None:
-            return
-        blocks = RESIDENT_FIRST_BLOCKS + math.ceil(self.disk.hot_tokens / block_size) + 2  # + tail + one step
-        needed = blocks * geometry.bytes_per_token * block_size
-        if pool_bytes < needed:
-            raise ValueError(
-                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for the pool after "
-                f"{self.disk.buffer_bytes} of read-ahead buffers, but the first block, a {self.disk.hot_tokens}-token "
-                f"hot window and one decode step need {blocks} blocks = {needed} bytes at this geometry. Raise "
-                "max_resident_bytes, or lower hot_tokens or read_buffer_bytes."
-            )
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         super()._adopt_pool(pool)

@@ -84,7 +84,7 @@ def shared_pool_block_size(
             f"block_size={block_size} differs from the prefix tree's {pool.block_size}-token blocks; the cache "
             "draws its blocks from the tree's pool, so pass the same block size or leave block_size=None."
         )
-    needed, kept = _resident_need(pool.block_size, disk, sealed)
+    needed, kept = resident_need(pool.block_size, disk, sealed)
     if pool.max_blocks is not None and pool.max_blocks < needed:
         raise ValueError(
             f"The prefix tree's pool holds at most {pool.max_blocks} blocks, but one sequence keeps {kept} in "
@@ -109,7 +109,7 @@ def _check_pool_kind(pool: BlockPool, sealed: QuantConfig | None) -> None:
         )
 
 
-def _resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, str]:
+def resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, str]:
     """(pool blocks one sequence keeps in memory, what they are), counted against the pool's cap."""
     if sealed is None:
         needed = 1 + math.ceil(disk.hot_tokens / block_size) + 2  # first block + hot window + tail + one step

@@ -21,7 +21,8 @@ import torch
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf import disk_prefix
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
 from hf_kvgov.tiers.kv_segments import SpilledIds
@@ -35,12 +36,34 @@ class DiskTieredCache(PagedCache):
 
     disk: DiskCacheConfig
 
-    def _init_tier(self, disk: DiskCacheConfig) -> None:
-        """Before the base `__init__`: the tier is created with the pool, on the first K/V."""
-        self.disk = disk
+    def _init_tier(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
+        """Before the base `__init__`: the tier is created with the pool, on the first K/V.
+
+        `sealed`: the codec of a cache that spills sealed blocks (its cap counts full-precision blocks only).
+        """
+        self.disk, self._sealed = disk, sealed
         self.tier: DiskTier | None = None
         self.prefetcher: LayerPrefetcher | None = None
         self.stop_reason: str | None = None  # why spilling stopped (a full disk, the write budget), or None
+
+    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
+        self._check_pool_budget(self._geometry(dtype, device))
+        super()._create_pool(dtype, device)
+
+    def _check_pool_budget(self, geometry: KVGeometry) -> None:
+        """Refuse a `max_resident_bytes` whose pool cannot hold what one sequence keeps in memory."""
+        pool_bytes, block_size = self.disk.pool_bytes, self._pool_args["block_size"]
+        if pool_bytes is None or block_size is None:
+            return
+        blocks, kept = disk_prefix.resident_need(block_size, self.disk, self._sealed)
+        needed = blocks * geometry.bytes_per_token * block_size
+        if pool_bytes < needed:
+            raise ValueError(
+                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
+                f"blocks after {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {blocks} blocks = "
+                f"{needed} bytes at this geometry. Raise max_resident_bytes, or lower "
+                f"{'residual' if self._sealed is not None else 'hot_tokens'} or read_buffer_bytes."
+            )
 
     def _attach_tier(
         self, pool: BlockPool, layout: TierLayout, blocks: TierBlocks, resident_first: int, ids: SpilledIds

@@ -37,7 +37,6 @@ offers back into the sealed store, so the tree never points at disk (`hf_kvgov.h
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,7 @@ from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats, quantized_
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import BlockPool, KVGeometry
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
@@ -117,10 +116,10 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
             on_full,
             extent_blocks,
         )
-        self._init_tier(disk)
-        self.blocks_spilled = 0  # distinct blocks written to the tier since construction
         layers = tuple(full_precision_layers)
         quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size)
+        self._init_tier(disk, sealed=quant)
+        self.blocks_spilled = 0  # distinct blocks written to the tier since construction
         block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size, sealed=quant)
         super().__init__(
             model_or_config,
@@ -139,24 +138,6 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
 
     # ------------------------------------------------------------------ pool and tier
-
-    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        self._check_pool_budget(self._geometry(dtype, device))
-        super()._create_pool(dtype, device)
-
-    def _check_pool_budget(self, geometry: KVGeometry) -> None:
-        pool_bytes, block_size = self.disk.pool_bytes, self._pool_args["block_size"]
-        if pool_bytes is None or block_size is None:
-            return
-        blocks = self.quant.sink_blocks + math.ceil(self.quant.residual / block_size) + 2  # + tail + one step
-        needed = blocks * geometry.bytes_per_token * block_size
-        if pool_bytes < needed:
-            raise ValueError(
-                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
-                f"blocks after {self.disk.buffer_bytes} of read-ahead buffers, but the sink, the residual window and "
-                f"one decode step need {blocks} blocks = {needed} bytes at this geometry. Raise max_resident_bytes, "
-                "or lower residual or read_buffer_bytes."
-            )
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         super()._adopt_pool(pool)  # refuses anything but a QuantizedBlockPool of this configuration
