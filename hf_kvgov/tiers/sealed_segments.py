@@ -67,7 +67,7 @@ def read_store_or_stack(
     rows = (slots >= capacity).nonzero().squeeze(1)
     if rows.numel() == 0:
         return {name: piece.index_select(0, slots) for name, piece in stored.items()}
-    store_slots = slots.clamp(max=max(capacity - 1, 0))  # stack rows take a placeholder, overwritten below
+    store_slots = slots.clamp(max=max(capacity - 1, 0))  # stack rows read any store slot first, then are overwritten
     pieces = {}
     for name, piece in stored.items():
         picked = (
