@@ -59,3 +59,12 @@ def austen_text() -> str:
     if not path.exists():
         pytest.fail(f"Evaluation text {path} is missing; tests expect the project's shared/ beside the checkout.")
     return path.read_text(encoding="utf-8")
+
+
+@pytest.fixture
+def one_thread():  # type: ignore[no-untyped-def]
+    """Torch on one thread (results are the same): two intra-op threads on a shared 2-core machine stall each other."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

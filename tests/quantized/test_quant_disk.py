@@ -40,15 +40,6 @@ S = -(1 << 62)  # the table entry of spilled handle 0; handle h is S - h
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def one_thread():  # type: ignore[no-untyped-def]
-    """One torch thread: two intra-op threads on a shared 2-core machine stall each other; results are the same."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def prompts(batch: int = 1, length: int = 23, pad_first: int = 0) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(batch * 1000 + length)
     ids = torch.randint(3, 96, (batch, length), generator=generator)

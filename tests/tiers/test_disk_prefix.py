@@ -8,7 +8,6 @@ Block ids below follow the pool's free list: fresh ids in order, freed ids appen
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +15,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import BlockPool, PagedCache, paged_attention, prefix_tree
+from hf_kvgov import BlockPool, PagedCache, prefix_tree
 from hf_kvgov.chain import Paging
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from tests.conftest import tiny_llama
+from tests.prefix_requests import assert_identical, left_padded, tokens
+from tests.prefix_requests import serve as serve_requests
 
 MODEL = tiny_llama(num_kv_heads=2, seed=3)
 GEOMETRY = PagedCache(MODEL).pool.geometry  # type: ignore[union-attr]
@@ -29,54 +30,13 @@ BLOCK, BLOCK_BYTES, NEW = 4, 2048, 8
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def one_thread():  # type: ignore[no-untyped-def]
-    """Torch on one thread: two intra-op threads on a shared 2-core machine stall on each other."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def serve(cache: Any, rows: list[list[int]], **kwargs: Any) -> dict[str, Any]:
+    return serve_requests(MODEL, NEW, cache, rows, **kwargs)
 
 
 def tree(max_blocks: int | None = None) -> PrefixCache:
     cap = None if max_blocks is None else max_blocks * BLOCK
     return PrefixCache(BlockPool(GEOMETRY, block_size=BLOCK, max_tokens=cap))
-
-
-def tokens(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 96, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
-    width = max(map(len, rows))
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def serve(cache: PagedCache, rows: list[list[int]], **kwargs: Any) -> dict[str, Any]:
-    """match -> generate -> publish -> release, noting what the cache held before publishing."""
-    padded = left_padded(rows)
-    inputs = cache.match(padded["input_ids"], padded["attention_mask"])
-    reused = cache.get_seq_length()
-    context = paged_attention(MODEL) if cache.attention == "paged" else contextlib.nullcontext()
-    with context:
-        out = MODEL.generate(
-            **inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
-            return_dict_in_generate=True, output_logits=True, **kwargs,
-        )  # fmt: skip
-    held = [list(row.block_ids) for row in cache.tables.rows]  # type: ignore[union-attr]
-    stats = cache.stats()
-    if "num_beams" not in kwargs:  # generate returns only the best beams: nothing to publish per row
-        cache.publish(out.sequences)
-    cache.release()
-    return {"out": out, "reused": reused, "held": held, "stats": stats}
-
-
-def assert_identical(got: Any, expected: Any) -> None:
-    assert torch.equal(got.sequences, expected.sequences)
-    for got_step, expected_step in zip(got.logits, expected.logits, strict=True):
-        assert torch.equal(got_step, expected_step)
 
 
 @pytest.mark.parametrize("attention", ["contiguous", "paged"])
