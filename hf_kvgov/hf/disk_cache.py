@@ -31,7 +31,7 @@ from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
 from hf_kvgov.hf.disk_tiered import DiskTieredCache
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedLayer
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, TierLayout
 from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes
 from hf_kvgov.tiers.moves import raw_blocks
@@ -95,9 +95,7 @@ class DiskOffloadCache(DiskTieredCache):
             )
         )
         self._kv_bytes_spilled = 0
-        if prefix is not None:
-            block_size = disk_prefix.shared_pool_block_size(prefix, self.disk, block_size)
-        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size)
         super().__init__(
             model_or_config,
             block_size,
