@@ -25,10 +25,10 @@ import re
 from pathlib import Path
 
 from hf_kvgov.bench.chain import ChainBenchConfig, chain_markdown, run_chain, write_chain_plots
-from hf_kvgov.data_text import demo_text
+from hf_kvgov.data_text import pride_and_prejudice_path
 from hf_kvgov.models import load_model
 
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "austen" / "prideprejudice.txt"
+TEXT = pride_and_prejudice_path()  # the complete novel the package ships
 
 
 def main() -> None:
@@ -67,7 +67,7 @@ def main() -> None:
         passkey_length=args.passkey_length,
         passkey_new_tokens=args.passkey_new_tokens,
     )
-    text = args.text.read_text(encoding="utf-8") if args.text.exists() else demo_text()
+    text = args.text.read_text(encoding="utf-8")
     model, tokenizer = load_model(args.model)
     report = run_chain(model, tokenizer, config, text, model_name=args.model)
     print(chain_markdown(report))

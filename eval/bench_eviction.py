@@ -1,6 +1,6 @@
 """Eviction quality on real text, cache in the loop: H2O and StreamingLLM against the full cache.
 
-Two runs on SmolLM2-135M (float32, CPU), text from Pride and Prejudice in ``shared/data``:
+Two runs on SmolLM2-135M (float32, CPU), text from Pride and Prejudice (shipped in ``hf_kvgov/data/text``):
 
 - ``budget``: ``--tokens`` tokens (default 2,048) fed ``--chunk`` tokens at a time through each cache;
   perplexity of the tokens predicted after the first eviction, for H2O, sinks + window and the recent
@@ -33,10 +33,11 @@ from transformers import DynamicCache
 
 from hf_kvgov import HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.data_text import pride_and_prejudice_path
 from hf_kvgov.models import load_model
 
 OUT = Path(__file__).resolve().parent / "out"
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "austen" / "prideprejudice.txt"
+TEXT = pride_and_prejudice_path()  # the complete novel the package ships
 N_SINK = 4
 
 

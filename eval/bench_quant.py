@@ -51,6 +51,7 @@ from transformers import DynamicCache
 from transformers import QuantizedCache as HFQuantizedCache
 
 from hf_kvgov.bench.timing import interleaved, machine_description
+from hf_kvgov.data_text import pride_and_prejudice_path
 from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE
 from hf_kvgov.hf.quantized_cache import QuantizedCache
@@ -58,7 +59,7 @@ from hf_kvgov.models import load_model
 from hf_kvgov.quality import score_in_lockstep
 
 OUT = Path(__file__).resolve().parent / "out"
-TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text" / "austen" / "prideprejudice.txt"
+TEXT = pride_and_prejudice_path()  # the complete novel the package ships
 CHUNK = 128  # hf_kvgov's block and transformers' residual window: see the docstring, point 1
 TEXT_START = 30_000  # the character where the scored text starts (the one tests/quantized uses)
 

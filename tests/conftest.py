@@ -4,13 +4,9 @@ of the README's test command): tests never download, and a missing model is an e
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def tiny_llama(num_kv_heads: int = 2, num_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
@@ -55,10 +51,10 @@ def gemma3():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def austen_text() -> str:
-    path = SHARED_DATA / "text" / "austen" / "prideprejudice.txt"
-    if not path.exists():
-        pytest.fail(f"Evaluation text {path} is missing; tests expect the project's shared/ beside the checkout.")
-    return path.read_text(encoding="utf-8")
+    """Pride and Prejudice, complete: the package ships it (hf_kvgov/data/text), so a bare clone has it."""
+    from hf_kvgov.data_text import pride_and_prejudice
+
+    return pride_and_prejudice()
 
 
 @pytest.fixture

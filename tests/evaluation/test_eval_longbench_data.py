@@ -150,6 +150,23 @@ def test_vendored_config_covers_every_task_with_official_values() -> None:
     assert prompt_template("lcc") == "Please complete the code given below. \n{context}Next line of code:\n"
 
 
+# sha256 of THUDM/LongBench's LongBench/config/*.json as published: the vendored copies must be byte for byte
+# the official ones (their typos included), since the published LongBench numbers were produced with them.
+UPSTREAM_SHA256 = {
+    "dataset2prompt.json": "56d22ad4f382169c2b8a11ff4c982a4a1bea096c8152b0f0b85b64686b157c30",
+    "dataset2maxlen.json": "72966b3c0933e214591637fb085798c5e687ebff4ddaab5d99bbc31120532022",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UPSTREAM_SHA256))
+def test_vendored_config_is_the_upstream_file(name: str) -> None:
+    import hashlib
+    from importlib import resources
+
+    data = resources.files("hf_kvgov").joinpath("data", "longbench", name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == UPSTREAM_SHA256[name]
+
+
 def test_vendored_license_ships_with_the_data() -> None:
     from importlib import resources
 

@@ -13,7 +13,7 @@ from hf_kvgov.cli.main import main
 from hf_kvgov.evaluation.generation import Generated
 from hf_kvgov.evaluation.longbench import run as longbench_run
 from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
-from tests.conftest import SHARED_DATA, tiny_llama
+from tests.conftest import tiny_llama
 from tests.evaluation.eval_tiny import (
     CHAT_WRAPPER_TOKENS,
     LONGBENCH_DIR,
@@ -22,8 +22,13 @@ from tests.evaluation.eval_tiny import (
     tiny_tokenizer,
 )
 
-# The official templates, read straight from the project's copy of THUDM's dataset2prompt.json.
-OFFICIAL_PROMPTS = json.loads((SHARED_DATA / "longbench" / "dataset2prompt.json").read_text(encoding="utf-8"))
+# The official templates, read straight from the vendored copy of THUDM's dataset2prompt.json (not through the
+# code under test); test_eval_longbench_data pins that copy to the upstream file's sha256.
+OFFICIAL_PROMPTS = json.loads(
+    (Path(__file__).resolve().parents[2] / "hf_kvgov" / "data" / "longbench" / "dataset2prompt.json").read_text(
+        encoding="utf-8"
+    )
+)
 
 
 @pytest.fixture(autouse=True)
