@@ -22,7 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import PagedCache, load_model
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.kernels.gathered_sdpa import paged_attention_gathered_sdpa
 from hf_kvgov.kernels.reference import paged_attention_reference
 
@@ -70,14 +69,14 @@ def run_steps(batch: int, context: int, steps: int) -> None:
     ids = torch.randint(100, 20000, (batch, context), generator=torch.Generator().manual_seed(0))
     caches = {"dynamic": DynamicCache(config=model.config), "paged": PagedCache(model)}
     times: dict[str, list[float]] = {name: [] for name in caches}
-    with torch.inference_mode(), quiet_generate_warnings():
+    with torch.inference_mode():
         tokens = {
-            n: model(ids, past_key_values=c, logits_to_keep=1).logits[:, -1:].argmax(-1) for n, c in caches.items()
+            n: model(ids, cache=c, logits_to_keep=1).logits[:, -1:].argmax(-1) for n, c in caches.items()
         }
         for _ in range(steps):
             for name, cache in caches.items():
                 start = time.perf_counter()
-                tokens[name] = model(tokens[name], past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+                tokens[name] = model(tokens[name], cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
                 times[name].append(time.perf_counter() - start)
     print(f"decode steps, batch {batch} x {context} tokens (ms per step, in order):")
     for name, values in times.items():

@@ -33,7 +33,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov.bench.timing import interleaved, machine_description
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.models import load_model
@@ -56,7 +55,7 @@ def prefill(model: Any, context: int) -> tuple[DynamicCache, torch.Tensor]:
     """K/V of `context` random tokens, and the greedy next token."""
     ids = torch.randint(100, 20000, (1, context), generator=torch.Generator().manual_seed(0))
     reference = DynamicCache(config=model.config)
-    logits = model(ids, past_key_values=reference, logits_to_keep=1).logits
+    logits = model(ids, cache=reference, logits_to_keep=1).logits
     return reference, logits[:, -1:].argmax(-1)
 
 
@@ -78,7 +77,7 @@ def measure(model: Any, name: str, reference: DynamicCache, token: torch.Tensor,
             if name == "disk-cold":
                 cache.drop_page_cache()
             start = time.perf_counter()
-            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            token = model(token, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
             seconds += time.perf_counter() - start
         after = cache.stats()
         cache.release()
@@ -100,7 +99,7 @@ def measure(model: Any, name: str, reference: DynamicCache, token: torch.Tensor,
 
 def run(caches: list[str], context: int, steps: int, rounds: int, hot: int) -> list[dict]:
     model, _ = load_model("smollm2")
-    with quiet_generate_warnings(), torch.inference_mode():
+    with torch.inference_mode():
         reference, token = prefill(model, context)
         samples = interleaved(caches, rounds, lambda name: measure(model, name, reference, token, steps, hot))
     rows = []

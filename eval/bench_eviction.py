@@ -56,7 +56,7 @@ def stream_nll(model: Any, cache: Any, ids: torch.Tensor, chunk: int, label: str
     with torch.inference_mode():
         for start in tqdm(range(0, ids.shape[1], chunk), desc=label, unit="chunk", leave=False):
             piece = ids[:, start : start + chunk + 1]  # one extra token: the target of the chunk's last position
-            logits = model(piece[:, :chunk], past_key_values=cache).logits[0].float()
+            logits = model(piece[:, :chunk], cache=cache).logits[0].float()
             targets = piece[0, 1:]
             losses.append(torch.nn.functional.cross_entropy(logits[: targets.shape[0]], targets, reduction="none"))
     return torch.cat(losses)

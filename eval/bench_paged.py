@@ -27,7 +27,6 @@ import torch
 from tqdm import tqdm
 
 from hf_kvgov.bench.timing import interleaved, machine_description
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.models import load_model
 from hf_kvgov.registry import get_cache_spec
 from hf_kvgov.storage.block_table import BlockTables
@@ -76,12 +75,12 @@ def decode_tokens_per_s(model: Any, cache_name: str, ids: torch.Tensor, steps: i
     """Prefill `ids` [batch, context] into a fresh cache, then time `steps` greedy decode steps."""
     spec = get_cache_spec(cache_name)
     cache = spec.build(model)
-    with spec.attention(model), quiet_generate_warnings(), torch.inference_mode():
-        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+    with spec.attention(model), torch.inference_mode():
+        logits = model(ids, cache=cache, logits_to_keep=1).logits
         token = logits[:, -1:].argmax(-1)
         start = time.perf_counter()
         for _ in range(steps):
-            token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            token = model(token, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
         seconds = time.perf_counter() - start
     return ids.shape[0] * steps / seconds
 

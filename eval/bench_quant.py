@@ -52,7 +52,6 @@ from transformers import QuantizedCache as HFQuantizedCache
 
 from hf_kvgov.bench.timing import interleaved, machine_description
 from hf_kvgov.data_text import pride_and_prejudice_path
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.models import load_model
@@ -119,8 +118,8 @@ def unavailable(model: Any, names: list[str], ids: torch.Tensor) -> dict[str, st
     for name in names:
         try:
             cache = CANDIDATES[name][1](model)
-            model(ids[:, :CHUNK], past_key_values=cache)
-            model(ids[:, CHUNK : CHUNK + 1], past_key_values=cache)
+            model(ids[:, :CHUNK], cache=cache)
+            model(ids[:, CHUNK : CHUNK + 1], cache=cache)
         except Exception as error:  # any failure is reported in the table instead of numbers
             reasons[name] = f"{type(error).__name__}: {error}".splitlines()[0]
     return reasons
@@ -171,7 +170,7 @@ def prefill(model: Any, context: int) -> tuple[DynamicCache, torch.Tensor]:
     """K/V of `context` random tokens in a DynamicCache, and the greedy next token."""
     ids = torch.randint(100, 20000, (1, context), generator=torch.Generator().manual_seed(0))
     reference = DynamicCache(config=model.config)
-    logits = model(ids, past_key_values=reference, logits_to_keep=1).logits
+    logits = model(ids, cache=reference, logits_to_keep=1).logits
     return reference, logits[:, -1:].argmax(-1)
 
 
@@ -183,7 +182,7 @@ def decode_tokens_per_s(model: Any, name: str, reference: DynamicCache, token: t
             cache.update(layer.keys[:, :, start : start + CHUNK], layer.values[:, :, start : start + CHUNK], index)
     begin = time.perf_counter()
     for _ in range(steps):
-        token = model(token, past_key_values=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        token = model(token, cache=cache, logits_to_keep=1).logits[:, -1:].argmax(-1)
     return steps / (time.perf_counter() - begin)
 
 
@@ -231,7 +230,7 @@ def main() -> None:
         parser.error(f"--caches must start with 'dynamic' and name only {', '.join(CANDIDATES)}")
     model, tokenizer = load_model("smollm2")
     ids = tokenizer(TEXT.read_text(encoding="utf-8")[TEXT_START:], return_tensors="pt")["input_ids"][:, : args.tokens]
-    with quiet_generate_warnings(), torch.inference_mode():
+    with torch.inference_mode():
         missing = unavailable(model, names, ids)
         measured = [name for name in names if name not in missing]
         quality = quality_rows(model, ids, measured[1:])

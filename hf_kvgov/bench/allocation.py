@@ -32,7 +32,6 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov.errors import PoolExhausted
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
@@ -134,8 +133,8 @@ def _quantized_bytes_used(pool: QuantizedBlockPool) -> int:
 def reference_kv(model: Any, ids: torch.Tensor) -> LayerKV:
     """Every layer's K/V of one prefill of `ids` (long `[1, tokens]`), all tokens kept in every layer."""
     cache = DynamicCache()  # no config: sliding-window layers keep every token too, as a paged cache does
-    with quiet_generate_warnings(), torch.inference_mode():
-        model(ids, past_key_values=cache, logits_to_keep=1)
+    with torch.inference_mode():
+        model(ids, cache=cache, logits_to_keep=1)
     kv: LayerKV = []
     for index, layer in enumerate(cache.layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
@@ -304,8 +303,8 @@ def run_sequence(model: Any, spec: CacheSpec, ids: torch.Tensor) -> Any:
     in the state a decoding request is in.
     """
     cache = spec.build(model)
-    with spec.attention(model), quiet_generate_warnings(), torch.inference_mode():
+    with spec.attention(model), torch.inference_mode():
         if ids.shape[1] > 1:
-            model(ids[:, :-1], past_key_values=cache, logits_to_keep=1)
-        model(ids[:, -1:], past_key_values=cache, logits_to_keep=1)
+            model(ids[:, :-1], cache=cache, logits_to_keep=1)
+        model(ids[:, -1:], cache=cache, logits_to_keep=1)
     return cache

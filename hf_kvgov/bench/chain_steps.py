@@ -28,7 +28,6 @@ from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import fit_in_order
 from hf_kvgov.bench.prefix_qa import questions
 from hf_kvgov.chain.parts import Disk, HeavyHitter, Paging
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.eviction import eviction_attention
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -136,8 +135,8 @@ def shared_document(tokenizer: Any, stream: list[int], shared: int, length: int)
 
 def forward(model: Any, cache: Any, ids: torch.Tensor) -> torch.Tensor:
     """Run `ids` (long `[1, n]`) through the model into `cache`; returns the greedy next token, long `[1, 1]`."""
-    with quiet_generate_warnings(), torch.inference_mode():
-        logits = model(ids, past_key_values=cache, logits_to_keep=1).logits
+    with torch.inference_mode():
+        logits = model(ids, cache=cache, logits_to_keep=1).logits
     return logits[:, -1:].argmax(-1)
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -95,9 +94,9 @@ def run_mode(
         start = time.perf_counter()
         inputs = cache.match(ids) if prefix is not None else {"input_ids": ids}
         hit = cache.get_seq_length()
-        with quiet_generate_warnings(), torch.inference_mode():
+        with torch.inference_mode():
             out = model.generate(
-                **inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False, streamer=timer
+                **inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False, streamer=timer
             )
         assert timer.first_token_at is not None
         ttfts.append(timer.first_token_at - start)

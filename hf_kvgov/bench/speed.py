@@ -28,7 +28,6 @@ from hf_kvgov.bench.allocation import release
 from hf_kvgov.bench.memory import PeakMemory, peak_memory_for
 from hf_kvgov.bench.prompts import prompt_ids, text_token_ids
 from hf_kvgov.bench.timing import TokenClock, interleaved, machine_description
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.registry import CacheSpec, get_cache_spec, kv_bytes
 
 BASELINE = "dynamic"
@@ -136,11 +135,11 @@ def generate_once(
     clock = TokenClock()
     peak.reset()
     try:
-        with spec.attention(model), quiet_generate_warnings(), torch.inference_mode():
+        with spec.attention(model), torch.inference_mode():
             clock.start()
             model.generate(
                 **inputs,
-                past_key_values=cache,
+                cache=cache,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,  # no early EOS: every cache generates the same number of tokens
                 do_sample=False,

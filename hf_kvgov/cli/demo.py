@@ -16,7 +16,6 @@ from tqdm import tqdm
 
 from hf_kvgov import models
 from hf_kvgov.data_text import demo_text
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.registry import CACHES, get_cache_spec, kv_bytes
 
 
@@ -80,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(model: Any, spec: Any, inputs: Any, max_new_tokens: int) -> tuple[torch.Tensor, float, Any]:
     cache = spec.build(model)
-    with spec.attention(model), quiet_generate_warnings(), torch.inference_mode():
+    with spec.attention(model), torch.inference_mode():
         start = time.perf_counter()
-        output = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False)
+        output = model.generate(**inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False)
         seconds = time.perf_counter() - start
     return output, seconds, cache
 

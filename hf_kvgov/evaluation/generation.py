@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.registry import CacheSpec, kv_bytes
 
 
@@ -48,11 +47,11 @@ def generate_greedy(
     pad = model.generation_config.pad_token_id
     cache = spec.build(model)
     try:
-        with spec.attention(model), quiet_generate_warnings(), torch.inference_mode():
+        with spec.attention(model), torch.inference_mode():
             output = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
+                cache=cache,
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=min_new_tokens,
                 do_sample=False,

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from hf_kvgov.hf.compat import decoder_config, quiet_generate_warnings
+from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.quality.lockstep import StackedCache
 from hf_kvgov.registry import CacheSpec
 
@@ -73,11 +73,10 @@ def chunked_token_losses(
     with ExitStack() as stack:
         for spec in specs:
             stack.enter_context(spec.attention(model))
-        stack.enter_context(quiet_generate_warnings())
         stack.enter_context(torch.inference_mode())
         for start in tqdm(steps, desc=progress, unit="step", disable=progress is None, leave=False):
             stop = min(start + chunk_tokens, length - 1)  # the last token has nothing to predict
-            logits = model(input_ids=rows[:, start:stop], past_key_values=served, use_cache=True).logits
+            logits = model(input_ids=rows[:, start:stop], cache=served, use_cache=True).logits
             losses[:, start:stop] = token_nll(logits, rows[:, start + 1 : stop + 1]).cpu()
     return losses, caches
 

@@ -98,7 +98,7 @@ def restore_attention(model: Any, previous: str) -> None:
 
 @contextlib.contextmanager
 def paged_attention(model: Any) -> Iterator[Any]:
-    """``with paged_attention(model): model.generate(..., past_key_values=PagedCache(model, attention="paged"))``."""
+    """``with paged_attention(model): model.generate(..., cache=PagedCache(model, attention="paged"))``."""
     previous = use_paged_attention(model)
     try:
         yield model

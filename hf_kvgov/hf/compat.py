@@ -1,15 +1,13 @@
 """Every place where hf_kvgov depends on how a transformers version behaves, in one module.
 
-Tested against transformers 5.24. Known changes ahead: models rename `past_key_values` to `cache` at
-5.40 and generate at 6.0 (both names are accepted here); `get_layer_types_and_kwargs` is internal.
+Tested against transformers 5.24. Known changes ahead: models drop the old name `past_key_values` for
+`cache` at 5.40 and generate at 6.0; hf_kvgov passes `cache=` everywhere (5.24 already takes it, and warns
+on the old name); `get_layer_types_and_kwargs` is internal.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +28,6 @@ __all__ = [
     "decoder_config",
     "layer_kinds",
     "model_layer_devices",
-    "quiet_generate_warnings",
     "sdpa_mask",
 ]
 
@@ -169,17 +166,3 @@ def _module_device(layer: nn.Module) -> torch.device | None:
     if parameter is None or parameter.device.type == "meta":
         return None
     return parameter.device
-
-
-@contextlib.contextmanager
-def quiet_generate_warnings() -> Iterator[None]:
-    """Silence transformers' renaming notice (`past_key_values` -> `cache`) for calls made by hf_kvgov."""
-    logger = logging.getLogger("transformers")
-    previous = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*past_key_values.*")
-            yield
-    finally:
-        logger.setLevel(previous)

@@ -3,7 +3,7 @@
     prefix = PrefixCache(pool)
     cache = PagedCache(model, prefix=prefix, namespace="tenant-a")
     inputs = cache.match(input_ids, attention_mask)      # cached prefix already in the cache
-    out = model.generate(**inputs, past_key_values=cache)  # computes only the uncached suffix
+    out = model.generate(**inputs, cache=cache)  # computes only the uncached suffix
     cache.publish(out)                                    # prompt + answer blocks, for the next turn
     cache.release()
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from hf_kvgov.hf.compat import Cache, CacheLayerMixin, quiet_generate_warnings
+from hf_kvgov.hf.compat import Cache, CacheLayerMixin
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.quality.metrics import RunningScore
 from hf_kvgov.registry import kv_bytes
@@ -148,11 +148,11 @@ def _run_pass(
     rows = input_ids.expand(len(caches), -1).to(model.device)
     running = [RunningScore() for _ in caches[1:]]
     length = input_ids.shape[1]
-    with torch.inference_mode(), quiet_generate_warnings():
+    with torch.inference_mode():
         steps = range(0, length - 1, chunk_tokens)
         for start in tqdm(steps, desc=label, unit="step", disable=label is None, leave=False):
             stop = min(start + chunk_tokens, length - 1)  # the last token has nothing to predict
-            logits = model(input_ids=rows[:, start:stop], past_key_values=stacked, use_cache=True).logits
+            logits = model(input_ids=rows[:, start:stop], cache=stacked, use_cache=True).logits
             targets = rows[0, start + 1 : stop + 1]
             for row, score in enumerate(running, start=1):
                 score.add(logits[0], logits[row], targets)

@@ -119,6 +119,14 @@ def test_notebook_opens_with_a_guarded_install_and_picks_its_device(name: str) -
     assert notebook.cells[-1].cell_type == "code", "the last cell must draw the plot or table"
 
 
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_passes_the_cache_by_its_current_name(name: str) -> None:
+    """transformers 5.24 warns on `past_key_values=` (renamed `cache=`); a notebook must not need to hide that."""
+    for cell in code_cells(read(name)):
+        assert "past_key_values" not in cell.source, f"{name}: pass the cache as cache=, not past_key_values="
+        assert "filterwarnings" not in cell.source, f"{name}: a notebook should be quiet without silencing warnings"
+
+
 @dataclass(frozen=True)
 class Run:
     """One notebook executed: the notebook with its outputs, the wall time, and the error that stopped it."""
@@ -178,3 +186,5 @@ def test_notebook_runs_on_the_cpu(name: str, executed: dict[str, Run]) -> None:
     text = "\n".join(shown_text(cell) for cell in code_cells(notebook))
     missing = [expected for expected in EXPECTED_TEXT[name] if expected not in text]
     assert not missing, f"{name}: the outputs lack {missing}"
+    stderr = "\n".join(o.text for cell in code_cells(notebook) for o in cell.outputs if o.get("name") == "stderr")
+    assert "Warning" not in stderr and "deprecated" not in stderr, f"{name} printed warnings:\n{stderr}"

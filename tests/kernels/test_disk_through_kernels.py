@@ -17,7 +17,6 @@ import torch
 from kernel_helpers import DEVICE  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels are imported)
 
 from hf_kvgov import paged_attention
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.kernels import dispatch
@@ -41,9 +40,9 @@ def generate_with(backend: str, build: Callable[[], Any]) -> tuple[Any, Any, dic
     dispatch.set_backend(backend)
     dispatch.reset_backend_counts()
     cache = build()
-    with paged_attention(model), torch.no_grad(), quiet_generate_warnings():
+    with paged_attention(model), torch.no_grad():
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+            input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=NEW_TOKENS,
             do_sample=False, return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
     return out, cache, dispatch.backend_counts()

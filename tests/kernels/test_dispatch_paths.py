@@ -17,7 +17,6 @@ import torch
 from kernel_helpers import DEVICE, assert_matches
 
 from hf_kvgov import paged_attention
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.kernels import dispatch
 from hf_kvgov.kernels.dispatch import PAGED, QUANTIZED, Backend, Probe
@@ -139,9 +138,9 @@ def test_quantized_cache_decodes_through_the_kernel() -> None:
         dispatch.set_backend(backend)
         dispatch.reset_backend_counts()
         cache = QuantizedCache(model, bits=4, block_size=4, full_precision_layers=(1,), attention="paged")
-        with paged_attention(model), torch.no_grad(), quiet_generate_warnings():
+        with paged_attention(model), torch.no_grad():
             results[backend] = model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=6,
+                input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=6,
                 do_sample=False, return_dict_in_generate=True, output_scores=True,
             )  # fmt: skip
         assert cache.stats().sealed_blocks == 3

@@ -6,6 +6,7 @@ equal the cache's own `stats()` (within 2%, as the chain benchmark relies on).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,6 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS
@@ -104,10 +104,10 @@ def model(request: pytest.FixtureRequest) -> Any:
 def _run(model: Any, cache: Any, tokens: int, evicting: bool) -> Any:
     """The prompt (all tokens but the last), then one decode step, as the chain benchmark feeds a sequence."""
     ids = torch.arange(4, 4 + tokens).remainder(90).add(4)[None]
-    context = eviction_attention(model) if evicting else quiet_generate_warnings()
-    with context, quiet_generate_warnings(), torch.inference_mode():
-        model(ids[:, :-1], past_key_values=cache)
-        model(ids[:, -1:], past_key_values=cache)
+    context = eviction_attention(model) if evicting else contextlib.nullcontext()
+    with context, torch.inference_mode():
+        model(ids[:, :-1], cache=cache)
+        model(ids[:, -1:], cache=cache)
     return cache
 
 

@@ -14,7 +14,6 @@ import torch
 
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup, predict, with_shared_prefix
 from hf_kvgov.chain.parts import Disk, Paging
-from hf_kvgov.hf.compat import quiet_generate_warnings
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
@@ -71,9 +70,9 @@ TINY_INT8 = 2 * 2 * (2 * 16 * 16 + 16 * 2 * 2 + 16 * 2 * 2)  # 2,560 B: a sealed
 
 def _run(model: Any, cache: Any, ids: torch.Tensor) -> None:
     """All tokens but the last as a prompt, the last as one decode step (the spill happens at its start)."""
-    with quiet_generate_warnings(), torch.inference_mode():
-        model(ids[:, :-1], past_key_values=cache)
-        model(ids[:, -1:], past_key_values=cache)
+    with torch.inference_mode():
+        model(ids[:, :-1], cache=cache)
+        model(ids[:, -1:], cache=cache)
 
 
 def test_int8_disk_cache_holds_what_the_planner_predicts(tmp_path: Path) -> None:

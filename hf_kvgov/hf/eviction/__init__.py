@@ -6,7 +6,7 @@ Both keep different tokens in each KV head, so they need the hf_kvgov eviction a
 
     cache = HeavyHitterCache(model, budget=0.2)
     with eviction_attention(model):
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
     print(cache.stats())
 
 ``codec="int8"`` (or "int4", "fp8", "fp8_e5m2", a `QuantConfig`) stores the kept slots as codes + per-slot

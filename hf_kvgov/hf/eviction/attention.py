@@ -79,7 +79,7 @@ def use_eviction_attention(model: Any) -> str:
 
 @contextlib.contextmanager
 def eviction_attention(model: Any) -> Iterator[Any]:
-    """``with eviction_attention(model): model.generate(..., past_key_values=HeavyHitterCache(model))``.
+    """``with eviction_attention(model): model.generate(..., cache=HeavyHitterCache(model))``.
 
     Restores the model's previous attention implementation on exit, even after an exception.
     """

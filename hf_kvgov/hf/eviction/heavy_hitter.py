@@ -28,7 +28,7 @@ class HeavyHitterCache(EvictionCache):
 
         cache = HeavyHitterCache(model, budget=0.2)                 # or codec="int8": kept slots as int8
         with eviction_attention(model):
-            model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+            model.generate(**inputs, cache=cache, max_new_tokens=64)
 
     Args:
         model: the model to serve (an attention-only decoder; sliding-window layers keep only their window).

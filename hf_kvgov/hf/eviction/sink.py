@@ -46,7 +46,7 @@ class SinkCache(EvictionCache):
 
         cache = SinkCache(model, n_sink=4, window=1020)
         with eviction_attention(model):
-            model.generate(**inputs, past_key_values=cache, max_new_tokens=100_000)
+            model.generate(**inputs, cache=cache, max_new_tokens=100_000)
 
     Args:
         model: the model to serve: a RoPE (``rotate_half``) attention-only decoder. Sliding-window layers
