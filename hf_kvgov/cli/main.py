@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from hf_kvgov.cli.interrupted import EXIT_INTERRUPTED
+
 # Subcommand modules; each defines add_parser(subparsers) which sets `func` on its parser.
 SUBCOMMANDS = (
     "hf_kvgov.cli.demo",
@@ -30,12 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
-    return int(args.func(args))
+    """Run one command; Ctrl-C anywhere is one line on stderr and exit status 130, never a traceback.
+
+    `kvgov eval` and `kvgov bench` also keep the rows finished before Ctrl-C (see `hf_kvgov.cli.interrupted`).
+    """
+    command = "kvgov"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0
+        command = f"kvgov {args.command}"
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
