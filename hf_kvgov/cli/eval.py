@@ -8,6 +8,13 @@ Every command prints a Markdown table, writes JSON with --json (per-sample detai
 plots with --plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main
 eval ...` (or `torchrun --nproc_per_node N`) to split the examples over N processes; only the first
 process prints and writes.
+
+Ctrl-C stops a run with one line on stderr and exit status 130. The rows finished so far are kept: the
+table of them is printed, and --json gets the same JSON with "partial": true and "completed" (rows done,
+total, unit) at its top. A row is, for ppl, a cache scored on every document; for longbench and
+synthetic, a sample generated with every cache (the scores are over those samples). No plots are
+drawn, and when no row had finished nothing is written. Over several processes the first process
+keeps only the rows it finished itself.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_kvgov import models
+from hf_kvgov.cli.interrupted import run_reported
 from hf_kvgov.evaluation.distributed import Workers, current_workers
 from hf_kvgov.evaluation.longbench.data import HUB_DATASET
 from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
@@ -27,6 +35,7 @@ from hf_kvgov.evaluation.report import EvalReport, emit
 from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, run_synthetic
 from hf_kvgov.evaluation.texts import TextSource, load_documents
 from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.partial import Progress
 
 DEFAULT_CACHES = "dynamic,int8,int4,h2o@0.2,sink@4+252"
 
@@ -56,7 +65,12 @@ def _common(parser: argparse.ArgumentParser, caches: str) -> None:
     parser.add_argument(
         "--caches", type=_names, default=_names(caches), help=f"comma-separated cache names (default: {caches})"
     )
-    parser.add_argument("--json", metavar="PATH", help="write the full report as JSON to PATH ('-' for stdout)")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the full report as JSON to PATH ('-' for stdout); after Ctrl-C, the rows finished so far "
+        'with "partial": true (nothing when none had finished)',
+    )
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots into DIR")
 
 
@@ -191,20 +205,25 @@ def _missing_benchmark(parser: argparse.ArgumentParser) -> int:
 
 def _main(args: argparse.Namespace, name: str, prepare: Callable[[argparse.Namespace], Job]) -> int:
     """Check the options and read the data before loading the model, so mistakes fail fast."""
+    command = f"kvgov eval {name}"
     try:
         job = prepare(args)
     except (ValueError, TypeError, OSError, ImportError, RuntimeError) as error:
-        print(f"kvgov eval {name}: {error}", file=sys.stderr)
+        print(f"{command}: {error}", file=sys.stderr)
         return 2
     workers = current_workers()
-    if workers.is_main:
-        print(f"[kvgov] loading {args.model} on {workers.count} process(es) ...", file=sys.stderr, flush=True)
-    model, tokenizer = models.load_model(args.model, device=str(workers.device))
+
+    def run() -> EvalReport:
+        if workers.is_main:
+            print(f"[kvgov] loading {args.model} on {workers.count} process(es) ...", file=sys.stderr, flush=True)
+        model, tokenizer = models.load_model(args.model, device=str(workers.device))
+        return job(model, tokenizer, workers)
+
+    def show(report: EvalReport, completed: Progress | None) -> None:
+        emit(report, args.json, args.plots, completed)
+
     try:
-        report = job(model, tokenizer, workers)
+        return run_reported(command, run, show, args.json, workers.is_main)
     except ValueError as error:  # options that only the tokenizer or the model can refuse (e.g. too short a length)
-        print(f"kvgov eval {name}: {error}", file=sys.stderr)
+        print(f"{command}: {error}", file=sys.stderr)
         return 2
-    if workers.is_main:
-        emit(report, args.json, args.plots)
-    return 0

@@ -3,7 +3,8 @@
 Run any `kvgov eval` command under ``accelerate launch --multi_gpu --num_processes N`` (or ``torchrun
 --nproc_per_node N``): every process loads the model, runs ``workers.share(items)``, and
 ``workers.gather(results)`` hands every process all results in one list. On a single process both are
-the identity, so the same code runs unchanged without a launcher.
+the identity, so the same code runs unchanged without a launcher. On Ctrl-C each process keeps only
+what it finished itself (see `hf_kvgov.partial`): the main process reports its own rows.
 
 On a machine without CUDA the process group is built on CPU (gloo): accelerate only does that when
 asked for CPU, so `Workers` asks whenever CUDA is absent. (``accelerate launch --cpu`` itself starts a
@@ -18,6 +19,8 @@ from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
+
+from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -55,12 +58,30 @@ class Workers:
         gathered: list[T] = gather_object(results)
         return gathered
 
-    def map(self, items: Sequence[T], run: Callable[[T], list[R]], desc: str) -> list[R]:
-        """Run this process's share of ``items`` (a progress bar on the main process) and gather every result."""
+    def map(
+        self,
+        items: Sequence[T],
+        run: Callable[[T], list[R]],
+        desc: str,
+        partial: Callable[[list[R]], Any] | None = None,
+    ) -> list[R]:
+        """Run this process's share of ``items`` (a progress bar on the main process) and gather every result.
+
+        On Ctrl-C: raises `Interrupted` holding ``partial(results of this process's finished items)``, the
+        report of what this process finished (None without ``partial``); nothing is gathered.
+        """
         mine: list[R] = []
-        for item in tqdm(self.share(items), desc=desc, unit="example", disable=not self.is_main):
-            mine += run(item)
-        return self.gather(mine)
+        done = 0
+
+        def interrupted() -> Interrupted:
+            report = partial(mine) if partial is not None and done else None
+            return Interrupted(report, Progress(done, len(items), "samples", self.count))
+
+        with on_interrupt(interrupted):
+            for item in tqdm(self.share(items), desc=desc, unit="example", disable=not self.is_main):
+                mine += run(item)
+                done += 1
+            return self.gather(mine)
 
 
 def single_process() -> Workers:

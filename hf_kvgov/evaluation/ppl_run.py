@@ -22,6 +22,7 @@ from hf_kvgov.evaluation.generation import release
 from hf_kvgov.evaluation.perplexity import check_window, chunked_token_losses, sliding_window_token_losses
 from hf_kvgov.evaluation.report import markdown_table
 from hf_kvgov.evaluation.texts import Document
+from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.registry import get_cache_spec, kv_bytes
 
 SLIDING_WINDOW = "sliding-window"
@@ -107,7 +108,11 @@ class PerplexityResult:
 
 
 def plan_units(documents: int, options: PerplexityOptions) -> list[Unit]:
-    """Per document: the batches of caches (alone when a cache needs its own attention), then the baseline."""
+    """The batches of caches (alone when a cache needs its own attention) over every document, then the baseline.
+
+    Batch after batch, in the order of their first cache, so a row of the table (one cache over every
+    document) finishes as soon as its batch has, the reference's first: Ctrl-C keeps the rows finished.
+    """
     groups: list[tuple[str, ...]] = []
     batch: list[str] = []
     for name in options.caches:
@@ -119,7 +124,8 @@ def plan_units(documents: int, options: PerplexityOptions) -> list[Unit]:
             groups.append(tuple(batch))
             batch = []
     groups += [tuple(batch)] if batch else []
-    units = [Unit(document, "chunked", group) for document in range(documents) for group in groups]
+    groups.sort(key=lambda group: options.caches.index(group[0]))
+    units = [Unit(document, "chunked", group) for group in groups for document in range(documents)]
     if options.window is not None:
         units += [Unit(document, SLIDING_WINDOW) for document in range(documents)]
     return units
@@ -156,34 +162,60 @@ def run_perplexity(
     model_name: str = "",
     source: str = "",
 ) -> PerplexityReport:
-    """Score ``documents`` with every cache of ``options`` (this process's share of the units) and pool."""
+    """Score ``documents`` with every cache of ``options`` (this process's share of the units) and pool.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the rows (caches) scored on every
+    document by this process.
+    """
     workers = workers or single_process()
     texts = [_token_ids(tokenizer, document, options.max_tokens) for document in documents]
     kept = [(document, ids) for document, ids in zip(documents, texts, strict=True) if ids.shape[1] >= 2]
     if not kept:
         raise ValueError("Every document is shorter than 2 tokens; there is nothing to score.")
-    units = plan_units(len(kept), options)
-    mine: list[UnitLosses] = []
-    for unit in tqdm(workers.share(units), desc="ppl units", unit="unit", disable=not workers.is_main):
-        label = f"{unit.method} {','.join(unit.caches)} doc {unit.document}" if workers.is_main else None
-        mine += UNIT_RUNNERS[unit.method](model, kept[unit.document][1], unit, options, label)
-    pooled = workers.gather(mine)
     names = [*options.caches, *([SLIDING_WINDOW] if options.window is not None else [])]
-    results = merge_losses(pooled, names, options.bin_tokens)
     docs = tuple((document.name, int(ids.shape[1])) for document, ids in kept)
-    return PerplexityReport(model_name, source, docs, options, tuple(results), workers.count)
+
+    def report(pooled: Sequence[UnitLosses], rows: Sequence[str]) -> PerplexityReport:
+        results = merge_losses(pooled, rows, options.bin_tokens, reference=options.caches[0])
+        return PerplexityReport(model_name, source, docs, options, tuple(results), workers.count)
+
+    mine: list[UnitLosses] = []
+
+    def interrupted() -> Interrupted:
+        rows = finished_rows(mine, names, len(kept))
+        progress = Progress(len(rows), len(names), "caches", workers.count)
+        return Interrupted(report(mine, rows) if rows else None, progress)
+
+    units = workers.share(plan_units(len(kept), options))
+    with on_interrupt(interrupted):
+        for unit in tqdm(units, desc="ppl units", unit="unit", disable=not workers.is_main):
+            label = f"{unit.method} {','.join(unit.caches)} doc {unit.document}" if workers.is_main else None
+            mine += UNIT_RUNNERS[unit.method](model, kept[unit.document][1], unit, options, label)
+        pooled = workers.gather(mine)
+    return report(pooled, names)
+
+
+def finished_rows(pooled: Sequence[UnitLosses], names: Sequence[str], documents: int) -> list[str]:
+    """The names (in table order) whose losses ``pooled`` holds for every one of the ``documents``."""
+    scored = {name: {unit.document for unit in pooled if unit.name == name} for name in names}
+    return [name for name in names if len(scored[name]) == documents]
 
 
 def _token_ids(tokenizer: Any, document: Document, max_tokens: int) -> Any:
     return tokenizer(document.text, return_tensors="pt")["input_ids"][:, :max_tokens]
 
 
-def merge_losses(pooled: Sequence[UnitLosses], names: Sequence[str], bin_tokens: int) -> list[PerplexityResult]:
-    """One result per name, pooling its documents in document order (so the sums do not depend on who ran what)."""
+def merge_losses(
+    pooled: Sequence[UnitLosses], names: Sequence[str], bin_tokens: int, reference: str | None = None
+) -> list[PerplexityResult]:
+    """One result per name, pooling its documents in document order (so the sums do not depend on who ran what).
+
+    The "vs" change is against ``reference`` (default: the first name); NaN when it is not among ``names``.
+    """
     by_name = {name: sorted((u for u in pooled if u.name == name), key=lambda u: u.document) for name in names}
     results = [_pool(name, units, bin_tokens) for name, units in by_name.items()]
-    reference = results[0].perplexity
-    return [replace(result, vs_reference_pct=100 * (result.perplexity / reference - 1)) for result in results]
+    base = {result.name: result.perplexity for result in results}.get(reference or names[0], math.nan)
+    return [replace(result, vs_reference_pct=100 * (result.perplexity / base - 1)) for result in results]
 
 
 def _pool(name: str, units: Sequence[UnitLosses], bin_tokens: int) -> PerplexityResult:
@@ -235,7 +267,7 @@ class PerplexityReport:
                 "stride": self.options.stride if self.options.window is None else self.options.effective_stride,
             },
             "documents": [{"name": name, "tokens": tokens} for name, tokens in self.documents],
-            "reference": self.results[0].name,
+            "reference": self.options.caches[0],
             "results": [asdict(result) for result in self.results],
         }
 
@@ -244,7 +276,7 @@ class PerplexityReport:
             "cache",
             "tokens",
             "perplexity",
-            f"vs {self.results[0].name} %",
+            f"vs {self.options.caches[0]} %",
             "mean NLL",
             "KV bytes",
             "bytes/token",

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from hf_kvgov.partial import Progress, mark_partial, partial_note
+
 
 class EvalReport(Protocol):
     """The result of one eval command."""
@@ -79,13 +81,19 @@ def write_json(data: dict[str, Any], path: str) -> None:
     target.write_text(text + "\n", encoding="utf-8")
 
 
-def emit(report: EvalReport, json_path: str | None, plots_dir: str | None) -> list[Path]:
-    """Print the Markdown (unless the JSON goes to stdout), write the JSON and the plots; returns the plots."""
+def emit(
+    report: EvalReport, json_path: str | None, plots_dir: str | None, completed: Progress | None = None
+) -> list[Path]:
+    """Print the Markdown (unless the JSON goes to stdout), write the JSON and the plots; returns the plots.
+
+    ``completed``: the report holds the rows finished before Ctrl-C stopped the run; the table says so, the
+    JSON is marked partial (`hf_kvgov.partial.mark_partial`) and no plots are drawn.
+    """
     if json_path != "-":
-        print(report.markdown())
+        print(partial_note(completed) + report.markdown())
     if json_path is not None:
-        write_json(report.to_dict(), json_path)
-    if plots_dir is None:
+        write_json(mark_partial(report.to_dict(), completed), json_path)
+    if plots_dir is None or completed is not None:
         return []
     written = report.plots(Path(plots_dir))
     if json_path != "-":

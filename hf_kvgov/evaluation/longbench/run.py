@@ -124,7 +124,10 @@ def run_longbench(
     workers: Workers | None = None,
     model_name: str = "",
 ) -> LongBenchReport:
-    """Generate every item with every cache (this process's share) and score them the official way."""
+    """Generate every item with every cache (this process's share) and score them the official way.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the samples finished with every cache.
+    """
     if not items:
         raise ValueError("There are no LongBench samples to run; check the data directory, tasks and limit.")
     workers = workers or single_process()
@@ -134,10 +137,15 @@ def run_longbench(
     def run(item: LongBenchItem) -> list[LongBenchResult]:
         return [_generate(model, tokenizer, item, spec, options, context) for spec in specs]
 
-    results = workers.map(items, run, "longbench")
-    order = {name: position for position, name in enumerate(options.caches)}
-    results.sort(key=lambda r: (r.index, order[r.cache]))
-    return LongBenchReport(model_name, options, tuple(results), tuple(items), workers.count)
+    def report(results: list[LongBenchResult]) -> LongBenchReport:
+        """The report of ``results``, scored over the items they cover (every item, unless Ctrl-C stopped the run)."""
+        order = {name: position for position, name in enumerate(options.caches)}
+        ordered = sorted(results, key=lambda r: (r.index, order[r.cache]))
+        covered = {r.index for r in results}
+        done = tuple(item for item in items if item.index in covered)
+        return LongBenchReport(model_name, options, tuple(ordered), done, workers.count)
+
+    return report(workers.map(items, run, "longbench", partial=report))
 
 
 def _generate(

@@ -99,7 +99,10 @@ def run_synthetic(
     workers: Workers | None = None,
     model_name: str = "",
 ) -> SyntheticReport:
-    """Generate every item with every cache (this process's share of the items) and score them."""
+    """Generate every item with every cache (this process's share of the items) and score them.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the samples finished with every cache.
+    """
     if not items:
         raise ValueError("There are no synthetic samples to run.")
     workers = workers or single_process()
@@ -108,10 +111,12 @@ def run_synthetic(
     def run(item: SyntheticItem) -> list[SyntheticResult]:
         return [_generate(model, tokenizer, item, spec, options) for spec in specs]
 
-    results = workers.map(items, run, "synthetic")
-    order = {name: position for position, name in enumerate(options.caches)}
-    results.sort(key=lambda r: (r.index, order[r.cache]))
-    return SyntheticReport(model_name, options, tuple(results), workers.count)
+    def report(results: list[SyntheticResult]) -> SyntheticReport:
+        order = {name: position for position, name in enumerate(options.caches)}
+        ordered = sorted(results, key=lambda r: (r.index, order[r.cache]))
+        return SyntheticReport(model_name, options, tuple(ordered), workers.count)
+
+    return report(workers.map(items, run, "synthetic", partial=report))
 
 
 def _generate(
@@ -136,13 +141,17 @@ class SyntheticReport:
     processes: int
 
     def accuracy(self) -> dict[str, dict[int, dict[str, float]]]:
-        """task -> length -> cache -> 100 x mean score, 2 decimals."""
+        """task -> length -> cache -> 100 x mean score, 2 decimals; only the (task, length) pairs with results
+        (all of them, unless Ctrl-C stopped the run)."""
+        measured = {(r.task, r.length) for r in self.results}
         return {
             task: {
                 length: {cache: self._accuracy(task, length, cache) for cache in self.options.caches}
                 for length in self.options.lengths
+                if (task, length) in measured
             }
             for task in self.options.tasks
+            if any((task, length) in measured for length in self.options.lengths)
         }
 
     def _accuracy(self, task: str | None, length: int | None, cache: str) -> float:
@@ -181,8 +190,15 @@ class SyntheticReport:
         rows.append(["average", None, *self.averages().values()])
         kv = mean_by_cache(self.results, caches)
         rows.append(["KV bytes (mean)", None, *(round(kv[c]) for c in caches)])
-        title = f"### Synthetic accuracy (%), {self.options.samples} sample(s) per task and length"
+        title = f"### Synthetic accuracy (%), {self._samples()}"
         return title + "\n\n" + markdown_table(["task", "length", *caches], rows, align_left=1, decimals=2)
+
+    def _samples(self) -> str:
+        planned = self.options.samples * len(self.options.tasks) * len(self.options.lengths)
+        done = len({r.index for r in self.results})
+        if done == planned:
+            return f"{self.options.samples} sample(s) per task and length"
+        return f"{done} of {planned} samples"
 
     def plots(self, directory: Path) -> list[Path]:
         kv, average = mean_by_cache(self.results, self.options.caches), self.averages()
