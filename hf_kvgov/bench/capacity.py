@@ -40,6 +40,7 @@ from hf_kvgov.bench.allocation import (
 from hf_kvgov.bench.plan_setups import kv_dtype_name, planner_geometry, planner_setup, predict
 from hf_kvgov.bench.prompts import prompt_ids, text_token_ids
 from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import LengthDistribution
 from hf_kvgov.planner.setup import CacheSetup
@@ -230,16 +231,24 @@ def measure_cache(
 def run_capacity(
     model: Any, tokenizer: Any, config: CapacityConfig, model_name: str = "", progress: bool = True
 ) -> CapacityReport:
-    """Measure every cache of `config`; rows in the order of `config.caches`."""
+    """Measure every cache of `config`; rows in the order of `config.caches`.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the caches measured.
+    """
     device = next(model.parameters()).device
     ids = prompt_ids(text_token_ids(tokenizer), 1, config.lengths.max).to(device)
     reference = functools.cache(lambda: reference_kv(model, ids))
     geometry = planner_geometry(model, model_name)
-    rows = [
-        measure_cache(model, name, config, ids, reference, geometry, progress)
-        for name in tqdm(config.caches, desc="bench capacity", disable=not progress)
-    ]
-    return CapacityReport(model_name, machine_description(), config.lengths.summary(), config.budget_bytes, tuple(rows))
+    rows: list[CapacityRow] = []
+
+    def report() -> CapacityReport:
+        lengths = config.lengths.summary()
+        return CapacityReport(model_name, machine_description(), lengths, config.budget_bytes, tuple(rows))
+
+    with on_interrupt(lambda: Interrupted(report(), Progress(len(rows), len(config.caches), "caches"))):
+        for name in tqdm(config.caches, desc="bench capacity", disable=not progress):
+            rows.append(measure_cache(model, name, config, ids, reference, geometry, progress))
+    return report()
 
 
 def capacity_markdown(report: CapacityReport) -> str:

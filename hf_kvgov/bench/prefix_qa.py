@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
 from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
@@ -70,6 +71,36 @@ class _FirstTokenTimer(BaseStreamer):
 
     def end(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class PrefixReport:
+    """Both modes (or, after Ctrl-C, those finished) on one document."""
+
+    model: str
+    document_chars: int
+    rows: tuple[ModeResult, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "document_chars": self.document_chars, "rows": [asdict(r) for r in self.rows]}
+
+
+def run_prefix(
+    model: Any, tokenizer: Any, document: str, asks: list[str], new_tokens: int, block_size: int, model_name: str = ""
+) -> PrefixReport:
+    """Serve ``asks`` without, then with prefix sharing.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the modes finished.
+    """
+    rows: list[ModeResult] = []
+
+    def report() -> PrefixReport:
+        return PrefixReport(model_name, len(document), tuple(rows))
+
+    with on_interrupt(lambda: Interrupted(report(), Progress(len(rows), 2, "modes"))):
+        for share in (False, True):
+            rows.append(run_mode(model, tokenizer, document, asks, share, new_tokens, block_size))
+    return report()
 
 
 def questions(count: int) -> list[str]:

@@ -28,6 +28,7 @@ from hf_kvgov.bench.allocation import release
 from hf_kvgov.bench.memory import PeakMemory, peak_memory_for
 from hf_kvgov.bench.prompts import prompt_ids, text_token_ids
 from hf_kvgov.bench.timing import TokenClock, interleaved, machine_description
+from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.registry import CacheSpec, get_cache_spec, kv_bytes
 
 BASELINE = "dynamic"
@@ -217,21 +218,29 @@ def _measure_point(
 def run_speed(
     model: Any, tokenizer: Any, config: SpeedConfig, model_name: str = "", progress: bool = True
 ) -> SpeedReport:
-    """Measure every cache of `config` at every (batch, context); rows ordered by batch, context, cache."""
+    """Measure every cache of `config` at every (batch, context); rows ordered by batch, context, cache.
+
+    On Ctrl-C raises `hf_kvgov.partial.Interrupted` with the report of the (batch, context) points measured.
+    """
     device = next(model.parameters()).device
     stream = text_token_ids(tokenizer)
     peak = peak_memory_for(device)
     points = [(batch, context) for batch in config.batches for context in config.contexts]
-    bar = tqdm(total=len(points) * config.rounds * len(config.caches), desc="bench speed", disable=not progress)
     rows: list[SpeedRow] = []
-    for index, (batch, context) in enumerate(points):
-        ids = prompt_ids(stream, batch, context).to(device)
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        if index == 0:  # the first generate of a process pays one-off set-up costs: keep them out of the figures
-            release(generate_once(model, get_cache_spec(BASELINE), inputs, 2, peak)[1])
-        samples = _measure_point(model, config, inputs, peak, bar)
-        rows += _rows(samples, config, batch, context, peak.kind)
-    bar.close()
+
+    def interrupted() -> Interrupted:
+        report = SpeedReport(model_name, machine_description(), config, tuple(rows))
+        return Interrupted(report, Progress(len(rows) // len(config.caches), len(points), "(batch, context) points"))
+
+    total = len(points) * config.rounds * len(config.caches)
+    with on_interrupt(interrupted), tqdm(total=total, desc="bench speed", disable=not progress) as bar:
+        for index, (batch, context) in enumerate(points):
+            ids = prompt_ids(stream, batch, context).to(device)
+            inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+            if index == 0:  # the first generate of a process pays one-off set-up costs: keep them out of the figures
+                release(generate_once(model, get_cache_spec(BASELINE), inputs, 2, peak)[1])
+            samples = _measure_point(model, config, inputs, peak, bar)
+            rows += _rows(samples, config, batch, context, peak.kind)
     return SpeedReport(model_name, machine_description(), config, tuple(rows))
 
 

@@ -5,6 +5,11 @@ Examples::
     kvgov bench prefix --requests 20
     kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
     kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
+
+Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished
+so far (prefix: the modes; speed: every cache at the (batch, context) points measured; capacity: the
+caches) and writing them to --json with "partial": true and "completed" (rows done, total, unit) at its
+top. No plots are drawn, and when no row had finished nothing is written.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hf_kvgov import models
+from hf_kvgov.cli.interrupted import run_reported
 from hf_kvgov.data_text import demo_text
+from hf_kvgov.partial import Progress, mark_partial, partial_note
 
 DEFAULT_CACHES = "dynamic,paged,int8,h2o,disk"
 PREFIX_NEW_TOKENS = 8
@@ -54,24 +61,30 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return models.load_model(args.model)
 
 
-def _prefix(args: argparse.Namespace) -> int:
+def _show(table: str, data: dict[str, Any], args: argparse.Namespace, completed: Progress | None) -> None:
+    """Print the table, write --json; ``completed``: the rows are those finished before Ctrl-C (marked so)."""
+    print(partial_note(completed) + table)
+    if args.json:
+        _write_json(args.json, mark_partial(data, completed))
+
+
+def _prefix(args: argparse.Namespace) -> Any:
     from hf_kvgov.bench import prefix_qa
 
     model, tokenizer = models.load_model(args.model)
     document = demo_text(max_chars=args.document_chars)
     asks = prefix_qa.questions(args.requests)
     new_tokens = args.new_tokens if args.new_tokens is not None else PREFIX_NEW_TOKENS
-    results = [
-        prefix_qa.run_mode(model, tokenizer, document, asks, share, new_tokens, args.block_size)
-        for share in (False, True)
-    ]
-    print(prefix_qa.render(results, len(document)))
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return 0
+    return prefix_qa.run_prefix(model, tokenizer, document, asks, new_tokens, args.block_size, args.model)
 
 
-def _speed(args: argparse.Namespace) -> int:
+def _show_prefix(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
+    from hf_kvgov.bench import prefix_qa
+
+    _show(prefix_qa.render(list(report.rows), report.document_chars), report.to_dict(), args, completed)
+
+
+def _speed(args: argparse.Namespace) -> Any:
     from hf_kvgov.bench import speed
 
     config = speed.SpeedConfig(
@@ -82,19 +95,21 @@ def _speed(args: argparse.Namespace) -> int:
         rounds=args.rounds,
     )
     model, tokenizer = _load(args)
-    report = speed.run_speed(model, tokenizer, config, model_name=args.model)
-    print(speed.speed_markdown(report))
-    if args.json:
-        _write_json(args.json, report.to_dict())
-    if args.plots:
+    return speed.run_speed(model, tokenizer, config, model_name=args.model)
+
+
+def _show_speed(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
+    from hf_kvgov.bench import speed
+
+    _show(speed.speed_markdown(report), report.to_dict(), args, completed)
+    if args.plots and completed is None:
         from hf_kvgov.bench.plots import write_speed_plots
 
         for path in write_speed_plots(report, args.plots):
             print(f"Wrote {path}")
-    return 0
 
 
-def _capacity(args: argparse.Namespace) -> int:
+def _capacity(args: argparse.Namespace) -> Any:
     from hf_kvgov.bench import capacity
     from hf_kvgov.planner.lengths import parse_lengths
     from hf_kvgov.planner.units import parse_memory
@@ -105,33 +120,52 @@ def _capacity(args: argparse.Namespace) -> int:
         budget_bytes=parse_memory(args.budget, "KV memory budget"),
     )
     model, tokenizer = _load(args)
-    report = capacity.run_capacity(model, tokenizer, config, model_name=args.model)
-    print(capacity.capacity_markdown(report))
-    if args.json:
-        _write_json(args.json, report.to_dict())
-    if args.plots:
+    return capacity.run_capacity(model, tokenizer, config, model_name=args.model)
+
+
+def _show_capacity(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
+    from hf_kvgov.bench import capacity
+
+    _show(capacity.capacity_markdown(report), report.to_dict(), args, completed)
+    if args.plots and completed is None:
         from hf_kvgov.bench.plots import write_capacity_plots
 
         for path in write_capacity_plots(report, args.plots):
             print(f"Wrote {path}")
-    return 0
 
 
-BENCHMARKS: dict[str, tuple[str, Callable[[argparse.Namespace], int]]] = {
-    "prefix": ("document QA: N questions about one document, with and without prefix sharing", _prefix),
-    "speed": ("TTFT, time per output token, tokens/s, KV bytes and peak memory per cache", _speed),
-    "capacity": ("sequences that fit in a KV budget per cache, measured, beside the planner's figure", _capacity),
+@dataclass(frozen=True)
+class Benchmark:
+    """One scenario: ``run`` checks the options, loads the model and measures, returning a report (raising
+    `hf_kvgov.partial.Interrupted` on Ctrl-C); ``show`` prints and writes a report, whole or partial."""
+
+    help: str
+    run: Callable[[argparse.Namespace], Any]
+    show: Callable[[Any, argparse.Namespace, Progress | None], None]
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    "prefix": Benchmark(
+        "document QA: N questions about one document, with and without prefix sharing", _prefix, _show_prefix
+    ),
+    "speed": Benchmark(
+        "TTFT, time per output token, tokens/s, KV bytes and peak memory per cache", _speed, _show_speed
+    ),
+    "capacity": Benchmark(
+        "sequences that fit in a KV budget per cache, measured, beside the planner's figure", _capacity, _show_capacity
+    ),
 }
 
 
 def _run(args: argparse.Namespace) -> int:
+    command, bench = f"kvgov bench {args.name}", BENCHMARKS[args.name]
     try:
-        return BENCHMARKS[args.name][1](args)
+        return run_reported(command, lambda: bench.run(args), lambda r, done: bench.show(r, args, done), args.json)
     except ValueError as err:
-        print(f"kvgov bench {args.name}: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 2
     except ImportError as err:  # matplotlib missing for --plots
-        print(f"kvgov bench {args.name}: error: {err}", file=sys.stderr)
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 1
 
 
@@ -143,7 +177,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v[0]}" for k, v in BENCHMARKS.items())
+        "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v.help}" for k, v in BENCHMARKS.items())
     )
     parser.add_argument("--model", default=models.DEFAULT_MODEL)
     parser.add_argument(
@@ -151,7 +185,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help=f"tokens generated per request (prefix: {PREFIX_NEW_TOKENS}, speed: {SPEED_NEW_TOKENS})",
     )
-    parser.add_argument("--json", help="also write the results as JSON to this path")
+    parser.add_argument(
+        "--json",
+        help='also write the results as JSON to this path; after Ctrl-C, the rows finished so far with "partial": '
+        "true (nothing when none had finished)",
+    )
     prefix = parser.add_argument_group("prefix")
     prefix.add_argument("--requests", type=int, default=20)
     prefix.add_argument("--document-chars", type=int, default=5000)
