@@ -35,6 +35,7 @@ class DiskTieredCache(PagedCache):
     """A `PagedCache` (or subclass) whose cold blocks live in a `DiskTier`; see the module docstring."""
 
     disk: DiskCacheConfig
+    groups_layers = False  # the tier's tables cover every layer: a sliding layer's cold blocks still spill
 
     def _init_tier(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
         """Before the base `__init__`: the tier is created with the pool, on the first K/V.

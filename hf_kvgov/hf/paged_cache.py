@@ -8,6 +8,12 @@ Two attention paths (see `hf_kvgov.hf.attention`):
 - ``attention="paged"``: `update` only stores the new tokens and hands attention a view of the block
   tables; the hf_kvgov attention implementation reads blocks directly. Requires
   ``hf_kvgov.paged_attention(model)`` (or ``use_paged_attention``) so the model calls that attention.
+
+Hybrid models (sliding-window layers beside full-attention ones, or every layer sliding): the layers are
+grouped by what they keep (`hf_kvgov.storage.layer_groups`), each group has its own block tables over the
+one pool, and a sliding group frees the blocks that left its window before each step. A sliding layer then
+reports `is_sliding` and the position of its first kept token to the mask, as DynamicCache's sliding layers
+do. A cache with a prefix tree keeps one group for now (every layer keeps every token).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
+from hf_kvgov.storage.layer_groups import LayerGroup, layer_groups
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
 AttentionPath = Literal["contiguous", "paged"]
@@ -84,7 +91,8 @@ class PagedLayer(CacheLayerMixin):
         return self.owner._update_layer(self, key_states, value_states, kwargs.get("kwargs"))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        first = self.owner._first_kept_token(self.index, self.length)
+        return self.length + query_length - first, first
 
     def get_seq_length(self) -> int:
         return self.length
@@ -129,6 +137,10 @@ class PagedCache(GovernedCache):
         namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
     """
 
+    # Whether the pool this cache creates groups layers by window (see the module docstring). Caches built on
+    # this one that store blocks elsewhere (codes, a disk tier) keep one group until they free windows too.
+    groups_layers = True
+
     def __init__(
         self,
         model_or_config: Any,
@@ -144,13 +156,14 @@ class PagedCache(GovernedCache):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
         config = decoder_config(model_or_config)
-        layer_kinds(config)  # refuses layer types this cache cannot serve
+        windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         self.num_layers = int(config.num_hidden_layers)
         self.attention: AttentionPath = attention
         self._pool_args = {"block_size": block_size, "max_tokens": max_tokens, "max_bytes": max_bytes}
         self.pool: BlockPool | None = None
-        self.tables: BlockTables | None = None
+        self.tables: BlockTables | None = None  # the first layer group's (the only one without sliding groups)
+        self._other_tables: list[BlockTables] = []  # the other groups', in `groups` order
         self._pending_view: PagedView | None = None
         self.prefix = prefix
         self.namespace = namespace
@@ -169,13 +182,48 @@ class PagedCache(GovernedCache):
                 raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
             pool = prefix.pool
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
+        self.groups = pool.groups if pool is not None else self._layer_groups(windows)
+        group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.layers}
+        self._group_of = [group_of[layer] for layer in range(self.num_layers)]
         if pool is not None:
             self._adopt_pool(pool)
         else:
             dtype_device = model_dtype_and_device(model_or_config)
             if dtype_device is not None and None not in self._layer_devices:
                 self._create_pool(*dtype_device)
-        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        layers: list[Any] = [PagedLayer(self, i) for i in range(self.num_layers)]
+        for layer in layers:
+            layer.is_sliding = self.groups[self._group_of[layer.index]].window is not None
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------------ layer groups
+
+    def _layer_groups(self, windows: list[int | None]) -> tuple[LayerGroup, ...]:
+        """The groups of the pool this cache creates: by window, unless this cache cannot free windows (a
+        prefix tree's blocks serve every layer; a split model's positions would span devices)."""
+        known = {device for device in self._layer_devices if device is not None}
+        if not self.groups_layers or self.prefix is not None or len(known) > 1:
+            return (LayerGroup(tuple(range(len(windows)))),)
+        return layer_groups(windows)
+
+    def _tables_of(self, layer: int) -> BlockTables:
+        assert self.tables is not None
+        group = self._group_of[layer]
+        return self.tables if group == 0 else self._other_tables[group - 1]
+
+    @property
+    def all_tables(self) -> list[BlockTables]:
+        """The block tables of every layer group (one group: `[self.tables]`)."""
+        return [] if self.tables is None else [self.tables, *self._other_tables]
+
+    def _first_kept_token(self, layer: int, position: int) -> int:
+        """The first token layer `layer` keeps while queries start at `position` (0 outside sliding groups)."""
+        window = self.groups[self._group_of[layer]].window
+        if window is None:
+            return 0
+        block_size = self.pool.block_size if self.pool is not None else self._pool_args["block_size"]
+        assert block_size is not None
+        return max(0, position - window + 1) // block_size * block_size
 
     # ------------------------------------------------------------------ pool
 
@@ -185,7 +233,8 @@ class PagedCache(GovernedCache):
         return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, devices[0], devices)
 
     def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        self._adopt_pool(BlockPool(self._geometry(dtype, device), **self._pool_args))  # type: ignore[arg-type]
+        pool = BlockPool(self._geometry(dtype, device), groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
+        self._adopt_pool(pool)
         # Layers whose device the model did not tell go where their first K/V arrive.
         self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
 
@@ -199,7 +248,9 @@ class PagedCache(GovernedCache):
             )
         check_placement(self._layer_devices, [pool.layer_device(i) for i in range(self.num_layers)])
         self.pool = pool
-        self.tables = BlockTables(pool)
+        self.groups = pool.groups
+        self.tables = BlockTables(pool, pool.groups[0])
+        self._other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
         self._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
 
     def _ensure_pool(self, key_states: torch.Tensor) -> None:
@@ -240,8 +291,9 @@ class PagedCache(GovernedCache):
             self._expand_matched_rows(batch)
         if key_states.device != self.pool.layer_device(layer.index):
             self._check_layer_device(layer.index, key_states.device)
-        self.tables.slots_for(batch, layer.length, q_len)
-        slots = self.tables.slots_on(key_states.device)  # one copy per device per step, not per layer
+        tables = self._tables_of(layer.index)
+        tables.slots_for(batch, layer.length, q_len)
+        slots = tables.slots_on(key_states.device)  # one copy per device per step, not per layer
         self._write_tokens(layer, slots, key_states, value_states)
         layer.length += q_len
         if self.attention == "contiguous":
@@ -273,8 +325,9 @@ class PagedCache(GovernedCache):
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as `[batch, kv_heads, length, head_dim]` for any attention implementation."""
-        assert self.pool is not None and self.tables is not None
-        return self.pool.gather(layer.index, self.tables.tensor(self.pool.layer_device(layer.index)), layer.length)
+        assert self.pool is not None
+        table, first = self._tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
+        return self.pool.gather(layer.index, table, layer.length - first)
 
     def _hand_view_to_attention(
         self,
@@ -295,8 +348,8 @@ class PagedCache(GovernedCache):
                 "PagedCache(attention='paged') needs the model to pass its attention kwargs to cache.update "
                 "(transformers >= 5 models do); use attention='contiguous' with this model."
             )
-        table = self.tables.tensor(self.pool.layer_device(layer.index))
-        view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], table, layer.length)
+        table, first = self._tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
+        view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], table, layer.length - first)
         attn_kwargs[PAGED_VIEW_KEY] = view
         self._pending_view = view
         return key_states, value_states
@@ -309,16 +362,19 @@ class PagedCache(GovernedCache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row beam_idx[i]; blocks are shared, copied only when written."""
-        if self.tables is not None and self.tables.rows:
-            self.tables.reorder(beam_idx.tolist())
+        self._reorder_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.tables is not None and self.tables.rows:
-            self.tables.reorder([i for i in range(self.tables.batch_size) for _ in range(repeats)])
+        if self.tables is not None:
+            self._reorder_rows([i for i in range(self.tables.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.tables is not None and self.tables.rows:
-            self.tables.reorder(torch.as_tensor(indices).tolist())
+        self._reorder_rows(torch.as_tensor(indices).tolist())
+
+    def _reorder_rows(self, indices: list[int]) -> None:
+        for tables in self.all_tables:
+            if tables.rows:
+                tables.reorder(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (negative, as transformers >= 5 passes it)."""
@@ -328,8 +384,10 @@ class PagedCache(GovernedCache):
                 "Pass -n to drop the last n tokens."
             )
         length = max(0, self.get_seq_length() + tokens_to_remove)
-        if self.tables is not None:
-            self.tables.truncate(length)
+        for tables in self.all_tables:  # a sliding group refuses before any group changes (it is checked first)
+            tables.check_truncate(length)
+        for tables in self.all_tables:
+            tables.truncate(length)
         for layer in self.layers:
             assert isinstance(layer, PagedLayer)
             layer.length = min(layer.length, length)
@@ -341,8 +399,8 @@ class PagedCache(GovernedCache):
 
     def release(self) -> None:
         """Return every block this cache holds to the pool (blocks published to a prefix cache stay there)."""
-        if self.tables is not None:
-            self.tables.release()
+        for tables in self.all_tables:
+            tables.release()
         paged_prefix.release_prefix_locks(self)
         self._expand_rows_on_next_forward = False
         for layer in self.layers:
@@ -377,9 +435,10 @@ class PagedCache(GovernedCache):
             return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, self._pool_args["block_size"] or 0, self.attention)
         bs = pool.block_size
         filled: dict[int, int] = {}
-        for row in tables.rows:
-            for i, block in enumerate(row.block_ids):
-                filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
+        for group_tables in self.all_tables:
+            for row in group_tables.rows:
+                for i, block in enumerate(row.block_ids[row.freed :], start=row.freed):
+                    filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
         blocks = len(filled)
         tokens = tables.batch_size * length
         used = blocks * pool.bytes_per_block

@@ -120,6 +120,8 @@ class QuantizedCache(PagedCache):
         namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).
     """
 
+    groups_layers = False  # sealing walks one table for every layer: sliding layers keep every block
+
     def __init__(
         self,
         model_or_config: Any,

@@ -8,6 +8,11 @@ Invariant that makes sharing safe: a block referenced by more than one table (or
 never written. Before a write touches an existing block, `prepare_write` replaces a shared block by a
 private copy (copy-on-write). Beam search and `num_return_sequences` fork tables, sharing every block.
 
+Sliding-window layer groups (`hf_kvgov.storage.layer_groups`): the `BlockTables` of a group whose layers
+slide over `w` tokens frees, before each forward step, every block whose tokens no query of the step can
+see. Its rows keep their length (token t stays at index t // block_size); the first `freed` entries of a
+row hold no reference any more (`first_block` of the tables: the same for every row), and are never read.
+
 Several devices (layers split over accelerators): the ids are the same for every layer, so `BlockTables`
 keeps one copy of its table tensor and slots per device, made once when they change, not per layer per step.
 """
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import BlockPool
 
 
@@ -27,14 +33,30 @@ class BlockTable:
     def __init__(self, pool: BlockPool, block_ids: Sequence[int] = ()) -> None:
         self.pool = pool
         self.block_ids: list[int] = list(block_ids)
+        self.freed = 0  # leading entries whose blocks left a sliding window (stale ids, never read)
 
     def __len__(self) -> int:
         return len(self.block_ids)
 
+    @property
+    def live_ids(self) -> list[int]:
+        """The ids this table holds a reference on (all but the freed leading entries)."""
+        return self.block_ids[self.freed :]
+
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (one more reference each)."""
-        self.pool.incref(self.block_ids)
-        return BlockTable(self.pool, self.block_ids)
+        self.pool.incref(self.live_ids)
+        fork = BlockTable(self.pool, self.block_ids)
+        fork.freed = self.freed
+        return fork
+
+    def free_before(self, index: int) -> None:
+        """Give the blocks at indices below `index` back to the pool (they left a sliding window)."""
+        index = min(index, len(self.block_ids))
+        if index > self.freed:
+            dropped = self.block_ids[self.freed : index]
+            self.freed = index
+            self.pool.decref(dropped)
 
     def prepare_write(self, start: int, end: int) -> bool:
         """Make token positions [start, end) writable: allocate missing blocks, copy shared ones.
@@ -56,6 +78,7 @@ class BlockTable:
         needed = -(-end // bs)
         shared = []
         for index in range(start // bs, min(needed, len(self.block_ids))):
+            assert index >= self.freed, f"token {index * bs} is written after its block left the window"
             block = self.block_ids[index]
             if self.pool.ref_count(block) - copied_away.get(block, 0) > 1:
                 shared.append(index)
@@ -65,13 +88,15 @@ class BlockTable:
     def truncate(self, num_tokens: int) -> None:
         """Keep only the blocks that hold the first `num_tokens` tokens."""
         keep = -(-num_tokens // self.pool.block_size)
-        dropped = self.block_ids[keep:]
+        dropped = self.block_ids[max(keep, self.freed) :]
         del self.block_ids[keep:]
+        self.freed = min(self.freed, keep)
         self.pool.decref(dropped)
 
     def release(self) -> None:
-        self.pool.decref(self.block_ids)
+        self.pool.decref(self.live_ids)
         self.block_ids = []
+        self.freed = 0
 
 
 def prepare_writes(tables: Sequence[BlockTable], start: int, end: int) -> bool:
@@ -101,12 +126,17 @@ class BlockTables:
 
     Rows stay aligned because left padding is stored like any other token (the attention mask hides
     it), exactly as transformers' DynamicCache does; this keeps slot arithmetic one tensor expression.
+
+    Args:
+        group: the layers that read these tables; a sliding group frees what left its window (None: keep all).
     """
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, group: LayerGroup | None = None) -> None:
         self.pool = pool
+        self.group = group
         self.rows: list[BlockTable] = []
         self.num_tokens = 0
+        self.first_block = 0  # blocks below it left the window in every row
         self._tensors: dict[torch.device, torch.Tensor] = {}  # the table, per device it was asked on
         self._slots_key: tuple[int, int, int] | None = None
         self._slots: torch.Tensor | None = None
@@ -124,7 +154,8 @@ class BlockTables:
         """Block ids as long `[batch, max_blocks]` on `device` (default: the pool's), cached until tables change.
 
         Pass the device of the layer that reads the table (`pool.layer_device(layer)`): each device gets one
-        copy per change of the tables, however many layers read it.
+        copy per change of the tables, however many layers read it. Freed entries hold stale ids: readers
+        start at `first_block` (see `live_tensor`).
         """
         device = self.pool.geometry.device if device is None else torch.device(device)
         table = self._tensors.get(device)
@@ -133,6 +164,26 @@ class BlockTables:
             ids = [row.block_ids + [0] * (width - len(row)) for row in self.rows]
             table = self._tensors[device] = torch.tensor(ids, dtype=torch.long, device=device)
         return table
+
+    def live_tensor(self, device: torch.device | None = None) -> tuple[torch.Tensor, int]:
+        """(the table from `first_block` on, the position of its first token): what attention reads."""
+        return self.tensor(device)[:, self.first_block :], self.first_block * self.pool.block_size
+
+    def first_kept_token(self, position: int) -> int:
+        """The first token a sliding group keeps while queries start at `position`: the start of the block
+        holding the first token those queries can see (0 for full attention)."""
+        if self.group is None:
+            return 0
+        bs = self.pool.block_size
+        return self.group.first_needed(position) // bs * bs
+
+    def _free_out_of_window(self, start: int) -> None:
+        first = self.first_kept_token(start) // self.pool.block_size
+        if first > self.first_block:
+            for row in self.rows:
+                row.free_before(first)
+            self.first_block = first
+            self._changed()
 
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         """Slots for token positions [start, start + count) of every row, allocating as needed.
@@ -154,6 +205,7 @@ class BlockTables:
         key = (start, count, self.pool.version)
         if self._slots_key == key and self._slots is not None:
             return self._slots
+        self._free_out_of_window(start)
         if prepare_writes(self.rows, start, end):
             self._changed()
         self.num_tokens = max(self.num_tokens, end)
@@ -186,7 +238,22 @@ class BlockTables:
         self.rows = new_rows
         self._changed()
 
+    def check_truncate(self, num_tokens: int) -> None:
+        """Raise a `ValueError` if `truncate(num_tokens)` would need tokens this sliding group already freed.
+
+        A sliding group can go back only as far as the tokens it kept (e.g. the candidates of the last step, as
+        assisted decoding does).
+        """
+        if num_tokens < self.num_tokens and self.first_kept_token(num_tokens) < self.first_block * self.pool.block_size:
+            raise ValueError(
+                f"Cannot crop to {num_tokens} tokens: this sliding-window layer group already freed the tokens "
+                f"before {self.first_block * self.pool.block_size} that queries at position {num_tokens} would "
+                "see again. Crop only tokens of the latest forward steps, or build the cache without freeing."
+            )
+
     def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (see `check_truncate`)."""
+        self.check_truncate(num_tokens)
         for row in self.rows:
             row.truncate(num_tokens)
         self.num_tokens = min(self.num_tokens, num_tokens)
@@ -200,8 +267,9 @@ class BlockTables:
     def release(self) -> None:
         self.release_rows()
         self.num_tokens = 0
+        self.first_block = 0
         self._changed()
 
     def blocks_held(self) -> int:
         """Distinct blocks referenced by this batch (shared blocks count once)."""
-        return len({block for row in self.rows for block in row.block_ids})
+        return len({block for row in self.rows for block in row.live_ids})

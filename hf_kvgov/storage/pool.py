@@ -8,6 +8,11 @@ Memory layout, per layer (the layout flash-attn's paged kernel reads, so no conv
     block id b  ->  keys[l][b] for every layer l      (one id spans all layers)
     slot s      ->  block s // block_size, offset s % block_size
 
+With layer groups (`hf_kvgov.storage.layer_groups`, for hybrid sliding-window models) a block id spans the
+`s` layers of one group instead: layers at the same position j of their groups share one tensor, so
+`keys[l]` of those layers is the same tensor object and the ids of different groups' tables never collide
+(they come from the one free list). Without groups there is one group of every layer, as above.
+
 Everything else in hf_kvgov holds block ids. A block's metadata is a reference count; the free list is a
 FIFO queue, so a freed block is reused last (the order the prefix cache later relies on for LRU).
 
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvgov.errors import PoolExhausted
-from hf_kvgov.storage.geometry import KVGeometry, check_on_device, index_per_layer
+from hf_kvgov.storage.geometry import KVGeometry, check_on_device
+from hf_kvgov.storage.layer_groups import LayerGroup, check_groups, single_group
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GROWTH_BLOCKS", "BlockPool", "KVGeometry", "PoolStats", "Reclaimer"]
 
@@ -67,6 +73,8 @@ class BlockPool:
             the cap allows raises `PoolExhausted`; nothing is ever overwritten.
         growth_blocks: blocks added per growth step (the pool at least doubles, so growth is amortised).
         preallocate: allocate the whole cap up front (requires a cap), as a serving engine would.
+        groups: layer groups of one size (see `layer_groups`); None: one group of every layer. A block then
+            holds one group's layers, and the layers at one position of their groups must share a device.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class BlockPool:
         max_bytes: int | None = None,
         growth_blocks: int = DEFAULT_GROWTH_BLOCKS,
         preallocate: bool = False,
+        groups: tuple[LayerGroup, ...] | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(
@@ -88,7 +97,16 @@ class BlockPool:
             raise ValueError(f"growth_blocks must be positive; got {growth_blocks}.")
         self.geometry = geometry
         self.block_size = block_size
-        self.bytes_per_block = geometry.bytes_per_token * block_size
+        self.groups = tuple(groups) if groups is not None else single_group(geometry.num_layers)
+        check_groups(self.groups, geometry.num_layers)
+        self.layers_per_block = len(self.groups[0].layers)
+        # Layer l's tensors are those of its position in its group; group 0's layers stand for the positions.
+        self._position = [0] * geometry.num_layers
+        for group in self.groups:
+            for position, layer in enumerate(group.layers):
+                self._position[layer] = position
+        self._check_group_devices(geometry)
+        self.bytes_per_block = geometry.bytes_per_token // geometry.num_layers * self.layers_per_block * block_size
         self.max_blocks = self._cap_in_blocks(max_tokens, max_bytes)
         if preallocate and self.max_blocks is None:
             raise ValueError("preallocate=True needs a cap: pass max_tokens or max_bytes.")
@@ -100,15 +118,39 @@ class BlockPool:
         self._version = 0
         self._written = [False] * geometry.num_layers  # a layer that never stored K/V may still be placed
         shape = (0, block_size, geometry.num_kv_heads, geometry.head_dim)
-        empty = [
-            torch.empty(shape, dtype=geometry.dtype, device=geometry.layer_device(layer))
-            for layer in range(geometry.num_layers)
-        ]
-        self.keys: list[torch.Tensor] = empty
-        self.values: list[torch.Tensor] = [t.clone() for t in empty]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._set_tensors(
+            [torch.empty(shape, dtype=geometry.dtype, device=geometry.layer_device(layer)) for layer in self._heads],
+            [torch.empty(shape, dtype=geometry.dtype, device=geometry.layer_device(layer)) for layer in self._heads],
+        )
         if preallocate:
             assert self.max_blocks is not None
             self._grow(self.max_blocks)
+
+    @property
+    def _heads(self) -> tuple[int, ...]:
+        """One layer per position of a group (group 0's): the layers whose tensors are all the distinct ones."""
+        return self.groups[0].layers
+
+    def _set_tensors(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Per-position tensors in; `keys[l]` / `values[l]` for every layer l out (aliases within a position)."""
+        self.keys = [keys[position] for position in self._position]
+        self.values = [values[position] for position in self._position]
+
+    def _check_group_devices(self, geometry: KVGeometry) -> None:
+        for layer, position in enumerate(self._position):
+            head = self._heads[position]
+            if geometry.layer_device(layer) != geometry.layer_device(head):
+                raise ValueError(
+                    f"Layers {head} and {layer} share block memory (position {position} of their layer groups) but "
+                    f"run on {geometry.layer_device(head)} and {geometry.layer_device(layer)}; a pool with layer "
+                    "groups needs the layers of one position on one device (or pass groups=None)."
+                )
+
+    def group_of(self, layer: int) -> int:
+        """The index in `groups` of layer `layer`'s group."""
+        return next(index for index, group in enumerate(self.groups) if layer in group.layers)
 
     def _cap_in_blocks(self, max_tokens: int | None, max_bytes: int | None) -> int | None:
         if max_tokens is not None:
@@ -203,10 +245,10 @@ class BlockPool:
         start = self.capacity
         g = self.geometry
         shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
-        for layer in range(g.num_layers):
-            device = g.layer_device(layer)
-            self.keys[layer] = _extended(self.keys[layer] if start else None, shape, g.dtype, device)
-            self.values[layer] = _extended(self.values[layer] if start else None, shape, g.dtype, device)
+        self._set_tensors(
+            [_extended(self.keys[h] if start else None, shape, g.dtype, g.layer_device(h)) for h in self._heads],
+            [_extended(self.values[h] if start else None, shape, g.dtype, g.layer_device(h)) for h in self._heads],
+        )
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
 
@@ -261,12 +303,13 @@ class BlockPool:
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
         """Clear blocks of every layer (used for padding blocks, which are masked but must stay finite)."""
-        for layer, index in enumerate(index_per_layer(block_ids, self.geometry)):
+        for layer in self._heads:
+            index = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[layer].device)
             self.keys[layer].index_fill_(0, index, 0)
             self.values[layer].index_fill_(0, index, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
-        for layer in range(self.geometry.num_layers):
+        for layer in self._heads:  # one copy per distinct tensor: a group's layers share ids
             self.keys[layer][dst].copy_(self.keys[layer][src])
             self.values[layer][dst].copy_(self.values[layer][src])
 
@@ -333,18 +376,28 @@ class BlockPool:
         """
         device = torch.device(device)
         with self._lock:
-            if self._written[layer]:
+            sharing = [other for other, position in enumerate(self._position) if position == self._position[layer]]
+            written = [other for other in sharing if self._written[other]]
+            if written:
+                holder = f"Layer {layer}" if written == [layer] else (
+                    f"Layer {written[0]}, whose blocks layer {layer} shares (one position of their layer groups),"
+                )  # fmt: skip
                 raise ValueError(
-                    f"Layer {layer} already stores K/V on {self.keys[layer].device}; the pool does not move blocks "
+                    f"{holder} already stores K/V on {self.keys[layer].device}; the pool does not move blocks "
                     f"between devices, so it cannot place the layer on {device} now."
                 )
             self._place_tensors(layer, device)
-            self.geometry = self.geometry.with_layer_device(layer, device)
+            for other in sharing:
+                self.geometry = self.geometry.with_layer_device(other, device)
 
     def _place_tensors(self, layer: int, device: torch.device) -> None:
+        position = self._position[layer]
         with torch.inference_mode(False):
-            self.keys[layer] = torch.zeros_like(self.keys[layer], device=device)
-            self.values[layer] = torch.zeros_like(self.values[layer], device=device)
+            keys = [torch.zeros_like(self.keys[h], device=device) if p == position else self.keys[h]
+                    for p, h in enumerate(self._heads)]  # fmt: skip
+            values = [torch.zeros_like(self.values[h], device=device) if p == position else self.values[h]
+                      for p, h in enumerate(self._heads)]  # fmt: skip
+            self._set_tensors(keys, values)
 
     def stats(self) -> PoolStats:
         with self._lock:

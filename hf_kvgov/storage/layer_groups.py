@@ -1,0 +1,79 @@
+"""Layer groups: layers that keep the same tokens share block tables, and a block holds one group's layers.
+
+A hybrid model mixes layers that attend to every previous token with layers that slide over the last `w`
+tokens (Gemma-3: 5 sliding layers of 512 tokens, then 1 full-attention layer, repeated). One block table
+for every layer would keep every token in every layer; a sliding layer needs only its window. So layers
+are grouped by what they keep, and each group has its own block tables over the one pool.
+
+Groups all have the same number of layers, `s`: the greatest common divisor of the counts of each kind
+(vLLM's hybrid allocator makes the same choice). Then a block id means the same memory in every group --
+position j of the group's layers, for `s` positions -- and the pool keeps one free list, one byte cap and
+one kind of block for all groups::
+
+    Gemma-3-270M: 15 sliding layers, 3 full (5, 11, 17)  ->  s = 3, six groups of three layers
+        sliding 512: (0 1 2)  (3 4 6)  (7 8 9)  (10 12 13)  (14 15 16)        full: (5 11 17)
+    pool tensors: keys[position j] : [capacity, block_size, kv_heads, head_dim], j = 0, 1, 2
+    layer l  ->  (its group, its position j): its K/V live in keys[j][block ids of its group's tables]
+
+A block therefore costs `s` layers' worth of bytes whatever its group. A sliding group frees every block
+whose tokens have all left the window, so a sliding layer holds at most about `w + block_size` tokens per row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers (indices in layer order) that keep the same tokens; `window`: None for full attention, else
+    the sliding window `w` (a query at position p sees keys at positions p - w + 1 .. p)."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+    def first_needed(self, position: int) -> int:
+        """The first token position a query at `position` (or later) can still attend to."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+
+def single_group(num_layers: int) -> tuple[LayerGroup, ...]:
+    """Every layer in one full-attention group: one block id spans all layers (a model without windows)."""
+    return (LayerGroup(tuple(range(num_layers))),)
+
+
+def layer_groups(windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
+    """Groups of equal size from each layer's window (None: full attention), in the order kinds first appear.
+
+    A model whose layers all keep the same tokens gets one group; a window at least as long as any sequence
+    is still a window here (the tokens a query cannot see are freed once there are any).
+    """
+    if not windows:
+        raise ValueError("A model needs at least one layer to group.")
+    for layer, window in enumerate(windows):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"Layer {layer}'s sliding window must be a positive int or None; got {window!r}.")
+    by_kind: dict[int | None, list[int]] = {}
+    for layer, window in enumerate(windows):
+        by_kind.setdefault(window, []).append(layer)
+    size = math.gcd(*(len(layers) for layers in by_kind.values()))
+    return tuple(
+        LayerGroup(tuple(layers[start : start + size]), window)
+        for window, layers in by_kind.items()
+        for start in range(0, len(layers), size)
+    )
+
+
+def check_groups(groups: Sequence[LayerGroup], num_layers: int) -> None:
+    """Raise a `ValueError` unless `groups` partition layers 0..num_layers-1 into groups of one size."""
+    if not groups:
+        raise ValueError("groups must hold at least one LayerGroup.")
+    sizes = {len(group.layers) for group in groups}
+    covered = sorted(layer for group in groups for layer in group.layers)
+    if len(sizes) != 1 or covered != list(range(num_layers)):
+        raise ValueError(
+            f"Layer groups must cover each of the {num_layers} layers exactly once, in groups of one size; got "
+            f"{[group.layers for group in groups]}."
+        )
