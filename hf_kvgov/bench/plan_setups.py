@@ -6,8 +6,9 @@ hot window, budget), not from the registry name, so a cache registered with othe
 with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
 of type tests; a class with no entry gets no prediction (None).
 
-Block-storing caches (paged, quantized, disk) keep every token in a sliding-window layer too (one block
-id spans all layers), so their setups say ``window_frees=False``; eviction caches keep at most the window.
+A `PagedCache` on a hybrid model frees what left a sliding window (its layer groups), as the planner's
+``window_frees`` models; the quantized and disk caches keep one group of every layer and so every token in
+a sliding-window layer too (``window_frees=False``); eviction caches keep at most the window.
 Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
 the blocks that never spill and the read-ahead rows they allocate on the first read-back.
 What the planner does not model, and so shows up as a gap between prediction and measurement:
@@ -79,7 +80,8 @@ def _dynamic(cache: DynamicCache, kv_dtype: str) -> CacheSetup | None:
 def _paged(cache: PagedCache, kv_dtype: str) -> CacheSetup | None:
     if cache.pool is None:
         return None
-    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, window_frees=False)
+    frees = any(group.window is not None for group in cache.pool.groups)
+    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, window_frees=frees)
 
 
 @planner_setup.register
