@@ -57,7 +57,7 @@ _SHARED_DISK = (
 
 
 def read_ahead_bytes(cache: Any) -> int:
-    """The read-ahead rows a spilling cache has allocated (they come with its first read-back)."""
+    """The read-ahead rows a spilling cache has allocated (one per spilled block it read back, up to its cap)."""
     return int(cache.stats().read_buffer_bytes)
 
 
@@ -68,8 +68,9 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
     request does: the spill at the start of that step moves its cold own blocks out of the pool and the step
     reads them back, which allocates its read-ahead rows. The budget holds the pool's blocks in use plus every
     request's allocated rows (`read_ahead_bytes`), checked after each step; the planner counts those rows
-    as each spilling sequence's `spill_buffer_bytes`. The contiguous path is used: the paged one copies the
-    whole pool layer to append read-back blocks, a cost of the bench's huge pool, not of a request.
+    as one layer of each spilling sequence's spilled blocks, up to `spill_buffer_bytes`. The contiguous path
+    is used: the paged one copies the whole pool layer to append read-back blocks, a cost of the bench's huge
+    pool, not of a request.
     """
 
     def capacity(ctx: Context, probe: Probe) -> alloc.Fit:

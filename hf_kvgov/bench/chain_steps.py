@@ -54,7 +54,7 @@ class ChainBenchConfig:
     # The prefix + disk row's hot window: a request's own part is `length - shared_tokens` tokens (512 in the
     # RESULTS runs), so a 512-token window would keep all of it and spill nothing.
     spill_hot_tokens_shared: int = 128
-    spill_buffer_bytes: int | None = None  # the disk cache's read-ahead memory (None: its default)
+    spill_buffer_bytes: int | None = None  # the disk cache's read-ahead cap (None: its default)
     chunk: int = 512  # tokens a request writes per step when a shared pool is filled (a prefill chunk)
     ppl_tokens: int = 2048
     ppl_chunk: int = 16

@@ -10,7 +10,8 @@ A `PagedCache` on a hybrid model frees what left a sliding window (its layer gro
 ``window_frees`` models; the quantized and disk caches keep one group of every layer and so every token in
 a sliding-window layer too (``window_frees=False``); eviction caches keep at most the window.
 Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
-the blocks that never spill and the read-ahead rows they allocate on the first read-back.
+the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
+planner counts one layer of the spilled blocks, up to it, as the caches allocate).
 What the planner does not model, and so shows up as a gap between prediction and measurement:
 quantized caches' `residual` window and full-precision layers.
 """
@@ -102,8 +103,8 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
 
 
 def _read_ahead_bytes(cache: DiskOffloadCache | QuantizedDiskCache) -> int:
-    """The read-ahead rows a spilling cache allocates when it first reads a block back: whole segments (one
-    layer of one block as the tier stores it: raw K/V, or codes and scales) within its buffer budget."""
+    """The most read-ahead rows a spilling cache allocates as it reads blocks back: whole segments (one layer
+    of one block as the tier stores it: raw K/V, or codes and scales) within its buffer budget."""
     reader = cache.prefetcher
     return reader.capacity * reader.tier.layout.segment_bytes if reader is not None else 0
 

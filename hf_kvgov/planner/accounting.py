@@ -129,14 +129,15 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
             raise ValueError(f"A sequence of {length} tokens does not fit a static buffer of {setup.max_len}.")
         return SequenceBytes(device=_static_bytes(geometry, setup), disk=0, shared_tokens=0)
     prefix = shared_prefix_tokens(setup, length)
-    device = disk = 0
+    device = disk = one_layer_disk = 0
     for count, window in layer_kinds(geometry):
         own = _own_layer_bytes(setup, length, prefix, held_window(setup, window), geometry.head_dim)
         layer_device, layer_disk = own
         device += count * geometry.num_kv_heads * layer_device
         disk += count * geometry.num_kv_heads * layer_disk
-    if disk:
-        device += setup.spill_buffer_bytes  # a sequence that reads blocks back holds its read-ahead buffers
+        one_layer_disk = max(one_layer_disk, geometry.num_kv_heads * layer_disk)
+    # A sequence that reads blocks back holds read-ahead rows: one layer of its spilled blocks, up to the cap.
+    device += min(setup.spill_buffer_bytes, one_layer_disk)
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
 
 

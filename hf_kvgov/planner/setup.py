@@ -48,7 +48,8 @@ class CacheSetup:
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
-        spill_buffer_bytes: read-ahead memory each spilling sequence holds besides its blocks.
+        spill_buffer_bytes: the most read-ahead memory a spilling sequence holds besides its blocks: it
+            holds one layer of its spilled blocks (as the disk caches' rows do), up to this.
         window_frees: sliding-window layers free what falls out of their window (True), or keep every
             token like a full layer (False: hf_kvgov's block-storing caches, whose one block id spans all
             layers). Eviction setups always keep at most ``window - 1`` slots in a sliding layer.

@@ -1,4 +1,4 @@
-"""Read-ahead of spilled blocks into a fixed set of resident buffers, one layer ahead of the model.
+"""Read-ahead of spilled blocks into resident buffers sized by what is spilled, one layer ahead of the model.
 
     layer l calls take(l)   -> its rows are copied to the caller's tensors (waiting for any still
                                loading), blocks that were not read ahead are read now, straight into
@@ -6,10 +6,13 @@
     then request(l + 1)     -> a background thread reads layer l+1's blocks into free rows while
                                layer l's attention and MLP run
 
-The buffers are `capacity` rows of one segment each (one layer of one block, one tensor per part),
-allocated once, so the memory they take is fixed whatever the context length. A request takes one
-contiguous run of rows, in the order of its handles: the reader fills it with one read per part and
-`take` moves it with one copy per part. Blocks that do not fit
+The buffers are rows of one segment each (one layer of one block, one tensor per part). A layer asks
+for one row per spilled block, so the rows follow what the request spilled: none until a block is read
+back, then one per block of the largest request so far (one layer of the spilled blocks, a fraction
+1 / layers of the bytes on disk), up to `buffer_bytes`. A request that spills little thus holds little,
+and the tier never costs memory it does not save. Rows grow only while none is in use (between layers)
+and are freed by `close`. A request takes one contiguous run of rows, in the order of its handles: the reader fills it
+with one read per part and `take` moves it with one copy per part. Blocks that do not fit
 are read when their layer asks (counted as on demand). On CUDA the rows are pinned host memory and a
 copy stream moves each run to device rows as soon as it is read; the consumer only orders its stream
 after that copy's event.
@@ -48,8 +51,9 @@ class _Rows:
     """The read-ahead rows of one device: host rows (pinned for CUDA) and, on CUDA, their device copies."""
 
     device: torch.device
-    capacity: int
+    limit: int  # the most rows: this device's share of the budget
     part_bytes: tuple[int, ...]
+    capacity: int = 0  # rows allocated
     host: list[torch.Tensor] | None = None  # per part: [capacity, part bytes]
     staged: list[torch.Tensor] | None = None  # CUDA: device copies of the host rows
     stream: Any = None
@@ -62,12 +66,23 @@ class _Rows:
     def cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def allocate(self) -> None:
-        shapes = [(self.capacity, size) for size in self.part_bytes]
+    def fit(self, wanted: int) -> None:
+        """Grow to `wanted` rows (at most `limit`) if none is in use: nothing refers to the old rows then."""
+        rows = min(wanted, self.limit)
+        if rows <= self.capacity or self.in_use:
+            return
+        if self.last_h2d is not None:  # the old host rows may still be on their way to the device
+            self.last_h2d.synchronize()
+            self.last_h2d = None
+        self.capacity = rows
+        shapes = [(rows, size) for size in self.part_bytes]
         self.host = [torch.empty(shape, dtype=torch.uint8, pin_memory=self.cuda) for shape in shapes]
+        # The consumer may still be copying out of the old device rows: their memory is reused in its stream's
+        # order, and the reader waits for `last_take` before it writes the new ones.
         if self.cuda:
             self.staged = [torch.empty(shape, dtype=torch.uint8, device=self.device) for shape in shapes]
-            self.stream = torch.cuda.Stream(self.device)
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(self.device)
 
     @property
     def source(self) -> list[torch.Tensor] | None:
@@ -102,8 +117,9 @@ class LayerPrefetcher:
 
     Args:
         tier: where the blocks are.
-        buffer_bytes: memory for read-ahead rows (rounded down to whole segments, split evenly between the
-            devices the layers are on); 0 disables it.
+        buffer_bytes: the most memory for read-ahead rows (rounded down to whole segments, split evenly
+            between the devices the layers are on); 0 disables it. Rows are allocated as blocks are read
+            back, one per spilled block of a layer, up to this.
         device: where `take` writes: one device (the pool's), or a function from layer to its device,
             asked when the rows are first needed.
     """
@@ -112,10 +128,10 @@ class LayerPrefetcher:
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0; got {buffer_bytes}.")
         self.tier = tier
-        self.capacity = buffer_bytes // tier.layout.segment_bytes
+        self.capacity = buffer_bytes // tier.layout.segment_bytes  # the most rows (of the largest segment)
         self._budget = buffer_bytes
         self._device_of: DeviceOf = device if callable(device) else _always(torch.device(device))
-        self._rows: dict[_RowsKey, _Rows] | None = None  # per device and segment shape, allocated on first use
+        self._rows: dict[_RowsKey, _Rows] | None = None  # per device and segment shape, set on first use
         self._entries: dict[tuple[int, int], _Entry] = {}
         self._cond = threading.Condition()
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -125,7 +141,7 @@ class LayerPrefetcher:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of read-ahead rows allocated on the layers' devices (0 until the first request)."""
+        """Bytes of read-ahead rows allocated on the layers' devices (0 until a spilled block is requested)."""
         sources = [rows.source for rows in (self._rows or {}).values()]
         return sum(part.numel() for source in sources if source is not None for part in source)
 
@@ -140,13 +156,11 @@ class LayerPrefetcher:
         return torch.device(self._device_of(layer)), self.tier.layout.parts(layer)
 
     def _rows_of(self, layer: int) -> _Rows | None:
-        """Layer `layer`'s rows (its device's, its segment shape's), allocated with all the others on first use."""
+        """Layer `layer`'s rows (its device's, its segment shape's); every key's share is set on first use."""
         if self._rows is None:
             keys = list(dict.fromkeys(self._key(layer) for layer in range(self.tier.layout.layers)))
             budget = self._budget // len(keys)
             self._rows = {key: _Rows(key[0], budget // sum(key[1]), key[1]) for key in keys}
-            for rows in self._rows.values():
-                rows.allocate()
         return self._rows.get(self._key(layer))
 
     # ------------------------------------------------------------------ the consumer's side
@@ -158,6 +172,8 @@ class LayerPrefetcher:
         todo: list[tuple[int, _Entry]] = []
         with self._cond:
             rows = self._rows_of(layer)  # None: the layer moved to a device that has no rows
+            if rows is not None:
+                rows.fit(len(handles))
             for handle in handles:
                 if rows is None or rows.head == rows.capacity:
                     break

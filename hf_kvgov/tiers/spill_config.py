@@ -47,7 +47,11 @@ class DiskCacheConfig:
 
     @property
     def buffer_bytes(self) -> int:
-        """Read-ahead memory: as given, else a quarter of `max_resident_bytes`, else 16 MiB."""
+        """The most read-ahead memory: as given, else a quarter of `max_resident_bytes`, else 16 MiB.
+
+        A cap: the rows are allocated as spilled blocks are read back (one layer of them, `tiers.prefetch`),
+        so a request that spills nothing holds none. `max_resident_bytes` still reserves all of it.
+        """
         if not self.prefetch:
             return 0
         if self.read_buffer_bytes is not None:

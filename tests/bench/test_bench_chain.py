@@ -140,13 +140,14 @@ def test_int8_disk_row_keeps_the_hot_window_as_codes(report: ChainReport) -> Non
     row = report.row("int8_disk")
     assert (row.chain or "").startswith("QuantizedDiskCache")
     # Blocks 1-2 spill as codes (block 0 is the full-precision sink); blocks 3-5 stay sealed (block 5 filled
-    # and sealed at the end of the last step). Read-ahead: 2 x 4,096 B hold 6 sealed segments of 1,280 B.
-    buffers = (2 * SEGMENT // SEALED_SEGMENT) * SEALED_SEGMENT
+    # and sealed at the end of the last step). Read-ahead: one sealed segment of 1,280 B per spilled block,
+    # under the cap (2 x 4,096 B hold 6).
+    buffers = 2 * SEALED_SEGMENT
     resident = BYTES_PER_BLOCK + 3 * SEALED_INT8_BLOCK + buffers
-    assert (buffers, resident) == (7_680, 23_552)
+    assert (buffers, resident) == (2_560, 18_432)
     assert row.kv_bytes_per_token == resident / LENGTH
     assert row.capacity_method is not None and row.capacity_method.startswith("measured bytes")
-    assert row.sequences == row.predicted_sequences == BUDGET // resident == 13
+    assert row.sequences == row.predicted_sequences == BUDGET // resident == 17
     assert row.planner_setup == "block 16, int8 (sink 1 block), spill, hot 32"
 
 
@@ -172,15 +173,16 @@ def test_prefix_int8_disk_row_spills_own_sealed_blocks(report: ChainReport) -> N
     row = report.row("prefix_int8_disk")
     assert (row.chain or "").startswith("QuantizedDiskCache") and "prefix sharing" in (row.chain or "")
     document = BYTES_PER_BLOCK + 2 * SEALED_INT8_BLOCK  # the tree's sink block in float32, blocks 1-2 as codes
-    buffers = 7_680  # 6 sealed segments of 1,280 B in 2 x 4,096 B
-    # Request 1: own blocks 3-4 spill as codes; block 5, filled by the last step, sealed at its end.
+    # Request 1: own blocks 3-4 spill as codes; block 5, filled by the last step, sealed at its end. Read-ahead:
+    # one sealed segment of 1,280 B per spilled block (the cap, 2 x 4,096 B, holds 6).
+    buffers = 2 * SEALED_SEGMENT
     assert row.kv_bytes_per_token == (document + SEALED_INT8_BLOCK + buffers) / LENGTH
-    # Capacity from the probe's bytes: (budget - the document) // (1 sealed block + buffers) = 30 requests.
+    # Capacity from the probe's bytes: (budget - the document) // (1 sealed block + buffers) = 61 requests.
     later = SEALED_INT8_BLOCK + buffers
     assert row.capacity_method is not None and row.capacity_method.startswith("measured bytes")
-    assert (row.sequences, row.held_bytes) == ((BUDGET - document) // later, document + 30 * later) == (30, 320_512)
+    assert (row.sequences, row.held_bytes) == ((BUDGET - document) // later, document + 61 * later) == (61, 325_632)
     # The planner's own arithmetic (shared store + own resident blocks + read-ahead) gives the same.
-    assert row.predicted_sequences == 30
+    assert row.predicted_sequences == 61
     assert row.numerics == "= int8 (int8@16: same K/V)"
 
 

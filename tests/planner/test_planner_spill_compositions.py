@@ -6,6 +6,7 @@ sequence of L tokens keeps the block holding token L - 1 - hot (see `accounting.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,18 @@ def test_nothing_spilled_means_no_read_ahead_buffers(unit: ModelGeometry) -> Non
     assert sequence_bytes(unit, setup, 9).device == FP_BLOCK + INT8_BLOCK + FP_BLOCK
 
 
+def test_read_ahead_is_one_layer_of_the_spilled_blocks_up_to_its_cap() -> None:
+    four_layers = ModelGeometry("four", num_layers=4, num_kv_heads=1, head_dim=8, max_position_embeddings=64)
+    setup = CacheSetup(block_size=4, spill_hot_tokens=8, spill_pinned_blocks=1, spill_buffer_bytes=300)
+    # Each layer's cold blocks as in the one-layer tests: at 40 tokens blocks 1-6 (one layer of them is 768 B,
+    # over the 300 B cap); at 20 tokens block 1 only (the last spill saw 19 tokens: blocks ending before 11
+    # go, but block 0 is pinned), one layer of it 128 B; at 9 tokens none, and no buffers.
+    for length, cold, buffers in ((40, 6, 300), (20, 1, 128), (9, 0, 0)):
+        kept = sequence_bytes(four_layers, dataclasses.replace(setup, spill_hot_tokens=None), length).device
+        result = sequence_bytes(four_layers, setup, length)
+        assert (result.disk, result.device) == (4 * cold * FP_BLOCK, kept - 4 * cold * FP_BLOCK + buffers)
+
+
 def test_shared_prefix_stays_resident_and_only_own_blocks_spill(unit: ModelGeometry) -> None:
     setup = CacheSetup(block_size=4, spill_hot_tokens=4, spill_pinned_blocks=1, spill_buffer_bytes=100)
     shared = with_shared_prefix(setup, shared_tokens=20, length=40)
@@ -83,10 +96,12 @@ def test_int8_disk_cache_holds_what_the_planner_predicts(tmp_path: Path) -> None
     _run(model, cache, torch.randint(5, 60, (1, 96), generator=torch.Generator().manual_seed(0)))
     setup = planner_setup(cache, "fp32")
     assert setup is not None and (setup.codec, setup.spill_hot_tokens, setup.spill_pinned_blocks) == ("int8", 32, 1)
-    # Read-ahead rows are whole segments of codes: one layer of a sealed block is 1,280 B; 8,192 B hold 6.
+    # Read-ahead rows are whole segments of codes: one layer of a sealed block is 1,280 B; the cap of 8,192 B
+    # holds 6.
     assert setup.spill_buffer_bytes == 6 * (TINY_INT8 // 2) == 7_680
-    # Blocks 1-2 spilled (ending before token 95 - 32 = 63); sink block 0 in float32, blocks 3-5 as codes.
-    expected = TINY_BLOCK + 3 * TINY_INT8 + 7_680
+    # Blocks 1-2 spilled (ending before token 95 - 32 = 63); sink block 0 in float32, blocks 3-5 as codes,
+    # and one read-ahead row per spilled block (one layer of codes each), under the cap.
+    expected = TINY_BLOCK + 3 * TINY_INT8 + 2 * (TINY_INT8 // 2)
     assert cache.stats().bytes_used == sequence_bytes(planner_geometry(model), setup, 96).device == expected
     cache.release()
 

@@ -148,13 +148,13 @@ def test_a_slot_file_with_segments_that_differ_per_layer(tmp_path: Path) -> None
     # Layer 1, part 2 of slot 1: 16 (layer 0) + 2 x (2 + 1) (parts 0, 1 of both slots) + 1 x 3 = 25.
     assert tier._file is not None and tier._file.offset(1, 1, 2) == 25 and tier._file.offset(2, 1, 0) == 28 + 16
     reader = LayerPrefetcher(tier, 28, "cpu")  # 14 bytes per segment shape: 1 row of 8 bytes, 2 rows of 6
-    reader.request(1, handles[:2])
+    reader.request(1, handles[:2])  # allocates layer 1's shape only: 2 rows of 6; layer 0's stay unallocated
     outs = [torch.empty((3, n), dtype=torch.uint8) for n in (2, 1, 3)]
     reader.take(1, handles, outs)
     assert [bytes(out[b].tolist()) for b in range(3) for out in outs] == [
         p for b in range(3) for p in blocks[2 * b + 1]
     ]
-    assert (reader.prefetched, reader.on_demand, reader.buffer_bytes) == (2, 1, 8 + 12)
+    assert (reader.prefetched, reader.on_demand, reader.buffer_bytes) == (2, 1, 12)
     with pytest.raises(ValueError, match=r"rows of \[2, 1, 3\] bytes"):
         reader.take(1, handles, [torch.empty((3, 8), dtype=torch.uint8)])
     reader.close()
@@ -189,10 +189,10 @@ def test_memory_counts_full_precision_blocks_sealed_slots_and_buffers(tmp_path: 
     MODEL(ids[:, 30:], past_key_values=cache)
     stats = cache.stats()
     # Step start 30 tokens: (30 - 4) // 4 = 6, blocks 1..5 spilled; block 6 (24..27) sealed; 0 and 7 in fp.
-    # Read-ahead rows: 4,096 // 416 = 9 segments of 416 bytes.
+    # Read-ahead rows: one segment of 416 bytes per spilled block (5), under the cap of 4,096 // 416 = 9.
     assert (stats.full_precision_blocks, stats.sealed_blocks, stats.spilled_blocks) == (2, 1, 5)
-    assert (stats.full_precision_bytes, stats.sealed_bytes, stats.read_buffer_bytes) == (2 * 2048, 832, 9 * 416)
-    assert stats.resident_bytes == stats.bytes_used == 2 * 2048 + 832 + 9 * 416
+    assert (stats.full_precision_bytes, stats.sealed_bytes, stats.read_buffer_bytes) == (2 * 2048, 832, 5 * 416)
+    assert stats.resident_bytes == stats.bytes_used == 2 * 2048 + 832 + 5 * 416
     assert stats.disk_bytes == 5 * 832 and stats.bytes_read == stats.blocks_fetched * 416
     cache.release()
 

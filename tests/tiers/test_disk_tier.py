@@ -244,6 +244,42 @@ def test_read_ahead_fills_its_rows_and_the_rest_is_read_on_demand(tmp_path: Path
     assert reader.buffer_bytes == 0
 
 
+def test_read_ahead_rows_follow_the_blocks_requested_up_to_the_cap(tmp_path: Path) -> None:
+    tier = DiskTier(LAYOUT, tmp_path)
+    handles = put_blocks(tier, [1, 2, 3, 4])
+    reader = LayerPrefetcher(tier, buffer_bytes=3 * 8, device=torch.device("cpu"))  # a cap of three rows
+    reader.request(0, [])
+    assert (reader.capacity, reader.buffer_bytes) == (3, 0)  # nothing spilled was asked for: no rows
+    sizes = []
+    for layer, wanted in ((0, 1), (1, 2), (0, 4), (1, 1)):
+        reader.request(layer, handles[:wanted])
+        sizes.append(reader.buffer_bytes)
+        assert take(reader, layer, handles[:wanted]) == [payload(n, layer) for n in (1, 2, 3, 4)[:wanted]]
+    # One 8-byte row per block asked for, at most three; rows do not shrink until `close`.
+    assert sizes == [8, 16, 24, 24]
+    assert (reader.prefetched, reader.on_demand) == (1 + 2 + 3 + 1, 1)
+    reader.close()
+    assert reader.buffer_bytes == 0
+    tier.close()
+
+
+def test_read_ahead_rows_grow_only_when_none_is_in_use(tmp_path: Path) -> None:
+    tier = DiskTier(LAYOUT, tmp_path)
+    handles = put_blocks(tier, [1, 2, 3])
+    reader = LayerPrefetcher(tier, buffer_bytes=3 * 8, device=torch.device("cpu"))
+    reader.request(0, handles[:1])  # one row, held until layer 0 is taken
+    reader.request(1, handles)  # cannot grow now: layer 1's blocks will be read on demand
+    assert reader.buffer_bytes == 8
+    assert take(reader, 0, handles[:1]) == [payload(1, 0)]
+    assert take(reader, 1, handles) == [payload(n, 1) for n in (1, 2, 3)]
+    assert (reader.prefetched, reader.on_demand) == (1, 3)
+    reader.request(0, handles)  # every row free again: they grow to the three blocks
+    assert reader.buffer_bytes == 24
+    assert take(reader, 0, handles) == [payload(n, 0) for n in (1, 2, 3)] and reader.prefetched == 4
+    reader.close()
+    tier.close()
+
+
 def test_stale_read_ahead_is_dropped_and_damage_surfaces_in_the_caller(tmp_path: Path) -> None:
     tier = DiskTier(LAYOUT, tmp_path)
     handles = put_blocks(tier, [1, 2, 3])
