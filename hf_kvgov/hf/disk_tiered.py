@@ -61,7 +61,7 @@ class DiskTieredCache(PagedCache):
         if pool_bytes < needed:
             raise ValueError(
                 f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
-                f"blocks after {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {blocks} blocks = "
+                f"blocks after up to {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {blocks} blocks = "
                 f"{needed} bytes at this geometry. Raise max_resident_bytes, or lower "
                 f"{'residual' if self._sealed is not None else 'hot_tokens'} or read_buffer_bytes."
             )
@@ -156,17 +156,16 @@ class DiskTieredCache(PagedCache):
     # ------------------------------------------------------------------ lifetime
 
     def reset(self) -> None:
-        """Forget every token: blocks return to memory's free lists, disk slots to the spill file (which stays)."""
+        """Forget every token: blocks return to memory's free lists, disk slots to the spill file (which stays),
+        and the read-ahead rows are freed (the next request's spill sizes them again)."""
         if self.prefetcher is not None:
-            self.prefetcher.clear()
+            self.prefetcher.close()
         super().release()
         self.stop_reason = None
 
     def release(self) -> None:
         """Forget every token, stop the reader thread, delete the spill file (and a private directory)."""
         self.reset()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
         if self.tier is not None:
             self.tier.close()
 

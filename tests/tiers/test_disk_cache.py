@@ -159,6 +159,22 @@ def test_resident_memory_stays_bounded_over_8192_streamed_tokens(tmp_path: Path)
     assert stats.bytes_read == stats.blocks_fetched * 4096 and stats.fetch_latency_p99_s >= stats.fetch_latency_mean_s
 
 
+def test_read_ahead_follows_the_spill_and_reset_frees_it(tmp_path: Path) -> None:
+    cache = DiskOffloadCache(MODEL, tmp_path, hot_tokens=4, block_size=4)  # the default cap, 16 MiB
+    ids = prompts(length=40)["input_ids"]
+    MODEL(ids[:, :30], past_key_values=cache)
+    assert cache.stats().read_buffer_bytes == 0  # nothing spilled yet
+    MODEL(ids[:, 30:31], past_key_values=cache)  # 30 tokens at step start: blocks 1..5 spill and come back
+    stats = cache.stats()
+    # One 1,024-byte row (one layer of a block) per spilled block, beside resident blocks 0, 6 and 7: less
+    # than the 31 tokens x 512 bytes DynamicCache holds.
+    assert (stats.spilled_blocks, stats.read_buffer_bytes) == (5, 5 * 1024)
+    assert stats.resident_bytes == 3 * BLOCK_BYTES_4 + 5 * 1024 == 11_264 < 31 * 512
+    cache.reset()
+    assert cache.stats().read_buffer_bytes == 0
+    cache.release()
+
+
 # ---------------------------------------------------------------- failures
 
 
