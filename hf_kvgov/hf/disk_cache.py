@@ -8,8 +8,11 @@ a background thread filled while the previous layer computed.
 
 Blocks round-trip bit for bit (raw bytes, CRC-32 checked), so the output is PagedCache's, which is
 DynamicCache's. Memory: `resident_bytes` (pool blocks held + read-ahead buffers) stays under
-`max_resident_bytes`, which caps the pool the cache creates. The pool must hold the hot window plus the
-tokens of one forward step: feed long prompts in chunks (``generate(..., prefill_chunk_size=512)``).
+`max_resident_bytes`, which caps the pool the cache creates. The read-ahead buffers follow the spill: none
+before a block is read back, then one layer of the spilled blocks (up to `read_buffer_bytes`), a fraction
+1 / layers of what left the pool, so spilling never costs memory it does not save. The pool must hold the
+hot window plus the tokens of one forward step: feed long prompts in chunks
+(``generate(..., prefill_chunk_size=512)``).
 Not counted: the one layer of K/V handed to attention, which every cache materialises.
 
 Prefix sharing (``prefix=PrefixCache(pool)``, `match` / `publish` as PagedCache's): the cache draws its blocks
@@ -46,13 +49,17 @@ class DiskOffloadCache(DiskTieredCache):
     Args:
         model_or_config: as for `PagedCache`.
         path: directory for the spill file (created if missing; each cache creates its own file in it).
-            None: a private temporary directory, deleted by `release()` or garbage collection.
+            None: a private ``kvgov-spill-*`` directory in the system's temporary directory
+            (`tempfile.gettempdir()`: $TMPDIR, else /tmp), made when the first block spills and deleted by
+            `release()` or garbage collection.
         hot_tokens: the latest tokens kept in memory (with the first block and the tail).
         max_resident_bytes: cap on pool blocks + read-ahead buffers; the pool is capped at the rest and
             raises `PoolExhausted` if one step's tokens do not fit. None: no cap.
         max_write_bytes: cap on bytes ever written to disk (SSD wear). None: no cap.
         block_size: tokens per block.
-        read_buffer_bytes: read-ahead memory (default: a quarter of max_resident_bytes, else 16 MiB).
+        read_buffer_bytes: the most read-ahead memory (default: a quarter of max_resident_bytes, else
+            16 MiB). Rows are allocated as spilled blocks are read back, one segment (one layer of one
+            block) per spilled block up to this cap, so a request that spills nothing holds none.
         prefetch: read the next layer's spilled blocks in a background thread.
         on_full: "raise" (`SpillSpaceExhausted` when the disk or the budget is full) or "keep_resident"
             (stop spilling; blocks stay in memory).

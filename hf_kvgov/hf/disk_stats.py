@@ -21,7 +21,8 @@ class DiskCacheStats(CacheStats):
     """`CacheStats` plus the disk tier's accounting.
 
     Here `bytes_used` (and `bytes_per_token`) count memory only: `resident_bytes`, the pool blocks this
-    cache holds plus the read-ahead buffers. A fetch reads one layer of a run of adjacent blocks;
+    cache holds plus the read-ahead rows allocated (`read_buffer_bytes`: one layer of the spilled blocks,
+    up to the configured cap; 0 before anything spills). A fetch reads one layer of a run of adjacent blocks;
     write amplification is bytes written / KV bytes spilled (1.0 unless a write failed halfway).
     With prefix sharing, blocks the tree holds that this cache uses (`prefix_blocks`) count in full in
     `resident_blocks` / `resident_bytes`, as this cache needs them in memory; caches sharing a prefix

@@ -25,7 +25,8 @@ Layers kept in full precision (`full_precision_layers`) spill their sealed block
 layers as codes: the tier records each layer's segment layout.
 
 Memory: `max_resident_bytes` caps the full-precision pool blocks and the read-ahead buffers, as for
-`DiskOffloadCache`; sealed slots come on top: the hot window's (``hot_tokens / block_size + 1`` blocks of
+`DiskOffloadCache` (the buffers hold one layer of the spilled codes, up to `read_buffer_bytes`, and nothing
+before a block spills); sealed slots come on top: the hot window's (``hot_tokens / block_size + 1`` blocks of
 codes per row) and the blocks a step seals, which spill at the start of the next.
 
 Prefix sharing (``prefix=PrefixCache(pool)`` over a `QuantizedBlockPool` of this configuration, `match` /

@@ -1,5 +1,6 @@
 """DiskOffloadCache is lossless on SmolLM2: a 2,048-token context with a 128-token hot window in memory
-generates the same tokens as DynamicCache, logits within 1e-4 (fp32)."""
+generates the same tokens as DynamicCache, logits within 1e-4 (fp32). On the demo's prompt the disk caches
+hold no more memory than the caches without a tier."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_kvgov.cli.demo import default_prompt
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
+from hf_kvgov.hf.disk_tiered import DiskTieredCache
+from hf_kvgov.registry import get_cache_spec, kv_bytes
 
 pytestmark = pytest.mark.real_model
 
@@ -53,3 +57,27 @@ def test_greedy_2048_context_128_hot_tokens(smollm2, austen_text, tmp_path: Path
     assert (stats.spilled_blocks, stats.resident_blocks) == (119, 10)
     assert stats.write_amplification == 1.0 and stats.blocks_fetched >= 30 * 119 * 8
     cache.release()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_disk_caches_hold_no_more_than_without_a_tier_on_the_demo_prompt(smollm2) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = smollm2
+    inputs = tokenizer(default_prompt(), return_tensors="pt")
+    assert inputs["input_ids"].shape[1] == 689
+    # Two new tokens, as `kvgov demo` builds and measures its rows: the second step spills the blocks older
+    # than the 512-token hot window ((689 - 512) // 16 = 11: blocks 1..10) and reads them back.
+    held, outputs = {}, {}
+    for name in ("dynamic", "disk", "int8", "int8+disk"):
+        spec, cache = get_cache_spec(name), get_cache_spec(name).build(model)
+        with spec.attention(model), torch.inference_mode():
+            outputs[name] = model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+        held[name] = kv_bytes(cache)
+        if isinstance(cache, DiskTieredCache):
+            assert cache.stats().spilled_blocks == 10
+            cache.release()
+    assert torch.equal(outputs["disk"], outputs["dynamic"]) and torch.equal(outputs["int8+disk"], outputs["int8"])
+    # 690 tokens of 46,080 bytes; the disk cache keeps 44 - 10 = 34 blocks of 737,280 bytes and, as
+    # read-ahead, one 24,576-byte layer of each spilled block (the 16 MiB default is only its cap).
+    assert held["dynamic"] == 690 * 46_080
+    assert held["disk"] == 34 * 737_280 + 10 * 24_576 <= held["dynamic"]
+    assert held["int8+disk"] <= held["int8"] <= held["dynamic"]
