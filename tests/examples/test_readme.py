@@ -42,8 +42,10 @@ def test_usage_and_chain_examples_run_as_shown_without_warnings(
         warnings.simplefilter("always")
         exec(block_with('load_model("smollm2")'), namespace)
         exec(block_with("with paged_attention(model):"), namespace)
+        exec(block_with("PagedCache(model, pool=pool)"), namespace)
         exec(block_with("GovernedCache(model"), namespace)
     noisy = [str(w.message) for w in caught if issubclass(w.category, FutureWarning | DeprecationWarning)]
     assert not [message for message in noisy if "past_key_values" in message or "cache" in message], noisy
     assert namespace["out"].shape[1] > namespace["inputs"]["input_ids"].shape[1]  # generate produced tokens
+    assert all(cache.pool is namespace["pool"] for cache in namespace["caches"])
     assert Path(namespace["spill_dir"]).parent == tmp_path and Path(namespace["spill_dir"]).is_dir()
