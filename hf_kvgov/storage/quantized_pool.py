@@ -18,6 +18,10 @@ full-precision one::
 The cap (`max_tokens` / `max_bytes`) bounds the full-precision blocks only; the sealed store grows as
 blocks are sealed. The full-precision part grows in small steps (`growth_blocks`, default 8), since a
 quantized cache keeps only the sink and tail blocks of each row there.
+
+Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
+id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing
+a block encodes one tensor per position, so those layers must share a sealed format.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.storage.geometry import index_per_layer
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 from hf_kvgov.storage.sealed_formats import SealedFormat
 from hf_kvgov.storage.sealed_store import DEFAULT_SEALED_GROWTH, SealedBlockStore, SealedStats
@@ -69,6 +74,8 @@ class QuantizedBlockPool(BlockPool):
             full-precision blocks.
         formats: one `SealedFormat` per layer: how sealed blocks of that layer are stored.
         sealed_growth_blocks: blocks added per growth step of the sealed store.
+        groups: layer groups, as `BlockPool`'s (None: one group of every layer); the layers at one position of
+            their groups must have the same format.
     """
 
     def __init__(
@@ -81,15 +88,16 @@ class QuantizedBlockPool(BlockPool):
         growth_blocks: int = DEFAULT_TAIL_GROWTH,
         preallocate: bool = False,
         sealed_growth_blocks: int = DEFAULT_SEALED_GROWTH,
+        groups: tuple[LayerGroup, ...] | None = None,
     ) -> None:
         if len(formats) != geometry.num_layers:
             raise ValueError(
                 f"A QuantizedBlockPool needs one SealedFormat per layer ({geometry.num_layers}); got {len(formats)}."
             )
-        super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate)
+        super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate, groups)
         devices = [geometry.layer_device(layer) for layer in range(geometry.num_layers)]
         self.sealed = SealedBlockStore(
-            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks
+            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self._position
         )
 
     @property
@@ -161,8 +169,9 @@ class QuantizedBlockPool(BlockPool):
     def _encode(self, full_ids: list[int], slots: list[int]) -> None:
         sources = index_per_layer(full_ids, self.geometry)
         targets = index_per_layer(slots, self.geometry)
-        for layer, (source, target) in enumerate(zip(sources, targets, strict=True)):
-            self.sealed.write(layer, target, self.keys[layer][source], self.values[layer][source])
+        for layer in self._heads:  # one tensor per position holds whichever group's layer owns the block
+            source = sources[layer]
+            self.sealed.write(layer, targets[layer], self.keys[layer][source], self.values[layer][source])
 
     def allocate_sealed(self, n: int) -> list[int]:
         """`n` sealed block-table entries with one reference each, whose pieces the caller then writes
@@ -199,8 +208,9 @@ class QuantizedBlockPool(BlockPool):
         if not is_sealed(src):
             super().copy_block(src, dst)
             return
-        for layer, slot in enumerate(index_per_layer([sealed_id_of(src)], self.geometry)):
-            keys, values = self.sealed.read(layer, slot, self.geometry.dtype)
+        slots = index_per_layer([sealed_id_of(src)], self.geometry)
+        for layer in self._heads:
+            keys, values = self.sealed.read(layer, slots[layer], self.geometry.dtype)
             self.keys[layer][dst].copy_(keys[0])
             self.values[layer][dst].copy_(values[0])
 

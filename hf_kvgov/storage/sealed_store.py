@@ -11,6 +11,10 @@ Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (i
 
     sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
 
+With layer groups (`BlockPool(groups=...)`, hybrid sliding-window models) a sealed id spans the layers of
+one group, as a pool block does: the layers at one position of their groups share one dict of pieces
+(`pieces[l]` aliases), so they must share a format, and `bytes_per_block` counts one group's layers.
+
 Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
 different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
 mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
@@ -52,6 +56,8 @@ class SealedBlockStore:
         block_size, num_kv_heads, head_dim: the block geometry (as the pool's).
         device: where the pieces live: one device, or one per layer (layer l's pieces on `device[l]`).
         growth_blocks: blocks added per growth step (the store at least doubles).
+        positions: each layer's position in its layer group (`BlockPool._position`): layers at one position
+            share pieces, format and device. None: every layer has pieces of its own.
     """
 
     def __init__(
@@ -62,6 +68,7 @@ class SealedBlockStore:
         head_dim: int,
         device: Placement,
         growth_blocks: int = DEFAULT_SEALED_GROWTH,
+        positions: Sequence[int] | None = None,
     ) -> None:
         if not formats:
             raise ValueError("A sealed store needs one SealedFormat per layer; got an empty list.")
@@ -72,17 +79,21 @@ class SealedBlockStore:
         self.devices = _per_layer(device, len(self.formats))
         self.device = self.devices[0]
         self._growth = growth_blocks
+        self._position = list(range(len(self.formats))) if positions is None else list(positions)
+        self._heads = _heads(self._position, self.formats, self.devices)
         self._layouts = [f.layout(block_size, num_kv_heads, head_dim) for f in self.formats]
-        self.pieces: list[dict[str, Tensor]] = [
-            {name: torch.empty((0, *shape), dtype=dtype, device=where) for name, (shape, dtype) in layout.items()}
-            for layout, where in zip(self._layouts, self.devices, strict=True)
-        ]
+        per_position = [
+            {name: torch.empty((0, *shape), dtype=dtype, device=self.devices[head])
+             for name, (shape, dtype) in self._layouts[head].items()}
+            for head in self._heads
+        ]  # fmt: skip
+        self.pieces: list[dict[str, Tensor]] = [per_position[position] for position in self._position]
         self._ref: list[int] = []
         self._free: deque[int] = deque()
         self.bytes_per_block = sum(
             int(torch.Size(shape).numel()) * dtype.itemsize
-            for layout in self._layouts
-            for shape, dtype in layout.values()
+            for head in self._heads
+            for shape, dtype in self._layouts[head].values()
         )
 
     # ------------------------------------------------------------------ metadata
@@ -112,18 +123,24 @@ class SealedBlockStore:
         start = self.capacity
         # As in BlockPool: tensors created under torch.inference_mode() could not take in-place writes later.
         with torch.inference_mode(False):
-            for layer, layout in enumerate(self._layouts):
-                for name, (shape, dtype) in layout.items():
+            for layer in self._heads:  # one tensor per position: the layers sharing it see the grown one
+                for name, (shape, dtype) in self._layouts[layer].items():
                     fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.devices[layer])
                     self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
 
     def place_layer(self, layer: int, device: torch.device) -> None:
-        """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros)."""
-        self.devices[layer] = torch.device(device)
+        """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros).
+
+        The layers at its position share those pieces and move with it (the pool places them together).
+        """
+        for other, position in enumerate(self._position):
+            if position == self._position[layer]:
+                self.devices[other] = torch.device(device)
         self.device = self.devices[0]
-        self.pieces[layer] = {name: torch.zeros_like(t, device=device) for name, t in self.pieces[layer].items()}
+        pieces = self.pieces[layer]
+        pieces.update({name: torch.zeros_like(t, device=device) for name, t in pieces.items()})
 
     def check_live(self, sealed_ids: Iterable[int], action: str) -> list[int]:
         """Validate every id (counting repeats when freeing) before anything changes."""
@@ -195,6 +212,25 @@ class SealedBlockStore:
             bytes_used=self.num_used * self.bytes_per_block,
             bytes_reserved=self.capacity * self.bytes_per_block,
         )
+
+
+def _heads(positions: Sequence[int], formats: Sequence[SealedFormat], devices: Sequence[torch.device]) -> list[int]:
+    """The first layer at each position, after checking that the layers of a position agree on format and device
+    (they share one tensor per piece)."""
+    if len(positions) != len(formats) or sorted(set(positions)) != list(range(len(set(positions)))):
+        raise ValueError(
+            f"positions must give each of the {len(formats)} layers a position 0, 1, ...; got {positions}."
+        )
+    heads = [positions.index(position) for position in range(len(set(positions)))]
+    for layer, position in enumerate(positions):
+        head = heads[position]
+        if (formats[layer].name, devices[layer]) != (formats[head].name, devices[head]):
+            raise ValueError(
+                f"Layers {head} and {layer} share sealed blocks (position {position} of their layer groups) but are "
+                f"stored as {formats[head].name} on {devices[head]} and {formats[layer].name} on {devices[layer]}; "
+                "layers sharing a position need one format and one device."
+            )
+    return heads
 
 
 def _per_layer(device: Placement, num_layers: int) -> list[torch.device]:
