@@ -6,9 +6,9 @@ hot window, budget), not from the registry name, so a cache registered with othe
 with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
 of type tests; a class with no entry gets no prediction (None).
 
-A `PagedCache` on a hybrid model frees what left a sliding window (its layer groups), as the planner's
-``window_frees`` models; the quantized and disk caches keep one group of every layer and so every token in
-a sliding-window layer too (``window_frees=False``); eviction caches keep at most the window.
+A `PagedCache` or `QuantizedCache` on a hybrid model frees what left a sliding window (its layer groups), as
+the planner's ``window_frees`` models; the disk caches keep one group of every layer and so every token in a
+sliding-window layer too (``window_frees=False``); eviction caches keep at most the window.
 Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
 the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
 planner counts one layer of the spilled blocks, up to it, as the caches allocate).
@@ -81,8 +81,13 @@ def _dynamic(cache: DynamicCache, kv_dtype: str) -> CacheSetup | None:
 def _paged(cache: PagedCache, kv_dtype: str) -> CacheSetup | None:
     if cache.pool is None:
         return None
-    frees = any(group.window is not None for group in cache.pool.groups)
-    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, window_frees=frees)
+    return CacheSetup(paged=True, block_size=cache.pool.block_size, kv_dtype=kv_dtype, window_frees=_frees(cache))
+
+
+def _frees(cache: PagedCache) -> bool:
+    """Whether the cache's pool has sliding layer groups, which free what left their window."""
+    assert cache.pool is not None
+    return any(group.window is not None for group in cache.pool.groups)
 
 
 @planner_setup.register
@@ -98,7 +103,7 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
         scale_bytes=_SCALE_BYTES,
         group_size=cache.quant.group_size,
         sink_blocks=cache.quant.sink_blocks,
-        window_frees=False,
+        window_frees=_frees(cache),
     )
 
 

@@ -5,12 +5,18 @@ Keys are quantized per channel over a block's tokens and values per token (KIVI)
 
     block:    0        1        2       ...      n-2      n-1       n
            [ sink ][ sealed ][ sealed ]  ...  [ sealed ][ resid. ][ tail ]
-             fp       codes + scales (one block id, all layers)     fp      fp: being written
+             fp       codes + scales (one id: a group's layers)     fp      fp: being written
 
 A block is sealed when it is full and older than the `residual` window, at the end of the forward step
 that filled it (after the last layer attended, so every layer of one step sees the same K/V). Sealing
 encodes the block once, even when beams share it, and hands its full-precision memory back to the pool;
 `stats()` counts what is really held: codes + scales + the remaining full-precision blocks.
+
+Hybrid models (sliding-window layers): layers are grouped by window as in PagedCache, each group with its
+own tables, and a sliding group frees its blocks, sealed or full precision (the sink too), once no query can
+see them; a sealed id, like a block id, spans one group's layers. Sealing walks every group's tables. With
+`full_precision_layers` that would share a position of the groups with quantized layers the cache keeps one
+group (see `_layer_groups`).
 
 Everything else is PagedCache's: block tables, beams (sealed blocks are immutable and stay shared),
 left padding, crop (a crop into a sealed block decodes it back into a writable full-precision block),
@@ -60,6 +66,8 @@ from hf_kvgov.kernels import dispatch
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.block_table import BlockTables
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
@@ -120,8 +128,6 @@ class QuantizedCache(PagedCache):
         namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).
     """
 
-    groups_layers = False  # sealing walks one table for every layer: sliding layers keep every block
-
     def __init__(
         self,
         model_or_config: Any,
@@ -152,9 +158,26 @@ class QuantizedCache(PagedCache):
 
     # ------------------------------------------------------------------ pool
 
+    def _layer_groups(self, windows: list[int | None]) -> tuple[LayerGroup, ...]:
+        """PagedCache's groups, unless two layers at one position of them are sealed differently.
+
+        The layers at one position share the sealed store's tensors, so they need one format. A layer kept in full
+        precision among quantized ones would either force its whole position, in every group, into full precision
+        (changing what the other layers store) or need the full-precision layers to fill whole positions of every
+        group, which a handful of layers rarely do. So such a configuration keeps one group, as before layer
+        groups: every layer keeps every token, and what each layer stores is what it asked for.
+        """
+        groups = super()._layer_groups(windows)
+        raw = set(self.quant.full_precision_layers)
+        for position in range(len(groups[0].layers)):
+            if len({group.layers[position] in raw for group in groups}) > 1:
+                return (LayerGroup(tuple(range(len(windows)))),)
+        return groups
+
     def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
         formats = self.quant.formats(self.num_layers, dtype)
-        pool = QuantizedBlockPool(self._geometry(dtype, device), formats, **self._pool_args)  # type: ignore[arg-type]
+        geometry = self._geometry(dtype, device)
+        pool = QuantizedBlockPool(geometry, formats, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
         self._adopt_pool(pool)
         self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
 
@@ -205,12 +228,12 @@ class QuantizedCache(PagedCache):
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self._quantized_pool
-        assert self.tables is not None
+        table, first = self._tables_of(layer.index).live_tensor(pool.layer_device(layer.index))
         return gather_quantized(
             pool.keys[layer.index],
             pool.values[layer.index],
-            self.tables.tensor(pool.layer_device(layer.index)),
-            layer.length,
+            table,
+            layer.length - first,
             self._reader(layer.index),
             pool.geometry.dtype,
         )
@@ -242,15 +265,21 @@ class QuantizedCache(PagedCache):
         return kv
 
     def _seal_ready_blocks(self) -> None:
-        """Seal, in every row, the full blocks that left the residual window since the last call."""
-        tables = self.tables
-        if tables is None or not tables.rows:
+        """Seal, in every row of every layer group, the full blocks that left the residual window since the last
+        call (and are still in the group's window: a sliding group freed the blocks before `first_block`)."""
+        if not any(tables.rows for tables in self.all_tables):
             return
-        pool = self._quantized_pool
         length = min(layer.length for layer in self.layers if isinstance(layer, PagedLayer))
-        ready = max(0, length - self.quant.residual) // pool.block_size
-        first = self._sealed_columns
-        if ready <= first:
+        ready = max(0, length - self.quant.residual) // self._quantized_pool.block_size
+        if ready <= self._sealed_columns:
+            return
+        for tables in self.all_tables:
+            self._seal_columns(tables, max(self._sealed_columns, tables.first_block), ready)
+        self._sealed_columns = ready
+
+    def _seal_columns(self, tables: BlockTables, first: int, ready: int) -> None:
+        """Seal block columns [first, ready) of one group's rows."""
+        if first >= ready or not tables.rows:
             return
         # A row that matched a cached prefix may hold sealed blocks past the frontier already (they are the
         # tree's, encoded by the request that published them); only its full-precision blocks are sealed.
@@ -258,11 +287,10 @@ class QuantizedCache(PagedCache):
         # reference, so the tree keeps the full-precision block and the row gets a private sealed copy. The
         # cost, both copies held and one encode per row that seals it, is why `publish` offers codes instead.
         spots = [(row, c) for row in tables.rows for c in range(first, ready) if not is_sealed(row.block_ids[c])]
-        sealed = pool.seal([row.block_ids[c] for row, c in spots])
+        sealed = self._quantized_pool.seal([row.block_ids[c] for row, c in spots])
         for (row, c), block in zip(spots, sealed, strict=True):
             row.block_ids[c] = block
         tables._changed()  # the cached block-table tensor names the released full-precision blocks
-        self._sealed_columns = ready
 
     # ------------------------------------------------------------------ generate's bookkeeping
 
@@ -275,12 +303,14 @@ class QuantizedCache(PagedCache):
         whole = length // self.pool.block_size
         if length % self.pool.block_size:
             # Per row: a matched row may hold a sealed block where another row still has a full-precision one.
-            # Never a sink column: sinks are not sealed here, and a matched sink is a full-precision block.
+            # Never a sink column: sinks are not sealed here, and a matched sink is a full-precision block. A
+            # sliding group still holds that block: crop refused to go back before what it kept.
             pool = self._quantized_pool
-            for row in self.tables.rows:
-                if is_sealed(row.block_ids[whole]):
-                    row.block_ids[whole] = pool.unseal(row.block_ids[whole])
-            self.tables._changed()
+            for tables in self.all_tables:
+                for row in tables.rows:
+                    if is_sealed(row.block_ids[whole]):
+                        row.block_ids[whole] = pool.unseal(row.block_ids[whole])
+                tables._changed()
         self._sealed_columns = max(self.quant.sink_blocks, min(self._sealed_columns, whole))
 
     def release(self) -> None:
@@ -323,8 +353,7 @@ class QuantizedCache(PagedCache):
     def stats(self) -> QuantizedCacheStats:
         base = super().stats()
         pool = self.pool if isinstance(self.pool, QuantizedBlockPool) else None
-        rows = self.tables.rows if self.tables is not None else []
-        distinct = {block for row in rows for block in row.block_ids}
+        distinct = {block for tables in self.all_tables for row in tables.rows for block in row.live_ids}
         sealed = sum(1 for block in distinct if is_sealed(block))
         full_bytes = (len(distinct) - sealed) * (pool.bytes_per_block if pool else 0)
         sealed_bytes = sealed * (pool.sealed.bytes_per_block if pool else 0)

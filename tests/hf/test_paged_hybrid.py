@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
 
-from hf_kvgov import PagedCache, QuantizedCache, paged_attention
+from hf_kvgov import PagedCache, QuantizedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.storage.layer_groups import LayerGroup
 
 WINDOW, BLOCK = 24, 8
@@ -60,8 +60,9 @@ def test_layers_are_grouped_by_window() -> None:
         LayerGroup((0, 1), WINDOW), LayerGroup((3, 4), WINDOW), LayerGroup((2, 5), None),
     )  # fmt: skip
     assert PagedCache(MODELS["mistral"]).groups == (LayerGroup((0, 1), WINDOW),)
-    # A cache that keeps one table for every layer keeps one group (its sliding layers keep every block).
-    assert len(QuantizedCache(MODELS["gemma3"]).groups) == 1
+    assert QuantizedCache(MODELS["gemma3"]).groups == PagedCache(MODELS["gemma3"]).groups
+    # A cache whose disk tier keeps one table for every layer keeps one group (its sliding layers keep every block).
+    assert len(QuantizedDiskCache(MODELS["gemma3"]).groups) == 1
 
 
 @pytest.mark.parametrize("attention", ["contiguous", "paged"])

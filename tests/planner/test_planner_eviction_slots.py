@@ -148,10 +148,18 @@ def test_h2o_int8_bytes_by_hand_on_the_tiny_llama() -> None:
 def test_block_caches_match_stats(model: Any, make: Callable[[Any], Any]) -> None:
     cache = _run(model, make(model), 61, evicting=False)
     assert _predicted(model, cache, 61) == cache.stats().bytes_used
-    if isinstance(cache, PagedCache) and not isinstance(cache, QuantizedCache):
-        # A full-attention layer holds all 4 blocks (3 full, 1 tail). PagedCache frees what left a window: the
-        # last step's query at 60 sees 53.. (window 8), so a sliding layer keeps block 3 (48-63) alone.
-        # QuantizedCache keeps every block in every layer (one layer group).
-        full_layers = sum(group.window is None for group in cache.groups for _ in group.layers)
-        layer_blocks = full_layers * math.ceil(61 / 16) + (len(cache.layers) - full_layers) * 1
-        assert cache.stats().bytes_used == layer_blocks * 16 * 2 * 2 * 16 * 4
+    # A full-attention layer holds all 4 blocks (3 full, 1 tail). Both caches free what left a window: the last
+    # step's query at 60 sees 53.. (window 8), so a sliding layer keeps block 3 (48-63) alone, its tail.
+    full_layers = sum(group.window is None for group in cache.groups for _ in group.layers)
+    sliding_layers = len(cache.layers) - full_layers
+    fp_block = 16 * 2 * 2 * 16 * 4  # 16 tokens x K and V x 2 heads x dim 16, fp32
+    if isinstance(cache, QuantizedCache):
+        # int8: codes (1 B) for K and V, fp16 scale + zero per key channel and per value token and head.
+        sealed_block = 2 * 16 * 2 * 16 + 2 * 2 * 2 * 16 + 2 * 2 * 16 * 2
+        pool = cache._quantized_pool
+        assert pool.sealed.bytes_per_block == pool.layers_per_block * sealed_block  # a block spans a layer group
+        # A full-attention layer: sink and tail in full precision, blocks 1 and 2 sealed.
+        expected = full_layers * (2 * fp_block + 2 * sealed_block) + sliding_layers * fp_block
+    else:
+        expected = (full_layers * math.ceil(61 / 16) + sliding_layers) * fp_block
+    assert cache.stats().bytes_used == expected
