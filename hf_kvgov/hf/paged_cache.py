@@ -138,7 +138,7 @@ class PagedCache(GovernedCache):
     """
 
     # Whether the pool this cache creates groups layers by window (see the module docstring). Caches built on
-    # this one that store blocks elsewhere (codes, a disk tier) keep one group until they free windows too.
+    # this one that store blocks elsewhere (a disk tier) keep one group until they free windows too.
     groups_layers = True
 
     def __init__(
