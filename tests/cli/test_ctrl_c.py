@@ -38,13 +38,7 @@ FILLER = (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """One intra-op thread: the cores are shared with other test processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest's: the cores are shared with other test processes
 
 
 @pytest.fixture(scope="module")
