@@ -39,6 +39,16 @@ def test_groups_follow_the_window_unless_a_position_mixes_formats() -> None:
     assert QuantizedCache(model, full_precision_layers=(0,)).groups == (LayerGroup(tuple(range(6))),)
 
 
+def test_full_precision_layers_filling_a_position_decode_as_the_single_group_cache() -> None:
+    model = MODELS["gemma3"]
+    reference = generate(model, OneGroupQuantizedCache(model, block_size=BLOCK, full_precision_layers=(0, 2, 3)))
+    cache = QuantizedCache(model, block_size=BLOCK, full_precision_layers=(0, 2, 3))
+    out = generate(model, cache)
+    assert len(cache.groups) == 3 and torch.equal(out.sequences, reference.sequences)
+    store = cache._quantized_pool.sealed
+    assert [store.formats[layer].name for layer in (0, 3, 2, 1, 4, 5)] == ["full"] * 3 + ["int8"] * 3
+
+
 def test_a_position_of_mixed_formats_is_refused_by_the_pool() -> None:
     geometry = KVGeometry(2, 2, 16, torch.float32, torch.device("cpu"))
     groups = (LayerGroup((0,), 8), LayerGroup((1,), None))
