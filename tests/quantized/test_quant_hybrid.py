@@ -62,13 +62,14 @@ def test_a_position_of_mixed_formats_is_refused_by_the_pool() -> None:
     assert 2 * pool.sealed.bytes_per_block == single.sealed.bytes_per_block
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("bits", "fmt"), [(8, "int"), (4, "int"), (8, "fp8")], ids=["int8", "int4", "fp8"])
 @pytest.mark.parametrize("attention", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_tokens_equal_the_single_group_cache(name: str, attention: str, bits: int) -> None:
+def test_tokens_equal_the_single_group_cache(name: str, attention: str, bits: int, fmt: str) -> None:
     model = MODELS[name]
-    reference = run(model, OneGroupQuantizedCache(model, bits=bits, block_size=BLOCK, attention=attention), attention)
-    cache = QuantizedCache(model, bits=bits, block_size=BLOCK, attention=attention)  # type: ignore[arg-type]
+    options: dict[str, Any] = {"bits": bits, "fmt": fmt, "block_size": BLOCK, "attention": attention}
+    reference = run(model, OneGroupQuantizedCache(model, **options), attention)
+    cache = QuantizedCache(model, **options)
     out = run(model, cache, attention)
     assert len(cache.groups) > 1 or cache.groups[0].window is not None
     assert torch.equal(out.sequences, reference.sequences)
