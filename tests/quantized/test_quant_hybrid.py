@@ -18,7 +18,7 @@ from tests.hf.test_paged_hybrid import BLOCK, MODELS, WINDOW, generate
 
 
 class OneGroupQuantizedCache(QuantizedCache):
-    """Today's behaviour before layer groups: one table for every layer, so sliding layers keep every block."""
+    """QuantizedCache without layer groups: one table for every layer, so sliding layers keep every block."""
 
     groups_layers = False
 
