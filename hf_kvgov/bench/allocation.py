@@ -106,9 +106,11 @@ def _check_free(like: BlockPool, budget_bytes: int) -> None:
 
 @functools.singledispatch
 def capped_pool(like: BlockPool, budget_bytes: int) -> BlockPool:
-    """A pool of `like`'s geometry and block size, capped at `budget_bytes` and allocated up front."""
+    """A pool of `like`'s geometry, block size and layer groups, capped at `budget_bytes` and allocated up front."""
     _check_free(like, budget_bytes)
-    return BlockPool(like.geometry, block_size=like.block_size, max_bytes=budget_bytes, preallocate=True)
+    return BlockPool(
+        like.geometry, block_size=like.block_size, max_bytes=budget_bytes, preallocate=True, groups=like.groups
+    )
 
 
 @capped_pool.register
@@ -116,7 +118,9 @@ def _capped_quantized(like: QuantizedBlockPool, budget_bytes: int) -> BlockPool:
     # Its cap bounds the full-precision blocks only, and they are few once sealed: grown on demand, not
     # pre-allocated; `pool_bytes_used` is what a fill holds against the budget.
     _check_free(like, budget_bytes)
-    return QuantizedBlockPool(like.geometry, like.sealed.formats, block_size=like.block_size, max_bytes=budget_bytes)
+    return QuantizedBlockPool(
+        like.geometry, like.sealed.formats, block_size=like.block_size, max_bytes=budget_bytes, groups=like.groups
+    )
 
 
 @functools.singledispatch
@@ -171,7 +175,19 @@ def _attend_nothing(view: PagedView | None) -> None:
 
 
 def _write_sequence(cache: Any, kv: LayerKV, length: int) -> None:
-    write_tokens(cache, kv, 0, length)
+    """The prompt (all tokens but the last), then the last token as a decode step: the state of a decoding
+    request, which is what the planner counts.
+
+    A sliding-window layer group frees what left its window between steps, so a cache with one gets its
+    prompt one block a step, as a chunked prefill would: written in one step it would hold the whole prompt
+    in every layer at once, a peak no decoding request has. Other caches take the prompt in one step.
+    """
+    pool = getattr(cache, "pool", None)
+    sliding = pool is not None and any(group.window is not None for group in pool.groups)
+    chunk = pool.block_size if sliding else max(1, length - 1)
+    steps = [(start, min(start + chunk, length - 1)) for start in range(0, length - 1, chunk)]
+    for start, stop in [*steps, (length - 1, length)]:
+        write_tokens(cache, kv, start, stop)
 
 
 def fill_until_refused(

@@ -183,6 +183,11 @@ class PagedCache(GovernedCache):
             pool = prefix.pool
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
         self.groups = pool.groups if pool is not None else self._layer_groups(windows)
+        if prefix is not None and (len(self.groups) > 1 or self.groups[0].window is not None):
+            raise ValueError(
+                "Prefix sharing over a pool with layer groups is not supported yet: the tree's blocks must serve "
+                "every layer. Build the PrefixCache over a pool without groups= (prefix_tree(model) does)."
+            )
         group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.layers}
         self._group_of = [group_of[layer] for layer in range(self.num_layers)]
         if pool is not None:
