@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 
 def tiny_llama(num_kv_heads: int = 2, num_heads: int = 4, seed: int = 0) -> LlamaForCausalLM:
@@ -27,6 +34,34 @@ def tiny_llama(num_kv_heads: int = 2, num_heads: int = 4, seed: int = 0) -> Llam
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
     return model
+
+
+# The geometry of the tiny hybrid models: 2 KV heads of dim 16 (4 query heads), float32.
+_TINY_HYBRID = {
+    "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512, "pad_token_id": 0,
+    "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def tiny_gemma3(layer_types: tuple[str, ...] = (SLIDING, FULL, SLIDING), window: int = 8) -> Gemma3ForCausalLM:
+    """Gemma-3's hybrid layout in miniature: sliding-window layers of `window` tokens beside full-attention ones."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types), sliding_window=window, **_TINY_HYBRID
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_mistral(window: int = 8, num_layers: int = 2) -> MistralForCausalLM:
+    """A Mistral-style model: every layer slides over `window` tokens."""
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(num_hidden_layers=num_layers, sliding_window=window, **_TINY_HYBRID))
+    model.generation_config.pad_token_id = 0
+    return model.eval()
 
 
 def _real_model(name: str):  # type: ignore[no-untyped-def]

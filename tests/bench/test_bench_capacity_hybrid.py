@@ -11,11 +11,10 @@ import math
 from typing import Any
 
 import pytest
-import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hf_kvgov.bench.capacity import CapacityConfig, run_capacity
 from hf_kvgov.planner.lengths import parse_lengths
+from tests.conftest import tiny_gemma3
 from tests.quantized.quant_char_tokenizer import char_tokenizer
 
 LENGTH, WINDOW, BLOCK = 64, 8, 16
@@ -29,19 +28,13 @@ PEAK = 4 + 2 + 2
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3() -> tuple[Any, Any]:
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    )  # fmt: skip
-    return Gemma3ForCausalLM(config).eval(), char_tokenizer()
+def gemma3_and_tokenizer() -> tuple[Any, Any]:
+    return tiny_gemma3(window=WINDOW), char_tokenizer()
 
 
 @pytest.mark.parametrize("capacity_blocks", [30, 32])
-def test_paged_capacity_counts_the_windows_only(tiny_gemma3: tuple[Any, Any], capacity_blocks: int) -> None:
-    model, tokenizer = tiny_gemma3
+def test_paged_capacity_counts_the_windows_only(gemma3_and_tokenizer: tuple[Any, Any], capacity_blocks: int) -> None:
+    model, tokenizer = gemma3_and_tokenizer
     budget = capacity_blocks * LAYER_BLOCK + 100
     config = CapacityConfig(("paged",), parse_lengths(str(LENGTH)), budget)
     (row,) = run_capacity(model, tokenizer, config, model_name="tiny-gemma3", progress=False).rows

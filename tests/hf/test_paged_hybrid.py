@@ -8,37 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache
 
 from hf_kvgov import PagedCache, QuantizedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.storage.layer_groups import LayerGroup
+from tests.conftest import FULL, SLIDING, tiny_gemma3, tiny_mistral
 
 WINDOW, BLOCK = 24, 8
-COMMON = {
-    "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-    "sliding_window": WINDOW,
-}  # fmt: skip
-
-
-def gemma3() -> Gemma3ForCausalLM:
-    """6 layers as Gemma-3 lays them out (sliding, sliding, full, repeated), 24-token windows."""
-    torch.manual_seed(0)
-    kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    model = Gemma3ForCausalLM(Gemma3TextConfig(num_hidden_layers=6, head_dim=16, layer_types=kinds, **COMMON)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def mistral() -> MistralForCausalLM:
-    """Every layer sliding over 24 tokens."""
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, **COMMON)).eval()
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-MODELS = {"gemma3": gemma3(), "mistral": mistral()}
+# 6 layers as Gemma-3 lays them out (sliding, sliding, full, repeated); Mistral: every layer sliding.
+MODELS = {"gemma3": tiny_gemma3((SLIDING, SLIDING, FULL) * 2, window=WINDOW), "mistral": tiny_mistral(window=WINDOW)}
 
 
 def batch() -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ each cache generates with the kernel forced and with the reference forced, while
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,7 @@ from tests.conftest import tiny_llama
 NEW_TOKENS = 5  # 1 prefill step + 4 decode steps, 2 layers each
 
 
-@pytest.fixture(autouse=True)
-def clean_dispatch() -> Iterator[None]:
-    dispatch.set_backend(None)
-    dispatch.reset_backend_counts()
-    yield
-    dispatch.set_backend(None)
+pytestmark = pytest.mark.usefixtures("clean_dispatch")  # tests/kernels/conftest.py
 
 
 def generate_with(backend: str, build: Callable[[], Any]) -> tuple[Any, Any, dict[str, int]]:

@@ -10,84 +10,62 @@ reference forced and against DynamicCache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from kernel_helpers import DEVICE  # noqa: F401  (sets TRITON_INTERPRET=1 before the kernels are imported)
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache
 
 from hf_kvgov import PagedCache, QuantizedCache, paged_attention
 from hf_kvgov.kernels import dispatch
+from tests.conftest import tiny_gemma3
 
 WINDOW, BLOCK, PROMPT, NEW_TOKENS = 8, 4, 13, 5  # decode steps at 13..16: sliding layers hold 2-3 blocks
 
 
-@pytest.fixture(autouse=True)
-def clean_dispatch() -> Iterator[None]:
-    dispatch.set_backend(None)
-    dispatch.reset_backend_counts()
-    yield
-    dispatch.set_backend(None)
+pytestmark = pytest.mark.usefixtures("clean_dispatch")  # tests/kernels/conftest.py
 
 
 class OneGroupQuantizedCache(QuantizedCache):
     groups_layers = False  # one table for every layer: sliding layers keep every block
 
 
-def tiny_gemma3() -> Gemma3ForCausalLM:
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    )  # fmt: skip
-    model = Gemma3ForCausalLM(config).eval()
-    model.generation_config.pad_token_id = 0
-    return model
+MODEL = tiny_gemma3(window=WINDOW)
+IDS = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+OPTIONS = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
 
 
-def test_sliding_groups_decode_through_the_kernel_as_through_the_reference() -> None:
-    model = tiny_gemma3()
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    options = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
-    reference = model.generate(input_ids=ids, cache=DynamicCache(config=model.config), **options)
+def generate(cache: Any) -> Any:
+    with paged_attention(MODEL), torch.no_grad():
+        return MODEL.generate(input_ids=IDS, cache=cache, **OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("cache_type", "path", "reference"),
+    [
+        (PagedCache, "paged", lambda: DynamicCache(config=MODEL.config)),
+        # QuantizedCache's sliding groups free sealed blocks and the sink; the kernel reads codes in place from
+        # the group's first kept block. Against a cache of one group, which frees nothing.
+        (QuantizedCache, "quantized", lambda: OneGroupQuantizedCache(MODEL, block_size=BLOCK, attention="paged")),
+    ],
+    ids=["paged", "quantized"],
+)
+def test_sliding_groups_decode_through_the_kernel_as_through_the_reference(
+    cache_type: type, path: str, reference: Callable[[], Any]
+) -> None:
+    expected = generate(reference())
     results = {}
     for backend in ("torch", "triton"):
         dispatch.set_backend(backend)
         dispatch.reset_backend_counts()
-        cache = PagedCache(model, block_size=BLOCK, attention="paged")
-        with paged_attention(model), torch.no_grad():
-            results[backend] = model.generate(input_ids=ids, cache=cache, **options)
+        cache = cache_type(MODEL, block_size=BLOCK, attention="paged")
+        results[backend] = generate(cache)
         assert cache.all_tables[0].first_block > 0  # the sliding group did free blocks while decoding
         if backend == "triton":  # 3 layers x 4 decode steps on the kernel, the prefill on the reference
-            assert dispatch.backend_counts() == {"paged/torch": 3, "paged/triton": 12}
+            assert dispatch.backend_counts() == {f"{path}/torch": 3, f"{path}/triton": 12}
     for out in results.values():
-        assert torch.equal(out.sequences, reference.sequences)
-    for got, expected in zip(results["triton"].scores, results["torch"].scores, strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-
-
-def test_quantized_sliding_groups_decode_through_the_kernel_as_through_the_reference() -> None:
-    # The same for QuantizedCache: its sliding groups free sealed blocks and the sink; the kernel reads codes
-    # in place from the group's first kept block. Against a cache of one group, which frees nothing.
-    model = tiny_gemma3()
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    options = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
-    one_group = OneGroupQuantizedCache(model, block_size=BLOCK, attention="paged")
-    with paged_attention(model), torch.no_grad():
-        reference = model.generate(input_ids=ids, cache=one_group, **options)
-    results = {}
-    for backend in ("torch", "triton"):
-        dispatch.set_backend(backend)
-        dispatch.reset_backend_counts()
-        cache = QuantizedCache(model, block_size=BLOCK, attention="paged")
-        with paged_attention(model), torch.no_grad():
-            results[backend] = model.generate(input_ids=ids, cache=cache, **options)
-        assert cache.all_tables[0].first_block > 0
-        if backend == "triton":
-            assert dispatch.backend_counts() == {"quantized/torch": 3, "quantized/triton": 12}
-    for out in results.values():
-        assert torch.equal(out.sequences, reference.sequences)
-    for got, expected in zip(results["triton"].scores, results["torch"].scores, strict=True):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(out.sequences, expected.sequences)
+    for got, want in zip(results["triton"].scores, results["torch"].scores, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -13,14 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_gemma3, tiny_llama
 
 # Per kept slot and KV head: positions (int64) and validity (bool), plus H2O's fp32 attention mass.
 METADATA, SCORE = 8 + 1, 4
@@ -80,17 +79,6 @@ def test_a_cache_that_keeps_every_token_ignores_the_window() -> None:
 
 
 # ------------------------------------------------------------------ against the caches' own accounting
-
-
-def tiny_gemma3() -> Gemma3ForCausalLM:
-    """3 layers (sliding, full, sliding; window 8), 2 KV heads of dim 16: a model with both layer kinds."""
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-    )  # fmt: skip
-    return Gemma3ForCausalLM(config).eval()
 
 
 MODELS = {"llama": tiny_llama, "gemma3": tiny_gemma3}
