@@ -184,7 +184,7 @@ def _write_sequence(cache: Any, kv: LayerKV, length: int) -> None:
     """
     pool = getattr(cache, "pool", None)
     sliding = pool is not None and any(group.window is not None for group in pool.groups)
-    chunk = pool.block_size if sliding else max(1, length - 1)
+    chunk = pool.block_size if pool is not None and sliding else max(1, length - 1)
     steps = [(start, min(start + chunk, length - 1)) for start in range(0, length - 1, chunk)]
     for start, stop in [*steps, (length - 1, length)]:
         write_tokens(cache, kv, start, stop)

@@ -33,6 +33,7 @@ from hf_kvgov.bench.chain_steps import (
     shared_pool_refused,
     written,
 )
+from hf_kvgov.chain.build import prefix_tree
 from hf_kvgov.chain.parts import Paging
 from hf_kvgov.hf.disk_prefix import tree_held
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -134,7 +135,7 @@ class ChainStep:
 
 
 def _policy_with_other_links(ctx: Context) -> list[Parts]:
-    prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size)).pool)
+    prefix = prefix_tree(ctx.model, pool=Paging(ctx.config.block_size))
     return [h2o_parts(ctx) | {"pool": Paging(ctx.config.block_size)}, h2o_parts(ctx) | {"prefix": prefix}]
 
 

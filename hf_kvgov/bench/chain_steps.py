@@ -27,6 +27,7 @@ from tqdm import tqdm
 from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import fit_in_order
 from hf_kvgov.bench.prefix_qa import questions
+from hf_kvgov.chain.build import prefix_tree
 from hf_kvgov.chain.parts import Disk, HeavyHitter, Paging
 from hf_kvgov.hf.eviction import eviction_attention
 from hf_kvgov.hf.governed import GovernedCache
@@ -213,7 +214,7 @@ def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}
     """
 
     def probe(ctx: Context) -> Probe:
-        prefix = PrefixCache(ctx.build(pool=Paging(ctx.config.block_size), codec=codec).pool)
+        prefix = prefix_tree(ctx.model, pool=Paging(ctx.config.block_size), codec=codec)
         first = ctx.sharing(codec, "paged")(prefix)  # stored through `update` only: no gather needed
         alloc.write_tokens(first, ctx.kv, 0, ctx.config.length)
         first.publish(ctx.ids(0))

@@ -194,4 +194,6 @@ def prefix_tree(
         raise ValueError(
             "prefix_tree needs the model itself (its dtype and devices place the pool), not only its config."
         )
-    return PrefixCache(owner.pool, priority=priority)
+    # The tree's blocks serve every layer (prefix sharing does not serve layer groups yet): one group.
+    ungrouped = len(owner.pool.groups) == 1 and owner.pool.groups[0].window is None
+    return PrefixCache(owner.pool if ungrouped else owner.pool.regrouped(None), priority=priority)
