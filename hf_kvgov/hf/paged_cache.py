@@ -328,6 +328,13 @@ class PagedCache(GovernedCache):
         new_v = value_states.transpose(1, 2).reshape(-1, heads, head_dim)
         self.pool.write(layer.index, slots, new_k, new_v)
 
+    def layer_kv(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V layer `index` holds, `[batch, kv_heads, tokens, head_dim]` (a copy): every token, or from
+        the first kept block on in a sliding-window layer group."""
+        layer = self.layers[index]
+        assert isinstance(layer, PagedLayer)
+        return self._contiguous_kv(layer)
+
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as `[batch, kv_heads, length, head_dim]` for any attention implementation."""
         assert self.pool is not None

@@ -41,11 +41,11 @@ def outlier_ratio(keys: Tensor) -> float:
 
 
 def key_outlier_ratios(cache: PagedCache) -> list[float]:
-    """`outlier_ratio` of every layer's keys held by a (lossless) `PagedCache`."""
+    """`outlier_ratio` of every layer's keys held by a (lossless) `PagedCache` (a sliding-window layer's: the
+    tokens it still holds)."""
     if cache.pool is None or cache.tables is None or cache.get_seq_length() == 0:
         raise ValueError("The cache holds no tokens yet; run the model on some text first.")
-    table, length = cache.tables.tensor(), cache.get_seq_length()
-    return [outlier_ratio(cache.pool.gather(layer, table, length)[0]) for layer in range(cache.num_layers)]
+    return [outlier_ratio(cache.layer_kv(layer)[0]) for layer in range(cache.num_layers)]
 
 
 def outlier_layers(ratios: Sequence[float], threshold: float = DEFAULT_OUTLIER_RATIO) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import PagedCache, Paging, PrefixCache, QuantizedCache, QuantizedDiskCache, paged_attention, prefix_tree
+from hf_kvgov.quality.outliers import key_outlier_ratios, outlier_ratio
 from hf_kvgov.storage.layer_groups import LayerGroup
 from tests.conftest import FULL, SLIDING, tiny_gemma3, tiny_mistral
 
@@ -125,3 +126,19 @@ def test_prefix_sharing_keeps_one_group_and_refuses_a_grouped_pool() -> None:
     assert grouped is not None and len(grouped.groups) == 3
     with pytest.raises(ValueError, match="Prefix sharing over a pool with layer groups is not supported yet"):
         PagedCache(model, prefix=PrefixCache(grouped))
+
+
+def test_layer_kv_reads_each_groups_own_table() -> None:
+    model = MODELS["gemma3"]
+    ids = batch()["input_ids"][:1, :41]
+    cache, everything = PagedCache(model, block_size=BLOCK), DynamicCache()  # no config: every layer keeps all
+    with torch.inference_mode():
+        for kv in (cache, everything):
+            model(ids[:, :40], cache=kv)
+            model(ids[:, 40:], cache=kv)  # queries at 40 see 17..40: sliding layers keep block 2 (16-23) on
+    ratios = key_outlier_ratios(cache)
+    for index, group in ((index, cache.groups[cache._group_of[index]]) for index in range(6)):
+        first = 0 if group.window is None else 16
+        keys = everything.layers[index].keys[:, :, first:]
+        torch.testing.assert_close(cache.layer_kv(index)[0], keys)
+        assert ratios[index] == outlier_ratio(keys)
