@@ -26,7 +26,8 @@ CacheBuilder = Callable[[], Any]  # () -> a fresh transformers Cache for the mod
 
 
 class _StackedLayer(CacheLayerMixin):
-    """Layer `index` of a `StackedCache`: sizes come from the first cache (all rows hold the same text)."""
+    """Layer `index` of a `StackedCache`: sizes come from the first cache (all rows hold the same text), and
+    so does `is_sliding`, which tells the mask that a sliding-window layer returns only the tokens it keeps."""
 
     is_compileable = False
     is_croppable = False
@@ -37,6 +38,8 @@ class _StackedLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.index = index
+        layers = getattr(owner.caches[0], "layers", ())
+        self.is_sliding = index < len(layers) and bool(getattr(layers[index], "is_sliding", False))
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
@@ -74,6 +77,12 @@ class StackedCache(Cache):
             cache.update(key_states[i : i + 1], value_states[i : i + 1], layer_idx, *args, **kwargs)
             for i, cache in enumerate(self.caches)
         ]
+        lengths = sorted({int(k.shape[2]) for k, _ in parts})
+        if len(lengths) > 1:
+            raise ValueError(
+                f"The stacked caches return {lengths} tokens for layer {layer_idx}: they keep different tokens (a "
+                "sliding-window layer that some free and others keep whole), so they cannot share one batch."
+            )
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
