@@ -1,4 +1,5 @@
-"""Attention in the check's batches: sliding-window layers masked as the caches keep them."""
+"""Attention in the check's batches: sliding-window layers masked as the caches keep them, and on a CPU
+grouped-query K/V heads read in place, which gives what transformers' sdpa gives."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.quality.grouped_attention import ATTENTION_NAME, grouped_sdpa_on_cpu
 from hf_kvgov.quality.lockstep import StackedCache, score_in_lockstep
-from tests.conftest import tiny_gemma3, tiny_mistral
+from tests.conftest import tiny_gemma3, tiny_llama, tiny_mistral
 
 
 @pytest.mark.parametrize("build", [tiny_gemma3, tiny_mistral])
@@ -32,3 +34,25 @@ def test_rows_that_keep_different_tokens_are_refused() -> None:
     with torch.inference_mode(), pytest.raises(ValueError, match="they keep different tokens"):
         for start in range(0, 40, 8):
             model(input_ids=ids[:, start : start + 8], cache=stacked, use_cache=True)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped (2 query heads per K/V head), and plain multi-head
+def test_grouped_sdpa_gives_what_transformers_sdpa_gives(kv_heads: int) -> None:
+    model = tiny_llama(num_kv_heads=kv_heads, num_heads=4)
+    ids = torch.randint(3, 96, (1, 57), generator=torch.Generator().manual_seed(3))
+    candidates = {"int4": functools.partial(QuantizedCache, model, bits=4, block_size=8)}
+    stock = score_in_lockstep(model, ids, candidates, chunk_tokens=8, block_size=8).scores["int4"]
+    with grouped_sdpa_on_cpu(model):
+        assert model.config._attn_implementation == ATTENTION_NAME
+        grouped = score_in_lockstep(model, ids, candidates, chunk_tokens=8, block_size=8).scores["int4"]
+    assert model.config._attn_implementation == "sdpa"
+    assert grouped.perplexity == pytest.approx(stock.perplexity, rel=1e-6)
+    assert grouped.kl_mean == pytest.approx(stock.kl_mean, rel=1e-4, abs=1e-9)
+    assert grouped.top1_agreement == stock.top1_agreement
+
+
+def test_a_model_not_on_sdpa_keeps_its_attention() -> None:
+    model = tiny_llama()
+    model.set_attn_implementation("eager")
+    with grouped_sdpa_on_cpu(model):
+        assert model.config._attn_implementation == "eager"
