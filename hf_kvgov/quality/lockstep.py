@@ -9,6 +9,7 @@ token attends to exactly what it would see while generating (full-precision tail
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,10 @@ from tqdm import tqdm
 from hf_kvgov.hf.compat import Cache, CacheLayerMixin
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.quality.metrics import RunningScore
+from hf_kvgov.quality.plan import Pass, lockstep_passes
 from hf_kvgov.registry import kv_bytes
+
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]"  # its units are costs, not steps
 
 CacheBuilder = Callable[[], Any]  # () -> a fresh transformers Cache for the model being scored
 
@@ -118,6 +122,7 @@ def score_in_lockstep(
     block_size: int,
     max_rows: int = 8,
     progress: str | None = None,
+    bar: tqdm | None = None,
 ) -> LockstepResult:
     """Score every candidate against a `PagedCache` reference, `max_rows` candidates per pass.
 
@@ -126,45 +131,56 @@ def score_in_lockstep(
         candidates: name -> builder of a fresh cache for `model`.
         chunk_tokens: tokens fed per forward step.
         progress: label of a progress bar on stderr (None: silent).
+        bar: a progress bar to advance instead, by each step's `plan.Pass.step_cost` (its total is the caller's).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be [1, n] with n >= 2; got {tuple(input_ids.shape)}.")
     if chunk_tokens < 1 or max_rows < 1:
         raise ValueError(f"chunk_tokens and max_rows must be positive; got {chunk_tokens} and {max_rows}.")
     names = list(candidates)
+    passes = lockstep_passes(len(names), int(input_ids.shape[1]), chunk_tokens, max_rows, progress or "")
     scores: dict[str, CacheScore] = {}
     reference: PagedCache | None = None
-    passes = range(0, max(len(names), 1), max_rows)
-    for number, start in enumerate(passes, start=1):
-        group = names[start : start + max_rows]
-        reference = PagedCache(model, block_size=block_size)
-        caches = [candidates[name]() for name in group]
-        label = f"{progress} ({number}/{len(passes)})" if progress and len(passes) > 1 else progress
-        running = _run_pass(model, input_ids, [reference, *caches], chunk_tokens, label)
-        ref_bytes = kv_bytes(reference)
-        for name, cache, score in zip(group, caches, running, strict=True):
-            scores[name] = _finish(name, score, cache, ref_bytes)
+    with _own_bar(passes, progress) if bar is None else contextlib.nullcontext(bar) as shown:
+        for start, planned in zip(range(0, max(len(names), 1), max_rows), passes, strict=True):
+            group = names[start : start + max_rows]
+            reference = PagedCache(model, block_size=block_size)
+            caches = [candidates[name]() for name in group]
+            running = _run_pass(model, input_ids, [reference, *caches], planned, shown)
+            ref_bytes = kv_bytes(reference)
+            for name, cache, score in zip(group, caches, running, strict=True):
+                scores[name] = _finish(name, score, cache, ref_bytes)
     assert reference is not None
     return LockstepResult(scores, reference)
 
 
-def _run_pass(
-    model: Any, input_ids: Tensor, caches: list[Any], chunk_tokens: int, label: str | None
-) -> list[RunningScore]:
+def progress_bar(total: float, label: str) -> tqdm:
+    """A bar on stderr counting `plan.Pass` costs: it shows the percentage done and the ETA, not its units."""
+    return tqdm(total=total, desc=label, bar_format=BAR_FORMAT, leave=False)
+
+
+def _own_bar(passes: Sequence[Pass], label: str | None) -> contextlib.AbstractContextManager[tqdm | None]:
+    return contextlib.nullcontext() if label is None else progress_bar(sum(p.cost for p in passes), label)
+
+
+def _run_pass(model: Any, input_ids: Tensor, caches: list[Any], planned: Pass, bar: tqdm | None) -> list[RunningScore]:
     """One pass over the text; returns one running score per cache after the first (the reference)."""
+    assert len(caches) == planned.rows and input_ids.shape[1] == planned.tokens
     layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     stacked = StackedCache(caches, layers)
     rows = input_ids.expand(len(caches), -1).to(model.device)
     running = [RunningScore() for _ in caches[1:]]
-    length = input_ids.shape[1]
+    if bar is not None and planned.label:
+        bar.set_description_str(planned.label)
     with torch.inference_mode():
-        steps = range(0, length - 1, chunk_tokens)
-        for start in tqdm(steps, desc=label, unit="step", disable=label is None, leave=False):
-            stop = min(start + chunk_tokens, length - 1)  # the last token has nothing to predict
+        for start in planned.starts:
+            stop = min(start + planned.chunk, planned.tokens - 1)  # the last token has nothing to predict
             logits = model(input_ids=rows[:, start:stop], cache=stacked, use_cache=True).logits
             targets = rows[0, start + 1 : stop + 1]
             for row, score in enumerate(running, start=1):
                 score.add(logits[0], logits[row], targets)
+            if bar is not None:
+                bar.update(planned.step_cost(start))
     return running
 
 
