@@ -30,8 +30,11 @@ CacheBuilder = Callable[[], Any]  # () -> a fresh transformers Cache for the mod
 
 
 class _StackedLayer(CacheLayerMixin):
-    """Layer `index` of a `StackedCache`: sizes come from the first cache (all rows hold the same text), and
-    so does `is_sliding`, which tells the mask that a sliding-window layer returns only the tokens it keeps."""
+    """Layer `index` of a `StackedCache`: the rows hold the same text, so a full-attention layer's sizes are the
+    first cache's. A layer that some cache treats as sliding (`is_sliding`) may keep a different amount of
+    history before the window in each row (DynamicCache exactly `window - 1` tokens, a block cache from a block
+    boundary, a cache without layer groups everything): the batch reads the last tokens every row keeps, which
+    hold the window of every query of the step, and tells the mask where they start."""
 
     is_compileable = False
     is_croppable = False
@@ -42,8 +45,7 @@ class _StackedLayer(CacheLayerMixin):
         super().__init__()
         self.owner = owner
         self.index = index
-        layers = getattr(owner.caches[0], "layers", ())
-        self.is_sliding = index < len(layers) and bool(getattr(layers[index], "is_sliding", False))
+        self.is_sliding = any(_sliding(cache, index) for cache in owner.caches)
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True
@@ -52,13 +54,22 @@ class _StackedLayer(CacheLayerMixin):
         return self.owner.update(key_states, value_states, self.index, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.caches[0].get_mask_sizes(query_length, self.index)
+        sizes = [cache.get_mask_sizes(query_length, self.index) for cache in self.owner.caches]
+        if not self.is_sliding:
+            return sizes[0]
+        start = max(offset for _, offset in sizes)  # the latest first token: what every row keeps
+        return sizes[0][0] + sizes[0][1] - start, start
 
     def get_seq_length(self) -> int:
         return int(self.owner.caches[0].get_seq_length(self.index))
 
     def get_max_length(self) -> int:
         return -1
+
+
+def _sliding(cache: Any, index: int) -> bool:
+    layers = getattr(cache, "layers", ())
+    return index < len(layers) and bool(getattr(layers[index], "is_sliding", False))
 
 
 class StackedCache(Cache):
@@ -82,10 +93,15 @@ class StackedCache(Cache):
             for i, cache in enumerate(self.caches)
         ]
         lengths = sorted({int(k.shape[2]) for k, _ in parts})
-        if len(lengths) > 1:
+        layer = self.layers[layer_idx]
+        if len(lengths) > 1 and getattr(layer, "is_sliding", False):  # see `_StackedLayer`
+            kept = lengths[0]
+            parts = [(k[:, :, -kept:], v[:, :, -kept:]) for k, v in parts]
+        elif len(lengths) > 1:
             raise ValueError(
-                f"The stacked caches return {lengths} tokens for layer {layer_idx}: they keep different tokens (a "
-                "sliding-window layer that some free and others keep whole), so they cannot share one batch."
+                f"The stacked caches return {lengths} tokens for full-attention layer {layer_idx}: they keep "
+                "different tokens (an eviction cache beside one that keeps every token), so they cannot share one "
+                "batch."
             )
         return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
