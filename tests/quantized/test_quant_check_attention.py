@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
@@ -26,14 +27,22 @@ def test_a_batch_runs_past_the_window_of_a_sliding_window_model(build: Any) -> N
     assert scores["int8"].tokens == 96 and scores["int8"].kl_mean < 1e-3
 
 
-def test_rows_that_keep_different_tokens_are_refused() -> None:
-    model = tiny_gemma3(window=16)
-    rows = [PagedCache(model, block_size=8), QuantizedCache(model, block_size=8, full_precision_layers=(1,))]
-    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(2))
-    stacked = StackedCache(rows, num_layers=3)
-    with torch.inference_mode(), pytest.raises(ValueError, match="they keep different tokens"):
-        for start in range(0, 40, 8):
-            model(input_ids=ids[:, start : start + 8], cache=stacked, use_cache=True)
+class _DropsFirstToken(DynamicCache):
+    """Returns all but its first token: a cache that keeps other tokens than the rest in a full-attention layer."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[no-untyped-def]
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return keys[:, :, 1:], values[:, :, 1:]
+
+
+def test_rows_that_keep_different_tokens_in_a_full_attention_layer_are_refused() -> None:
+    # Sliding-window layers may differ in the history they keep (tests/quantized/test_stacked_sliding.py); a
+    # full-attention layer must return the same tokens in every row.
+    model = tiny_llama()
+    stacked = StackedCache([PagedCache(model, block_size=8), _DropsFirstToken()], num_layers=2)
+    ids = torch.randint(3, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode(), pytest.raises(ValueError, match="full-attention layer 0: they keep different"):
+        model(input_ids=ids, cache=stacked, use_cache=True)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped (2 query heads per K/V head), and plain multi-head
