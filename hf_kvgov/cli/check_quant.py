@@ -107,8 +107,8 @@ def options_from_args(args: argparse.Namespace) -> CheckOptions:
 def idle_cores() -> int:
     """CPUs that the 1-minute load average leaves idle, at least one.
 
-    Intra-op threads on more cores than are free stall each other: on a 2-core machine where another job ran,
-    two threads took 3x as long as one. Torch's own default, a thread per core, suits an idle machine.
+    Intra-op threads on more cores than are free stall each other: on a 2-core machine where other jobs ran,
+    two threads took 3 to 15 times as long as one. Torch's own default, a thread per core, suits an idle machine.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
