@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_cache import CacheStats
+from hf_kvgov.hf.paged_stats import CacheStats
 from hf_kvgov.tiers.accounting import TierStats
 
 if TYPE_CHECKING:

@@ -19,7 +19,6 @@ do. A cache with a prefix tree keeps one group for now (every layer keeps every 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -35,34 +34,17 @@ from hf_kvgov.hf.compat import (
     model_layer_devices,
 )
 from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
-from hf_kvgov.storage.layer_groups import LayerGroup, layer_groups
+from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
 AttentionPath = Literal["contiguous", "paged"]
 ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """What a paged cache holds. Shared blocks (beams, prefixes) count once in the physical figures."""
-
-    sequences: int
-    tokens: int  # logical tokens: sequences x tokens per sequence
-    blocks_in_use: int
-    slots_allocated: int
-    slots_filled: int
-    utilization: float  # slots_filled / slots_allocated
-    bytes_used: int
-    bytes_per_token: float
-    pool_blocks_reserved: int
-    pool_bytes_reserved: int
-    block_size: int
-    attention: str
 
 
 class PagedLayer(CacheLayerMixin):
@@ -182,14 +164,13 @@ class PagedCache(GovernedCache):
                 raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
             pool = prefix.pool
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
-        self.groups = pool.groups if pool is not None else self._layer_groups(windows)
-        if prefix is not None and (len(self.groups) > 1 or self.groups[0].window is not None):
+        groups = pool.groups if pool is not None else self._layer_groups(windows)
+        self.layout = GroupLayout.of(groups, self.num_layers)
+        if prefix is not None and (len(groups) > 1 or groups[0].window is not None):
             raise ValueError(
                 "Prefix sharing over a pool with layer groups is not supported yet: the tree's blocks must serve "
                 "every layer. Build the PrefixCache over a pool without groups= (prefix_tree(model) does)."
             )
-        group_of = {layer: index for index, group in enumerate(self.groups) for layer in group.layers}
-        self._group_of = [group_of[layer] for layer in range(self.num_layers)]
         if pool is not None:
             self._adopt_pool(pool)
         else:
@@ -198,7 +179,7 @@ class PagedCache(GovernedCache):
                 self._create_pool(*dtype_device)
         layers: list[Any] = [PagedLayer(self, i) for i in range(self.num_layers)]
         for layer in layers:
-            layer.is_sliding = self.groups[self._group_of[layer.index]].window is not None
+            layer.is_sliding = self._group(layer.index).window is not None
         super().__init__(layers=layers)
 
     # ------------------------------------------------------------------ layer groups
@@ -208,12 +189,19 @@ class PagedCache(GovernedCache):
         prefix tree's blocks serve every layer; a split model's positions would span devices)."""
         known = {device for device in self._layer_devices if device is not None}
         if not self.groups_layers or self.prefix is not None or len(known) > 1:
-            return (LayerGroup(tuple(range(len(windows)))),)
+            return single_group(len(windows))
         return layer_groups(windows)
+
+    @property
+    def groups(self) -> tuple[LayerGroup, ...]:
+        return self.layout.groups
+
+    def _group(self, layer: int) -> LayerGroup:
+        return self.layout.groups[self.layout.group_of[layer]]
 
     def _tables_of(self, layer: int) -> BlockTables:
         assert self.tables is not None
-        group = self._group_of[layer]
+        group = self.layout.group_of[layer]
         return self.tables if group == 0 else self._other_tables[group - 1]
 
     @property
@@ -222,13 +210,9 @@ class PagedCache(GovernedCache):
         return [] if self.tables is None else [self.tables, *self._other_tables]
 
     def _first_kept_token(self, layer: int, position: int) -> int:
-        """The first token layer `layer` keeps while queries start at `position` (0 outside sliding groups)."""
-        window = self.groups[self._group_of[layer]].window
-        if window is None:
-            return 0
-        block_size = self.pool.block_size if self.pool is not None else self._pool_args["block_size"]
-        assert block_size is not None
-        return max(0, position - window + 1) // block_size * block_size
+        """The first token layer `layer` keeps while queries start at `position` (0 outside sliding groups); known
+        before the pool exists (the mask asks first), from the block size the pool gets."""
+        return self._group(layer).first_kept(position, self._pool_args["block_size"])  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ pool
 
@@ -253,7 +237,6 @@ class PagedCache(GovernedCache):
             )
         check_placement(self._layer_devices, [pool.layer_device(i) for i in range(self.num_layers)])
         self.pool = pool
-        self.groups = pool.groups
         self.tables = BlockTables(pool, pool.groups[0])
         self._other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
         self._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
@@ -441,30 +424,4 @@ class PagedCache(GovernedCache):
     # ------------------------------------------------------------------ accounting
 
     def stats(self) -> CacheStats:
-        pool, tables = self.pool, self.tables
-        length = self.get_seq_length()
-        if pool is None or tables is None:
-            return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, self._pool_args["block_size"] or 0, self.attention)
-        bs = pool.block_size
-        filled: dict[int, int] = {}
-        for group_tables in self.all_tables:
-            for row in group_tables.rows:
-                for i, block in enumerate(row.block_ids[row.freed :], start=row.freed):
-                    filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
-        blocks = len(filled)
-        tokens = tables.batch_size * length
-        used = blocks * pool.bytes_per_block
-        return CacheStats(
-            sequences=tables.batch_size,
-            tokens=tokens,
-            blocks_in_use=blocks,
-            slots_allocated=blocks * bs,
-            slots_filled=sum(filled.values()),
-            utilization=sum(filled.values()) / (blocks * bs) if blocks else 0.0,
-            bytes_used=used,
-            bytes_per_token=used / tokens if tokens else 0.0,
-            pool_blocks_reserved=pool.capacity,
-            pool_bytes_reserved=pool.capacity * pool.bytes_per_block,
-            block_size=bs,
-            attention=self.attention,
-        )
+        return paged_cache_stats(self)

@@ -67,7 +67,7 @@ from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
-from hf_kvgov.storage.layer_groups import LayerGroup
+from hf_kvgov.storage.layer_groups import LayerGroup, single_group
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
@@ -171,7 +171,7 @@ class QuantizedCache(PagedCache):
         raw = set(self.quant.full_precision_layers)
         for position in range(len(groups[0].layers)):
             if len({group.layers[position] in raw for group in groups}) > 1:
-                return (LayerGroup(tuple(range(len(windows)))),)
+                return single_group(len(windows))
         return groups
 
     def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_cache import CacheStats
+from hf_kvgov.hf.paged_stats import CacheStats
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 

@@ -172,10 +172,7 @@ class BlockTables:
     def first_kept_token(self, position: int) -> int:
         """The first token a sliding group keeps while queries start at `position`: the start of the block
         holding the first token those queries can see (0 for full attention)."""
-        if self.group is None:
-            return 0
-        bs = self.pool.block_size
-        return self.group.first_needed(position) // bs * bs
+        return 0 if self.group is None else self.group.first_kept(position, self.pool.block_size)
 
     def _free_out_of_window(self, start: int) -> None:
         first = self.first_kept_token(start) // self.pool.block_size

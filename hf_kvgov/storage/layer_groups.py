@@ -22,7 +22,7 @@ whose tokens have all left the window, so a sliding layer holds at most about `w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -37,6 +37,11 @@ class LayerGroup:
     def first_needed(self, position: int) -> int:
         """The first token position a query at `position` (or later) can still attend to."""
         return 0 if self.window is None else max(0, position - self.window + 1)
+
+    def first_kept(self, position: int, block_size: int) -> int:
+        """The first token the group keeps while queries start at `position`: the start of the block holding
+        the first token they can see (0 for full attention)."""
+        return self.first_needed(position) // block_size * block_size
 
 
 def single_group(num_layers: int) -> tuple[LayerGroup, ...]:
@@ -77,3 +82,41 @@ def check_groups(groups: Sequence[LayerGroup], num_layers: int) -> None:
             f"Layer groups must cover each of the {num_layers} layers exactly once, in groups of one size; got "
             f"{[group.layers for group in groups]}."
         )
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Where each layer's blocks live when a block holds one group's layers: its group and its position in it.
+    The layers at one position share memory; group 0's layers (`heads`) stand for the positions."""
+
+    groups: tuple[LayerGroup, ...]
+    group_of: tuple[int, ...]  # per layer: its index in `groups`
+    position: tuple[int, ...]  # per layer: its index in its group's `layers`
+
+    @classmethod
+    def of(cls, groups: Sequence[LayerGroup], num_layers: int) -> GroupLayout:
+        check_groups(groups, num_layers)
+        group_of, position = [0] * num_layers, [0] * num_layers
+        for index, group in enumerate(groups):
+            for at, layer in enumerate(group.layers):
+                group_of[layer], position[layer] = index, at
+        return cls(tuple(groups), tuple(group_of), tuple(position))
+
+    @property
+    def heads(self) -> tuple[int, ...]:
+        return self.groups[0].layers
+
+    def sharing(self, layer: int) -> list[int]:
+        """The layers whose memory is layer `layer`'s (itself included)."""
+        return [other for other, at in enumerate(self.position) if at == self.position[layer]]
+
+    def check_shared(self, value_of: Callable[[int], object], what: str) -> None:
+        """Raise a `ValueError` unless every layer's `value_of` (a device, a format) equals its position's head's."""
+        for layer, at in enumerate(self.position):
+            head = self.heads[at]
+            if value_of(layer) != value_of(head):
+                raise ValueError(
+                    f"Layers {head} and {layer} share {what} (position {at} of their layer groups) but have "
+                    f"{value_of(head)} and {value_of(layer)}; layers sharing a position need the same (or no "
+                    "layer groups)."
+                )

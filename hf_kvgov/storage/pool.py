@@ -37,7 +37,7 @@ import torch
 
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.geometry import KVGeometry, check_on_device
-from hf_kvgov.storage.layer_groups import LayerGroup, check_groups, single_group
+from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, single_group
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GROWTH_BLOCKS", "BlockPool", "KVGeometry", "PoolStats", "Reclaimer"]
 
@@ -97,15 +97,11 @@ class BlockPool:
             raise ValueError(f"growth_blocks must be positive; got {growth_blocks}.")
         self.geometry = geometry
         self.block_size = block_size
-        self.groups = tuple(groups) if groups is not None else single_group(geometry.num_layers)
-        check_groups(self.groups, geometry.num_layers)
-        self.layers_per_block = len(self.groups[0].layers)
         # Layer l's tensors are those of its position in its group; group 0's layers stand for the positions.
-        self._position = [0] * geometry.num_layers
-        for group in self.groups:
-            for position, layer in enumerate(group.layers):
-                self._position[layer] = position
-        self._check_group_devices(geometry)
+        self.layout = GroupLayout.of(groups or single_group(geometry.num_layers), geometry.num_layers)
+        self.layout.check_shared(geometry.layer_device, "block memory, hence a device,")
+        self.groups = self.layout.groups
+        self.layers_per_block = len(self.layout.heads)
         self.bytes_per_block = geometry.bytes_per_token // geometry.num_layers * self.layers_per_block * block_size
         self.max_blocks = self._cap_in_blocks(max_tokens, max_bytes)
         if preallocate and self.max_blocks is None:
@@ -131,23 +127,13 @@ class BlockPool:
 
     @property
     def _heads(self) -> tuple[int, ...]:
-        """One layer per position of a group (group 0's): the layers whose tensors are all the distinct ones."""
-        return self.groups[0].layers
+        """One layer per group position: the layers whose tensors are all the distinct ones."""
+        return self.layout.heads
 
     def _set_tensors(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Per-position tensors in; `keys[l]` / `values[l]` for every layer l out (aliases within a position)."""
-        self.keys = [keys[position] for position in self._position]
-        self.values = [values[position] for position in self._position]
-
-    def _check_group_devices(self, geometry: KVGeometry) -> None:
-        for layer, position in enumerate(self._position):
-            head = self._heads[position]
-            if geometry.layer_device(layer) != geometry.layer_device(head):
-                raise ValueError(
-                    f"Layers {head} and {layer} share block memory (position {position} of their layer groups) but "
-                    f"run on {geometry.layer_device(head)} and {geometry.layer_device(layer)}; a pool with layer "
-                    "groups needs the layers of one position on one device (or pass groups=None)."
-                )
+        self.keys = [keys[position] for position in self.layout.position]
+        self.values = [values[position] for position in self.layout.position]
 
     def regrouped(self, groups: tuple[LayerGroup, ...] | None) -> BlockPool:
         """A new, empty pool like this one (geometry, block size, byte cap, growth), its blocks laid out for
@@ -163,7 +149,7 @@ class BlockPool:
 
     def group_of(self, layer: int) -> int:
         """The index in `groups` of layer `layer`'s group."""
-        return next(index for index, group in enumerate(self.groups) if layer in group.layers)
+        return self.layout.group_of[layer]
 
     def _cap_in_blocks(self, max_tokens: int | None, max_bytes: int | None) -> int | None:
         if max_tokens is not None:
@@ -389,7 +375,7 @@ class BlockPool:
         """
         device = torch.device(device)
         with self._lock:
-            sharing = [other for other, position in enumerate(self._position) if position == self._position[layer]]
+            sharing = self.layout.sharing(layer)
             written = [other for other in sharing if self._written[other]]
             if written:
                 holder = f"Layer {layer}" if written == [layer] else (
@@ -404,7 +390,7 @@ class BlockPool:
                 self.geometry = self.geometry.with_layer_device(other, device)
 
     def _place_tensors(self, layer: int, device: torch.device) -> None:
-        position = self._position[layer]
+        position = self.layout.position[layer]
         with torch.inference_mode(False):
             keys = [torch.zeros_like(self.keys[h], device=device) if p == position else self.keys[h]
                     for p, h in enumerate(self._heads)]  # fmt: skip

@@ -97,7 +97,7 @@ class QuantizedBlockPool(BlockPool):
         super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate, groups)
         devices = [geometry.layer_device(layer) for layer in range(geometry.num_layers)]
         self.sealed = SealedBlockStore(
-            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self._position
+            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
         )
 
     def regrouped(self, groups: tuple[LayerGroup, ...] | None) -> QuantizedBlockPool:

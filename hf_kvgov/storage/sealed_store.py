@@ -31,6 +31,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
+from hf_kvgov.storage.layer_groups import GroupLayout, single_group
 from hf_kvgov.storage.sealed_formats import SealedFormat
 
 DEFAULT_SEALED_GROWTH = 64
@@ -56,8 +57,8 @@ class SealedBlockStore:
         block_size, num_kv_heads, head_dim: the block geometry (as the pool's).
         device: where the pieces live: one device, or one per layer (layer l's pieces on `device[l]`).
         growth_blocks: blocks added per growth step (the store at least doubles).
-        positions: each layer's position in its layer group (`BlockPool._position`): layers at one position
-            share pieces, format and device. None: every layer has pieces of its own.
+        layout: the pool's layer groups (`BlockPool.layout`): layers at one position share pieces, format and
+            device. None: every layer has pieces of its own.
     """
 
     def __init__(
@@ -68,7 +69,7 @@ class SealedBlockStore:
         head_dim: int,
         device: Placement,
         growth_blocks: int = DEFAULT_SEALED_GROWTH,
-        positions: Sequence[int] | None = None,
+        layout: GroupLayout | None = None,
     ) -> None:
         if not formats:
             raise ValueError("A sealed store needs one SealedFormat per layer; got an empty list.")
@@ -79,15 +80,16 @@ class SealedBlockStore:
         self.devices = _per_layer(device, len(self.formats))
         self.device = self.devices[0]
         self._growth = growth_blocks
-        self._position = list(range(len(self.formats))) if positions is None else list(positions)
-        self._heads = _heads(self._position, self.formats, self.devices)
+        self.group_layout = layout or GroupLayout.of(single_group(len(self.formats)), len(self.formats))
+        self.group_layout.check_shared(lambda layer: (self.formats[layer].name, self.devices[layer]), "sealed blocks")
+        self._heads = self.group_layout.heads
         self._layouts = [f.layout(block_size, num_kv_heads, head_dim) for f in self.formats]
         per_position = [
             {name: torch.empty((0, *shape), dtype=dtype, device=self.devices[head])
              for name, (shape, dtype) in self._layouts[head].items()}
             for head in self._heads
         ]  # fmt: skip
-        self.pieces: list[dict[str, Tensor]] = [per_position[position] for position in self._position]
+        self.pieces: list[dict[str, Tensor]] = [per_position[position] for position in self.group_layout.position]
         self._ref: list[int] = []
         self._free: deque[int] = deque()
         self.bytes_per_block = sum(
@@ -135,9 +137,8 @@ class SealedBlockStore:
 
         The layers at its position share those pieces and move with it (the pool places them together).
         """
-        for other, position in enumerate(self._position):
-            if position == self._position[layer]:
-                self.devices[other] = torch.device(device)
+        for other in self.group_layout.sharing(layer):
+            self.devices[other] = torch.device(device)
         self.device = self.devices[0]
         pieces = self.pieces[layer]
         pieces.update({name: torch.zeros_like(t, device=device) for name, t in pieces.items()})
@@ -212,25 +213,6 @@ class SealedBlockStore:
             bytes_used=self.num_used * self.bytes_per_block,
             bytes_reserved=self.capacity * self.bytes_per_block,
         )
-
-
-def _heads(positions: Sequence[int], formats: Sequence[SealedFormat], devices: Sequence[torch.device]) -> list[int]:
-    """The first layer at each position, after checking that the layers of a position agree on format and device
-    (they share one tensor per piece)."""
-    if len(positions) != len(formats) or sorted(set(positions)) != list(range(len(set(positions)))):
-        raise ValueError(
-            f"positions must give each of the {len(formats)} layers a position 0, 1, ...; got {positions}."
-        )
-    heads = [positions.index(position) for position in range(len(set(positions)))]
-    for layer, position in enumerate(positions):
-        head = heads[position]
-        if (formats[layer].name, devices[layer]) != (formats[head].name, devices[head]):
-            raise ValueError(
-                f"Layers {head} and {layer} share sealed blocks (position {position} of their layer groups) but are "
-                f"stored as {formats[head].name} on {devices[head]} and {formats[layer].name} on {devices[layer]}; "
-                "layers sharing a position need one format and one device."
-            )
-    return heads
 
 
 def _per_layer(device: Placement, num_layers: int) -> list[torch.device]:

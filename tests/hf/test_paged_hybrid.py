@@ -137,7 +137,7 @@ def test_layer_kv_reads_each_groups_own_table() -> None:
             model(ids[:, :40], cache=kv)
             model(ids[:, 40:], cache=kv)  # queries at 40 see 17..40: sliding layers keep block 2 (16-23) on
     ratios = key_outlier_ratios(cache)
-    for index, group in ((index, cache.groups[cache._group_of[index]]) for index in range(6)):
+    for index, group in ((index, cache.groups[cache.layout.group_of[index]]) for index in range(6)):
         first = 0 if group.window is None else 16
         keys = everything.layers[index].keys[:, :, first:]
         torch.testing.assert_close(cache.layer_kv(index)[0], keys)

@@ -1,0 +1,58 @@
+"""`PagedCache.stats()`: what a paged cache holds, counted from its block tables (every layer group's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.paged_cache import PagedCache
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """What a paged cache holds. Shared blocks (beams, prefixes) count once in the physical figures."""
+
+    sequences: int
+    tokens: int  # logical tokens: sequences x tokens per sequence
+    blocks_in_use: int
+    slots_allocated: int
+    slots_filled: int
+    utilization: float  # slots_filled / slots_allocated
+    bytes_used: int
+    bytes_per_token: float
+    pool_blocks_reserved: int
+    pool_bytes_reserved: int
+    block_size: int
+    attention: str
+
+
+def paged_cache_stats(cache: PagedCache) -> CacheStats:
+    """Blocks in use are the distinct live blocks of every group's rows (shared blocks count once)."""
+    pool, tables = cache.pool, cache.tables
+    length = cache.get_seq_length()
+    if pool is None or tables is None:
+        return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, cache._pool_args["block_size"] or 0, cache.attention)
+    bs = pool.block_size
+    filled: dict[int, int] = {}
+    for group_tables in cache.all_tables:
+        for row in group_tables.rows:
+            for i, block in enumerate(row.block_ids[row.freed :], start=row.freed):
+                filled[block] = max(filled.get(block, 0), min(bs, length - i * bs))
+    blocks = len(filled)
+    tokens = tables.batch_size * length
+    used = blocks * pool.bytes_per_block
+    return CacheStats(
+        sequences=tables.batch_size,
+        tokens=tokens,
+        blocks_in_use=blocks,
+        slots_allocated=blocks * bs,
+        slots_filled=sum(filled.values()),
+        utilization=sum(filled.values()) / (blocks * bs) if blocks else 0.0,
+        bytes_used=used,
+        bytes_per_token=used / tokens if tokens else 0.0,
+        pool_blocks_reserved=pool.capacity,
+        pool_bytes_reserved=pool.capacity * pool.bytes_per_block,
+        block_size=bs,
+        attention=cache.attention,
+    )
