@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import heapq
-import os
 import tempfile
 import threading
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from hf_kvgov.errors import SpillCorrupted, SpillError, SpillFileLost, SpillSpaceExhausted
 from hf_kvgov.tiers.accounting import LatencyRecorder, TierStats
-from hf_kvgov.tiers.slot_file import SlotFile
+from hf_kvgov.tiers.slot_file import SlotFile, check_writable
 
 DEFAULT_EXTENT_SLOTS = 64
 _SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -132,7 +131,7 @@ class DiskTier:
         self.layout = layout
         self.directory = Path(directory) if directory is not None else None
         if self.directory is not None:
-            _check_writable(self.directory)
+            check_writable(self.directory)
         self.max_write_bytes = max_write_bytes
         self.latency = LatencyRecorder()
         self._lock = threading.Lock()
@@ -392,18 +391,3 @@ def _runs(slots: Sequence[int], extent_slots: int) -> Iterator[tuple[int, int]]:
         if i == len(slots) or slots[i] != slots[i - 1] + 1 or slots[i] % extent_slots == 0:
             yield start, i
             start = i
-
-
-def _check_writable(directory: Path) -> None:
-    """Create `directory` if missing and create and remove a file in it, so that a spill path this process
-    cannot write is refused when the cache is built, not at the first spill in the middle of a generate."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".kvgov-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ValueError(
-            f"The spill path {str(directory)!r} cannot be written ({err.strerror or err}); give a directory this "
-            "process can create files in, or path=None for a private temporary directory."
-        ) from err

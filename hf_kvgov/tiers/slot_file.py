@@ -167,3 +167,18 @@ def _advance(views: list[memoryview], done: int) -> list[memoryview]:
     if rest and done:
         rest[0] = rest[0][done:]
     return rest
+
+
+def check_writable(directory: Path) -> None:
+    """Create `directory` if missing and create and remove a file in it, so that a spill path this process
+    cannot write is refused when the cache is built, not at the first spill in the middle of a generate."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".kvgov-probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ValueError(
+            f"The spill path {str(directory)!r} cannot be written ({err.strerror or err}); give a directory this "
+            "process can create files in, or path=None for a private temporary directory."
+        ) from err
