@@ -74,6 +74,14 @@ def kvgov_lines(err: str) -> list[str]:
     return [line for line in err.split("\n") if line.startswith("kvgov")]
 
 
+def stopped_output(capsys: pytest.CaptureFixture[str], *lines: str) -> str:
+    """What a stopped command printed on stdout, after checking stderr: exactly `lines` of kvgov's, no traceback."""
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert kvgov_lines(err) == list(lines)
+    return out
+
+
 def ppl_argv(tiny_dir: Path, tmp_path: Path) -> list[str]:
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 5, encoding="utf-8")
@@ -91,11 +99,9 @@ def test_eval_ppl_keeps_the_caches_scored_before_ctrl_c(
     capsys.readouterr()
     ctrl_c_at_forward(monkeypatch, 7)  # the first forward of the third cache
     assert run_cli([*argv, "--json", str(partial)]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert kvgov_lines(err) == [
-        f"kvgov eval ppl: interrupted after 2 of 3 caches; partial results written to {partial}"
-    ]
+    out = stopped_output(
+        capsys, f"kvgov eval ppl: interrupted after 2 of 3 caches; partial results written to {partial}"
+    )
     assert "**Partial**: interrupted after 2 of 3 caches" in out
     assert "| dynamic |" in out and "| int8@8 |" in out and "| int4@8 |" not in out
     data, reference = json.loads(partial.read_text()), json.loads(whole.read_text())
@@ -113,9 +119,8 @@ def test_eval_ppl_before_any_row_finished_writes_nothing(
     out_path = tmp_path / "ppl.json"
     ctrl_c_at_forward(monkeypatch, 2)
     assert run_cli([*ppl_argv(tiny_dir, tmp_path), "--json", str(out_path)]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err and "|" not in out
-    assert kvgov_lines(err) == ["kvgov eval ppl: interrupted before any of 3 caches finished; nothing written"]
+    out = stopped_output(capsys, "kvgov eval ppl: interrupted before any of 3 caches finished; nothing written")
+    assert "|" not in out
     assert not out_path.exists()
 
 
@@ -132,11 +137,9 @@ def test_eval_synthetic_keeps_the_samples_generated_with_every_cache(
     capsys.readouterr()
     ctrl_c_at_forward(monkeypatch, 3)  # the second sample's first cache
     assert run_cli([*argv, "--json", str(partial)]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert kvgov_lines(err) == [
-        f"kvgov eval synthetic: interrupted after 1 of 2 samples; partial results written to {partial}"
-    ]
+    out = stopped_output(
+        capsys, f"kvgov eval synthetic: interrupted after 1 of 2 samples; partial results written to {partial}"
+    )
     assert "Synthetic accuracy (%), 1 of 2 samples" in out
     data, reference = json.loads(partial.read_text()), json.loads(whole.read_text())
     assert data["partial"] is True
@@ -156,11 +159,10 @@ def test_bench_speed_keeps_the_points_measured(
     # 2 new tokens = 2 forwards a generate: the warm-up, then dynamic and paged at context 16, then 24.
     ctrl_c_at_forward(monkeypatch, 2 + 4 + 1)
     assert run_cli([*argv, "--json", str(partial), "--plots", str(tmp_path / "plots")]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert kvgov_lines(err) == [
-        f"kvgov bench speed: interrupted after 1 of 2 (batch, context) points; partial results written to {partial}"
-    ]
+    out = stopped_output(
+        capsys,
+        f"kvgov bench speed: interrupted after 1 of 2 (batch, context) points; partial results written to {partial}",
+    )
     assert "| 1 | 16 | paged |" in out and "| 1 | 24 |" not in out
     data, reference = json.loads(partial.read_text()), json.loads(whole.read_text())
     assert data["partial"] is True
@@ -180,11 +182,9 @@ def test_bench_capacity_keeps_the_caches_measured(
     argv = ["bench", "capacity", "--model", str(tiny_dir), "--caches", "dynamic,int8", "--lengths", "40"]
     ctrl_c_at_forward(monkeypatch, 3)  # dynamic: one prefill and one decode step; int8 is stopped in its prefill
     assert run_cli([*argv, "--budget", "1MiB", "--json", str(out_path)]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert kvgov_lines(err) == [
-        f"kvgov bench capacity: interrupted after 1 of 2 caches; partial results written to {out_path}"
-    ]
+    out = stopped_output(
+        capsys, f"kvgov bench capacity: interrupted after 1 of 2 caches; partial results written to {out_path}"
+    )
     data = json.loads(out_path.read_text())
     assert data["partial"] is True and data["completed"]["done"] == 1
     assert [row["cache"] for row in data["rows"]] == ["dynamic"]
@@ -198,11 +198,9 @@ def test_bench_prefix_keeps_the_mode_finished(
     argv = ["bench", "prefix", "--model", str(tiny_dir), "--requests", "2", "--document-chars", "200"]
     ctrl_c_at_forward(monkeypatch, 5)  # 2 requests x 2 new tokens without sharing, then the first with it
     assert run_cli([*argv, "--new-tokens", "2", "--json", str(out_path)]) == 130
-    out, err = capsys.readouterr()
-    assert "Traceback" not in err
-    assert kvgov_lines(err) == [
-        f"kvgov bench prefix: interrupted after 1 of 2 modes; partial results written to {out_path}"
-    ]
+    out = stopped_output(
+        capsys, f"kvgov bench prefix: interrupted after 1 of 2 modes; partial results written to {out_path}"
+    )
     data = json.loads(out_path.read_text())
     assert data["partial"] is True and data["completed"]["done"] == 1
     assert [row["mode"] for row in data["rows"]] == ["no sharing"] and data["rows"][0]["requests"] == 2
@@ -226,8 +224,7 @@ def test_ctrl_c_while_loading_the_model_is_one_line(
 
     monkeypatch.setattr(models, "load_model", load_model)
     assert run_cli(argv) == 130
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and kvgov_lines(err) == [line]
+    stopped_output(capsys, line)
 
 
 def test_ctrl_c_in_fetch_and_plan_is_one_line(
@@ -240,8 +237,7 @@ def test_ctrl_c_in_fetch_and_plan_is_one_line(
     monkeypatch.setattr("hf_kvgov.cli.plan.make_plan", stop)
     assert run_cli(["fetch", "smollm2"]) == 130
     assert run_cli(["plan", "--model", "Llama-3-8B"]) == 130
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and kvgov_lines(err) == ["kvgov fetch: interrupted", "kvgov plan: interrupted"]
+    stopped_output(capsys, "kvgov fetch: interrupted", "kvgov plan: interrupted")
 
 
 def test_main_process_keeps_only_its_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
