@@ -19,6 +19,7 @@ from hf_kvgov.planner.config_loading import (
     resolve_model,
 )
 from hf_kvgov.planner.geometry import ModelGeometry
+from hf_kvgov.planner.groups import GroupBytes, KindBytes, group_bytes
 from hf_kvgov.planner.layout import codec_format
 from hf_kvgov.planner.lengths import LengthDistribution, fixed, lognormal, parse_lengths
 from hf_kvgov.planner.memory import DEFAULT_RESERVE, MemoryBudget, budget_for_model
@@ -37,6 +38,8 @@ __all__ = [
     "CacheSetup",
     "ChainOptions",
     "Claim",
+    "GroupBytes",
+    "KindBytes",
     "LengthDistribution",
     "MemoryBudget",
     "ModelGeometry",
@@ -53,6 +56,7 @@ __all__ = [
     "fixed",
     "format_bytes",
     "geometry_from_config",
+    "group_bytes",
     "known_model_names",
     "kv_dtype_bytes",
     "load_config_file",

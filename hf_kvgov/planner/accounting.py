@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.setup import CacheSetup
+from hf_kvgov.storage.layer_groups import LayerGroup
 
 # 0.2 * 2045 is 408.99999999999994 in floating point; the caches add the same epsilon before rounding down.
 _EPSILON = 1e-9
@@ -69,12 +70,17 @@ def run_bytes(run: Run, setup: CacheSetup, head_dim: int) -> int:
     return full_blocks * full + (blocks - full_blocks) * setup.sealed_format.block_bytes(bs, head_dim)
 
 
+def first_kept_token(window: int | None, length: int, block_size: int) -> int:
+    """The first token a layer of ``window`` (None: full attention) still holds for a sequence of ``length``
+    tokens: the library's `LayerGroup.first_kept` for queries from the newest token (at ``length - 1``) on."""
+    return LayerGroup((), window).first_kept(length - 1, block_size)
+
+
 def private_run(setup: CacheSetup, length: int, prefix: int, window: int | None) -> Run:
     """The blocks of one layer that belong to this sequence alone (``prefix`` is a multiple of blocks)."""
     bs = setup.block_size
     # Blocks that lie wholly before the window are freed; the one holding its first token stays.
-    first = max(0, length - window) // bs if window is not None else 0
-    start = max(first, prefix // bs)
+    start = max(first_kept_token(window, length, bs), prefix) // bs
     return Run(tokens=length - start * bs, at_sink=start == 0)
 
 

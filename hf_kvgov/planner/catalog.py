@@ -14,6 +14,11 @@ def _gemma3_sliding_layers(num_layers: int, pattern: int = 6) -> tuple[int, ...]
     return tuple(i for i in range(num_layers) if (i + 1) % pattern != 0)
 
 
+def _alternating_sliding_layers(num_layers: int) -> tuple[int, ...]:
+    # gpt-oss: layer_types alternate "sliding_attention", "full_attention", starting with a sliding layer.
+    return tuple(range(0, num_layers, 2))
+
+
 BUILTIN_MODELS: dict[str, ModelGeometry] = {
     geometry.name.lower(): geometry
     for geometry in (
@@ -21,6 +26,7 @@ BUILTIN_MODELS: dict[str, ModelGeometry] = {
         ModelGeometry("LLaMA-13B", 40, 40, 128, 2048, num_params=13_015_864_320),
         ModelGeometry("Llama-2-70B", 80, 8, 128, 4096, num_params=68_976_648_192),
         ModelGeometry("Llama-3-8B", 32, 8, 128, 8192, num_params=8_030_261_248),
+        # Mistral-7B v0.1: sliding_window 4096 on every layer (v0.2 and later set it to null: full attention).
         ModelGeometry(
             "Mistral-7B",
             32,
@@ -44,6 +50,30 @@ BUILTIN_MODELS: dict[str, ModelGeometry] = {
             sliding_layers=_gemma3_sliding_layers(18),
             num_params=268_098_176,
         ),
+        # openai/gpt-oss-20b and -120b config.json: 24 and 36 layers, 8 KV heads, head_dim 64, context 131072,
+        # sliding_window 128 on every other layer. Parameters counted from the configs (embeddings untied, 32 and
+        # 128 experts with biases, attention sinks): 20.91B and 116.83B, the totals of the gpt-oss model card.
+        # The experts ship in MXFP4 (about 4.25 bits): --weight-dtype int4 comes close.
+        ModelGeometry(
+            "gpt-oss-20b",
+            24,
+            8,
+            64,
+            131072,
+            sliding_window=128,
+            sliding_layers=_alternating_sliding_layers(24),
+            num_params=20_914_757_184,
+        ),
+        ModelGeometry(
+            "gpt-oss-120b",
+            36,
+            8,
+            64,
+            131072,
+            sliding_window=128,
+            sliding_layers=_alternating_sliding_layers(36),
+            num_params=116_829_156_672,
+        ),
     )
 }
 
@@ -66,6 +96,8 @@ ALIASES: dict[str, str] = {
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
     "google/gemma-3-270m": "gemma-3-270m",
     "google/gemma-3-270m-it": "gemma-3-270m",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
 }
 
 

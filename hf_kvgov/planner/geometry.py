@@ -64,6 +64,11 @@ class ModelGeometry:
     def num_full_layers(self) -> int:
         return self.num_layers - self.num_sliding_layers
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None for full attention: what `layer_groups` groups layers by."""
+        sliding = set(self.sliding_layers)
+        return tuple(self.sliding_window if layer in sliding else None for layer in range(self.num_layers))
+
     def kv_bytes_per_token(self, dtype: str = "fp16") -> int:
         """K and V bytes of one token over all layers: 2 x layers x kv_heads x head_dim x element size.
 
