@@ -118,7 +118,7 @@ class DiskOffloadCache(DiskTieredCache):
     def _adopt_pool(self, pool: BlockPool) -> None:
         super()._adopt_pool(pool)
         layout = TierLayout(
-            pool.geometry.num_layers, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
+            pool.layers_per_block, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
         )
         self._attach_tier(pool, layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
 
@@ -140,11 +140,6 @@ class DiskOffloadCache(DiskTieredCache):
         return super()._update_layer(layer, key_states, value_states, attn_kwargs)
 
     # ------------------------------------------------------------------ reading back
-
-    def _spilled_layout(self, layer: int) -> SpilledLayout | None:
-        """Where the batch's blocks live, on `layer`'s device, or None when nothing has spilled."""
-        pool, tables = self._parts()[:2]
-        return tables.spilled_layout(pool.layer_device(layer))
 
     def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
         """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
@@ -187,9 +182,10 @@ class DiskOffloadCache(DiskTieredCache):
 
     def _bring_back_tail(self) -> None:
         """A crop may end inside a spilled block; the next write lands there, so it returns to the pool."""
-        pool, tables, _, prefetcher = self._parts()
-        if tables.num_tokens % pool.block_size:
-            self._bring_back(tables.num_tokens // pool.block_size)
+        pool, _, prefetcher = self._parts()
+        length = self.get_seq_length()
+        if length % pool.block_size:
+            self._bring_back(length // pool.block_size)
         prefetcher.clear()
 
     # ------------------------------------------------------------------ accounting

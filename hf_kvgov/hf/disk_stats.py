@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_stats import CacheStats
+from hf_kvgov.hf.paged_stats import CacheStats, live_entries
 from hf_kvgov.tiers.accounting import TierStats
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class DiskCacheStats(CacheStats):
 
 def disk_cache_stats(cache: DiskOffloadCache, base: CacheStats) -> DiskCacheStats:
     """`base` (the paged accounting) with memory counted as resident bytes, plus the tier's counters."""
-    held = {b for row in cache.tables.rows for b in row.block_ids} if cache.tables is not None else set()
+    held = live_entries(cache)
     resident_blocks = sum(1 for b in held if b >= 0)
     prefix_blocks = len(held & tree_held(cache))
     reader = cache.prefetcher

@@ -6,6 +6,12 @@ the blocks that left the hot window at the start of a step (never the ones a pre
 bringing blocks back (a crop into a spilled block, a `publish`), naming the tokens of a damaged block,
 and resetting or releasing the file.
 
+Layer groups (a hybrid sliding-window model): only the full-attention groups' blocks are tiered. A sliding
+group's tables free every block that left its window, so it holds at most about `window + block_size`
+tokens per row and nothing of a sliding layer is ever written to disk. The tier stores one segment per
+position of a block (a pool block holds one group's layers, `hf_kvgov.storage.layer_groups`), and each full
+layer reads the segment of its position; the read-ahead fetches the next full layer's blocks.
+
 A subclass says what differs when it attaches the tier (`_attach_tier`): its blocks' kind (which entries
 the tier can take and how their bytes are read and written), how many leading blocks of a row never move
 (the sink every query reads), and how spilled entries are numbered; and how it counts what it spilled
@@ -14,6 +20,7 @@ the tier can take and how their bytes are read and written), how many leading bl
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -22,10 +29,11 @@ from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf import disk_prefix
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
-from hf_kvgov.tiers.kv_segments import SpilledIds
+from hf_kvgov.tiers.kv_segments import SpilledIds, SpilledLayout
 from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
@@ -35,7 +43,6 @@ class DiskTieredCache(PagedCache):
     """A `PagedCache` (or subclass) whose cold blocks live in a `DiskTier`; see the module docstring."""
 
     disk: DiskCacheConfig
-    groups_layers = False  # the tier's tables cover every layer: a sliding layer's cold blocks still spill
 
     def _init_tier(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
         """Before the base `__init__`: the tier is created with the pool, on the first K/V.
@@ -57,7 +64,10 @@ class DiskTieredCache(PagedCache):
         if pool_bytes is None or block_size is None:
             return
         blocks, kept = disk_prefix.resident_need(block_size, self.disk, self._sealed)
-        needed = blocks * geometry.bytes_per_token * block_size
+        # A block holds one position of every group; a sliding group keeps its window, the tail and one step.
+        bytes_per_block = geometry.bytes_per_token // geometry.num_layers * len(self.layout.heads) * block_size
+        per_group = [blocks if g.window is None else math.ceil(g.window / block_size) + 2 for g in self.groups]
+        needed = sum(per_group) * bytes_per_block
         if pool_bytes < needed:
             raise ValueError(
                 f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
@@ -69,21 +79,43 @@ class DiskTieredCache(PagedCache):
     def _attach_tier(
         self, pool: BlockPool, layout: TierLayout, blocks: TierBlocks, resident_first: int, ids: SpilledIds
     ) -> None:
-        """With the pool: the tier file, its read-ahead and tiered block tables.
+        """With the pool: the tier file, its read-ahead, and tiered block tables for the full-attention groups.
 
         Args:
-            layout: the tier's segments per (block, layer). blocks: what can move, and how.
+            layout: the tier's segments per (block, position of a block). blocks: what can move, and how.
             resident_first: leading blocks of each row that never move. ids: how spilled entries are numbered.
         """
+        heads = pool.layout.heads  # position j of a block is read on the device of the layers at j
         self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
-        self.prefetcher = LayerPrefetcher(self.tier, self.disk.buffer_bytes, pool.layer_device)
-        self.tables = TieredBlockTables(pool, self.tier, ids)
+        self.prefetcher = LayerPrefetcher(
+            self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
+        )
+        tables = [
+            TieredBlockTables(pool, self.tier, ids, group) if group.window is None else BlockTables(pool, group)
+            for group in pool.groups
+        ]
+        self.tables, self._other_tables = tables[0], tables[1:]
         self._tier_blocks, self._resident_first = blocks, resident_first
+        spilling = [layer for layer in range(self.num_layers) if self._group(layer).window is None]
+        # After each layer that reads spilled blocks, the next one that does (cyclically): its blocks are read ahead.
+        self._next_spilling = {layer: spilling[(i + 1) % len(spilling)] for i, layer in enumerate(spilling)}
 
-    def _parts(self) -> tuple[Any, TieredBlockTables, DiskTier, LayerPrefetcher]:
-        assert self.pool is not None and isinstance(self.tables, TieredBlockTables)
-        assert self.tier is not None and self.prefetcher is not None
-        return self.pool, self.tables, self.tier, self.prefetcher
+    def _parts(self) -> tuple[Any, DiskTier, LayerPrefetcher]:
+        assert self.pool is not None and self.tier is not None and self.prefetcher is not None
+        return self.pool, self.tier, self.prefetcher
+
+    @property
+    def tiered_tables(self) -> list[TieredBlockTables]:
+        """The block tables whose blocks may spill: the full-attention groups' (every layer's without groups)."""
+        return [tables for tables in self.all_tables if isinstance(tables, TieredBlockTables)]
+
+    def _spilled_layout(self, layer: int) -> SpilledLayout | None:
+        """Where the batch's blocks of `layer` live, on its device; None when none of them has spilled."""
+        tables = self._tables_of(layer)
+        if not isinstance(tables, TieredBlockTables):
+            return None  # a sliding layer: its blocks never spill
+        assert self.pool is not None
+        return tables.spilled_layout(self.pool.layer_device(layer))
 
     def _count_spilled(self, blocks: int) -> None:
         """Accounting hook: `blocks` distinct blocks were just written to the tier."""
@@ -92,44 +124,55 @@ class DiskTieredCache(PagedCache):
 
     def _spill_cold_blocks(self) -> None:
         """Write the blocks older than the hot window to disk once (not the tree's), then free them here."""
-        pool, tables, tier, _ = self._parts()
-        if self.stop_reason is not None or not tables.rows:
-            return
-        stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+        pool, tier, _ = self._parts()
         keep_resident = self.disk.on_full == "keep_resident"
         private = disk_prefix.private_blocks(self._tier_blocks, disk_prefix.tree_held(self))
-        try:
-            moved, cold = spill(pool, tables, tier, self._resident_first, stop, keep_resident, private)
-        except SpillSpaceExhausted as err:
-            if not keep_resident:
-                raise
-            self.stop_reason = str(err)
-            return
-        self._count_spilled(moved)
-        if moved < cold:
-            self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
+        for tables in self.tiered_tables:
+            if self.stop_reason is not None or not tables.rows:
+                continue
+            stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+            try:
+                moved, cold = spill(pool, tables, tier, self._resident_first, stop, keep_resident, private)
+            except SpillSpaceExhausted as err:
+                if not keep_resident:
+                    raise
+                self.stop_reason = str(err)
+                return
+            self._count_spilled(moved)
+            if moved < cold:
+                self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
 
     # ------------------------------------------------------------------ reading back
 
     def _take_spilled(self, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
-        """Read this layer's spilled blocks `handles` into `outs`, then start reading the next layer's."""
-        prefetcher = self._parts()[3]
+        """Read this layer's spilled blocks `handles` into `outs`, then start reading the next spilling layer's."""
+        prefetcher = self._parts()[2]
         try:
-            prefetcher.take(layer, handles, outs)
+            prefetcher.take(self.layout.position[layer], handles, outs)
         except SpillCorrupted as err:
             raise self._located(err) from err
-        prefetcher.request((layer + 1) % self.num_layers, handles)
+        following = self._next_spilling[layer]
+        if self._tables_of(following) is self._tables_of(layer):  # one group's layers read the same blocks
+            prefetcher.request(self.layout.position[following], handles)
+        elif (spilled := self._spilled_layout(following)) is not None:
+            prefetcher.request(self.layout.position[following], spilled.handles)
 
     def _located(self, err: SpillCorrupted) -> SpillCorrupted:
-        """The same error, naming the token positions the damaged block holds."""
-        tokens = self._parts()[1].tokens_of(err.block)
-        return err if tokens is None else SpillCorrupted(err.block, err.layer, err.path, err.offset, tokens)
+        """The same error, naming the layer that reads the damaged segment and the tokens its block holds."""
+        for tables in self.tiered_tables:
+            tokens = tables.tokens_of(err.block)
+            if tokens is not None:
+                assert tables.group is not None
+                layer = tables.group.layers[err.layer]  # the tier numbers a block's segments by position
+                return SpillCorrupted(err.block, layer, err.path, err.offset, tokens)
+        return err
 
     def _bring_back(self, first: int, stop: int | None = None) -> None:
         """The spilled blocks at block columns [first, stop) (default: `first` only) come back into memory."""
-        pool, tables, tier, prefetcher = self._parts()
+        pool, tier, prefetcher = self._parts()
         try:
-            bring_back(pool, tables, tier, first, self._tier_blocks, stop)
+            for tables in self.tiered_tables:
+                bring_back(pool, tables, tier, first, self._tier_blocks, stop)
         except SpillCorrupted as err:
             raise self._located(err) from err
         prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
@@ -141,7 +184,8 @@ class DiskTieredCache(PagedCache):
     ) -> dict[str, torch.Tensor]:
         """As the base cache's `match`; the matched blocks stay in memory for as long as this cache holds them."""
         inputs = super().match(input_ids, attention_mask, pad_token_id)
-        disk_prefix.make_rows_tiered(self._parts()[1])
+        for tables in self.tiered_tables:
+            disk_prefix.make_rows_tiered(tables)
         return inputs
 
     def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:

@@ -27,6 +27,11 @@ class CacheStats:
     attention: str
 
 
+def live_entries(cache: PagedCache) -> set[int]:
+    """The distinct table entries (pool ids, sealed or spilled ones) every group's rows still hold."""
+    return {block for tables in cache.all_tables for row in tables.rows for block in row.live_ids}
+
+
 def paged_cache_stats(cache: PagedCache) -> CacheStats:
     """Blocks in use are the distinct live blocks of every group's rows (shared blocks count once)."""
     pool, tables = cache.pool, cache.tables

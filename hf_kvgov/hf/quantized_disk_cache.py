@@ -56,7 +56,6 @@ from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
-from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 from hf_kvgov.tiers.sealed_segments import (
@@ -176,8 +175,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         place (`in_place`, the paged path), are the store's pieces followed by the read-back ones: one copy of
         the layer's store per step.
         """
-        pool, tables = self._quantized_pool, self._parts()[1]
-        layout = tables.spilled_layout(pool.layer_device(layer))
+        pool, layout = self._quantized_pool, self._spilled_layout(layer)
         if layout is None:
             return None
         stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
@@ -219,7 +217,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """As `QuantizedCache.crop`; a spilled block the new tail falls in comes back first (then is decoded)."""
-        if tokens_to_remove <= 0 and isinstance(self.tables, TieredBlockTables) and self.tables.rows:
+        if tokens_to_remove <= 0 and any(tables.rows for tables in self.tiered_tables):
             length, block_size = max(0, self.get_seq_length() + tokens_to_remove), self._quantized_pool.block_size
             if length % block_size:
                 self._bring_back(length // block_size)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_stats import CacheStats
+from hf_kvgov.hf.paged_stats import CacheStats, live_entries
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 
@@ -58,7 +58,7 @@ class QuantizedDiskCacheStats(CacheStats):
 def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> QuantizedDiskCacheStats:
     """`cache`'s figures; `base` is its `PagedCache.stats()` (logical tokens, blocks in use)."""
     pool = cache.pool if isinstance(cache.pool, QuantizedBlockPool) else None
-    held = {b for row in cache.tables.rows for b in row.block_ids} if cache.tables is not None else set()
+    held = live_entries(cache)
     spilled = sum(1 for b in held if SEALED_SPILLED_IDS.is_spilled(b))
     sealed = sum(1 for b in held if is_sealed(b)) - spilled
     full = len(held) - sealed - spilled

@@ -8,6 +8,9 @@ References work the same in both tiers: forking a row takes one more reference o
 wherever they live, truncating or releasing drops them, so a spilled block shared by several
 beams is one handle with several references, and its disk slot is freed with the last one.
 
+A full-attention layer group's tables are tiered; a sliding group's are not: its blocks leave the window and
+are freed before they would be cold, so nothing of a sliding layer is ever written to disk.
+
 Only sealed blocks spill and writes only touch the tail, so a write never lands on a spilled block;
 the cache brings a block back into the pool before that could happen (after a crop).
 """
@@ -19,6 +22,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SpilledIds, SpilledLayout
@@ -62,10 +66,20 @@ class TieredBlockTable(BlockTable):
 
 
 class TieredBlockTables(BlockTables):
-    """`BlockTables` of `TieredBlockTable` rows, plus the two moves between tiers."""
+    """`BlockTables` of `TieredBlockTable` rows, plus the two moves between tiers.
 
-    def __init__(self, pool: BlockPool, tier: DiskTier, ids: SpilledIds = RAW_SPILLED_IDS) -> None:
-        super().__init__(pool)
+    `group`: the full-attention layer group reading these tables (None: every layer of a pool without groups).
+    """
+
+    def __init__(
+        self, pool: BlockPool, tier: DiskTier, ids: SpilledIds = RAW_SPILLED_IDS, group: LayerGroup | None = None
+    ) -> None:
+        if group is not None and group.window is not None:
+            raise ValueError(
+                f"Layers {group.layers} slide over {group.window} tokens: their blocks are freed as they leave the "
+                "window, never spilled, so their tables cannot be tiered."
+            )
+        super().__init__(pool, group)
         self.tier = tier
         self.ids = ids
         # Per device: the table tensor a layout was computed from, and the layout (None: nothing spilled).

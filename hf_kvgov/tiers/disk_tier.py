@@ -44,7 +44,8 @@ SegmentSource = Callable[[int], Sequence[Sequence[memoryview]]]
 
 @dataclass(frozen=True)
 class TierLayout:
-    """Every block has `layers` segments, each the parts of `part_bytes` (raw K/V: keys, values).
+    """Every block has `layers` segments, each the parts of `part_bytes` (raw K/V: keys, values): one per layer
+    of the pool's block (every layer of the model, or one layer group's layers when the pool groups them).
 
     `layer_parts`, when given, overrides `part_bytes` per layer (one tuple per layer): blocks whose layers
     are stored differently, such as sealed blocks with some layers kept in full precision.

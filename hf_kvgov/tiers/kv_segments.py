@@ -72,10 +72,12 @@ def raw_part_bytes(geometry: KVGeometry, block_size: int) -> tuple[int, int]:
 
 
 def pool_segments(pool: BlockPool, block_ids: Sequence[int]) -> SegmentSource:
-    """The raw segments of pool blocks, one layer at a time (views of the pool on CPU, one copy on GPU)."""
+    """The raw segments of pool blocks, one position of a block at a time (views of the pool on CPU, one copy on
+    GPU). Position j is layer j without layer groups; with them, the j-th layer of the block's group."""
     index = index_per_layer(block_ids, pool.geometry)  # each layer's blocks sit on that layer's device
 
-    def segments(layer: int) -> list[list[memoryview]]:
+    def segments(position: int) -> list[list[memoryview]]:
+        layer = pool.layout.heads[position]
         keys, values = pool.keys[layer], pool.values[layer]
         if keys.device.type == "cpu":
             return [[byte_view(keys[b]), byte_view(values[b])] for b in block_ids]

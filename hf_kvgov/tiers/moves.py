@@ -103,8 +103,8 @@ def _restore_raw(pool: BlockPool, tier: DiskTier, handles: list[int]) -> list[in
     fresh = pool.allocate(len(handles))
     try:
         target = index_per_layer(fresh, g)
-        for layer in range(g.num_layers):
-            tier.read(layer, handles, [byte_view(keys), byte_view(values)])
+        for position, layer in enumerate(pool.layout.heads):  # a block holds one layer per position
+            tier.read(position, handles, [byte_view(keys), byte_view(values)])
             device = g.layer_device(layer)  # the host staging copy goes to the layer's own device
             pool.keys[layer][target[layer]] = keys.to(device)
             pool.values[layer][target[layer]] = values.to(device)

@@ -27,8 +27,9 @@ from hf_kvgov.tiers.moves import TierBlocks
 
 
 def sealed_tier_layout(pool: QuantizedBlockPool, extent_slots: int) -> TierLayout:
-    """The tier layout of the pool's sealed blocks: one part per piece, per layer when the layers differ."""
-    parts = tuple(_part_bytes(pool, layer) for layer in range(pool.geometry.num_layers))
+    """The tier layout of the pool's sealed blocks: one segment per position of a block (its layers: every
+    layer without layer groups), one part per piece, per position when their formats differ."""
+    parts = tuple(_part_bytes(pool, layer) for layer in pool.layout.heads)
     per_layer = parts if any(p != parts[0] for p in parts) else None
     return TierLayout(len(parts), parts[0], extent_slots, per_layer)
 
@@ -79,11 +80,12 @@ def read_store_or_stack(
 
 
 def sealed_segments(pool: QuantizedBlockPool, entries: Sequence[int]) -> SegmentSource:
-    """The segments of sealed entries (all < 0), one layer at a time (views on CPU, one copy on GPU)."""
+    """The segments of sealed entries (all < 0), one position at a time (views on CPU, one copy on GPU)."""
     ids = [sealed_id_of(entry) for entry in entries]
     index = index_per_layer(ids, pool.geometry)
 
-    def segments(layer: int) -> list[list[memoryview]]:
+    def segments(position: int) -> list[list[memoryview]]:
+        layer = pool.layout.heads[position]
         pieces = pool.sealed.pieces[layer].values()
         if pool.geometry.layer_device(layer).type == "cpu":
             return [[byte_view(piece[s]) for piece in pieces] for s in ids]
@@ -97,9 +99,9 @@ def restore_sealed(pool: QuantizedBlockPool, tier: DiskTier, handles: list[int])
     """Read spilled sealed blocks into fresh sealed slots (one reference each); returns their entries."""
     fresh = pool.allocate_sealed(len(handles))
     try:
-        for layer in range(pool.geometry.num_layers):
+        for position, layer in enumerate(pool.layout.heads):
             pieces = empty_pieces(pool, layer, len(handles), torch.device("cpu"))
-            tier.read(layer, handles, [byte_view(piece) for piece in pieces.values()])
+            tier.read(position, handles, [byte_view(piece) for piece in pieces.values()])
             pool.write_sealed_pieces(layer, fresh, pieces)
     except BaseException:
         pool.decref(fresh)

@@ -32,6 +32,7 @@ from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.registry import get_cache_spec
 from hf_kvgov.tiers import DiskTier, LayerPrefetcher, TierLayout
 from tests.conftest import tiny_llama
+from tests.spill_damage import flip_byte
 
 MODEL = tiny_llama(num_kv_heads=2)
 SEGMENT = {"int8": 416, "int4": 288, "fp8": 336}  # bytes per (block, layer) at block size 4, from the docstring
@@ -288,11 +289,7 @@ def test_a_corrupted_block_names_block_layer_and_tokens(tmp_path: Path, prefetch
     assert cache.tables is not None and cache.tables.rows[0].block_ids[2] == S - 1  # tokens 8..11: handle 1
     assert cache.tier is not None
     path, offset = cache.tier.location(1, 1)
-    with open(path, "r+b") as f:  # the first part is key codes: 128 bytes per block
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(offset + 100)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(path, offset + 100)  # the first part is key codes: 128 bytes per block
     with pytest.raises(SpillCorrupted, match=r"block 1 \(tokens \[8, 12\)\), layer 1") as info:
         MODEL(prompts(length=40)["input_ids"][:, 31:32], past_key_values=cache)
     assert (info.value.block, info.value.layer, info.value.tokens) == (1, 1, (8, 12))

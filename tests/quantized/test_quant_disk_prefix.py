@@ -31,6 +31,7 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from tests.conftest import tiny_llama
 from tests.prefix_requests import assert_identical, tokens
 from tests.prefix_requests import serve as serve_requests
+from tests.spill_damage import flip_byte
 
 MODEL = tiny_llama(num_kv_heads=2, seed=3)
 BLOCK, NEW, SPILLED_BYTES = 4, 8, 832
@@ -253,11 +254,7 @@ def warm_cache_with_a_spilled_block(
 def damage(cache: QuantizedDiskCache, handle: int, layer: int) -> None:
     assert cache.tier is not None
     spill_path, offset = cache.tier.location(handle, layer)
-    with open(spill_path, "r+b") as f:  # the first part is key codes: 128 bytes per block
-        f.seek(offset + 100)
-        byte = f.read(1)
-        f.seek(offset + 100)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_byte(spill_path, offset + 100)  # the first part is key codes: 128 bytes per block
 
 
 def test_publish_that_cannot_bring_blocks_back_raises_and_changes_nothing(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

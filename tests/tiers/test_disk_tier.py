@@ -20,6 +20,7 @@ from hf_kvgov.errors import SpillCorrupted, SpillFileLost, SpillSpaceExhausted
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers import DiskTier, LatencyRecorder, LayerPrefetcher, StaleRead, TieredBlockTables, TierLayout
 from hf_kvgov.tiers.kv_segments import spilled_id
+from tests.spill_damage import flip_byte
 
 LAYOUT = TierLayout(layers=2, part_bytes=(4, 4), extent_slots=4)
 
@@ -149,11 +150,7 @@ def test_a_flipped_byte_names_the_block_and_layer(tmp_path: Path, layer: int) ->
     tier = DiskTier(LAYOUT, tmp_path)
     handles = put_blocks(tier, [1, 2, 3])
     path, offset = tier.location(handles[1], layer)
-    with open(path, "r+b") as f:
-        f.seek(offset + 1)
-        byte = f.read(1)
-        f.seek(offset + 1)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip_byte(path, offset + 1, mask=0x01)
     with pytest.raises(SpillCorrupted, match=f"block 1, layer {layer}") as info:
         read_back(tier, layer, handles)
     assert (info.value.block, info.value.layer, info.value.offset) == (1, layer, offset)
