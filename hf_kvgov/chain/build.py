@@ -194,6 +194,7 @@ def prefix_tree(
         raise ValueError(
             "prefix_tree needs the model itself (its dtype and devices place the pool), not only its config."
         )
-    # The tree's blocks serve every layer (prefix sharing does not serve layer groups yet): one group.
-    ungrouped = len(owner.pool.groups) == 1 and owner.pool.groups[0].window is None
-    return PrefixCache(owner.pool if ungrouped else owner.pool.regrouped(None), priority=priority)
+    # A pool with layer groups, unless the chain's caches share prefixes over one group only (a codec's).
+    grouped = len(owner.pool.groups) > 1 or owner.pool.groups[0].window is not None
+    keep = owner.shares_grouped_prefix or not grouped
+    return PrefixCache(owner.pool if keep else owner.pool.regrouped(None), priority=priority)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf import disk_prefix, prefix_groups
 from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
 from hf_kvgov.hf.disk_tiered import DiskTieredCache
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedLayer
@@ -136,6 +136,7 @@ class DiskOffloadCache(DiskTieredCache):
         attn_kwargs: dict[str, Any] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.index == 0:  # every layer has finished the previous step: its blocks are complete
+            prefix_groups.publish_computed(self)  # before spilling: blocks the tree holds stay resident
             self._spill_cold_blocks()
         return super()._update_layer(layer, key_states, value_states, attn_kwargs)
 

@@ -128,7 +128,7 @@ def tree_held(cache: PagedCache) -> frozenset[int]:
     Each carries a tree lock taken by this cache (released with the cache), so the set is exact: a block
     the tree holds in one of this cache's rows can only have come in through `match` or `publish`.
     """
-    return frozenset(cache._prefix_locks)
+    return frozenset() if cache.prefix is None else cache.prefix.pool_blocks_of(cache._prefix_locks)
 
 
 def private_blocks(kind: TierBlocks, shared: Collection[int]) -> TierBlocks:

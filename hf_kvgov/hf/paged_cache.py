@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from hf_kvgov.chain.parts import ChainParts, Paging
-from hf_kvgov.hf import paged_prefix
+from hf_kvgov.hf import paged_prefix, prefix_groups
 from hf_kvgov.hf.compat import (
     CacheLayerMixin,
     decoder_config,
@@ -122,6 +122,8 @@ class PagedCache(GovernedCache):
     # Whether the pool this cache creates groups layers by window (see the module docstring). Caches built on
     # this one that store blocks elsewhere (a disk tier) keep one group until they free windows too.
     groups_layers = True
+    # Whether it can share prefixes through a tree over a pool with layer groups (`hf_kvgov.hf.prefix_groups`).
+    shares_grouped_prefix = True
 
     def __init__(
         self,
@@ -151,6 +153,7 @@ class PagedCache(GovernedCache):
         self.namespace = namespace
         self._prefix_locks: list[int] = []
         self._row_layouts: list[RowLayout] | None = None
+        self._published_blocks = 0  # prompt blocks published as computed (a tree over layer groups)
         self._expand_rows_on_next_forward = False
         # The chain as the caller wrote it: a pool they passed, else the paging that sizes the pool.
         self.parts = ChainParts(
@@ -166,10 +169,10 @@ class PagedCache(GovernedCache):
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
         groups = pool.groups if pool is not None else self._layer_groups(windows)
         self.layout = GroupLayout.of(groups, self.num_layers)
-        if prefix is not None and (len(groups) > 1 or groups[0].window is not None):
+        if prefix is not None and prefix.grouped is not None and not self.shares_grouped_prefix:
             raise ValueError(
-                "Prefix sharing over a pool with layer groups is not supported yet: the tree's blocks must serve "
-                "every layer. Build the PrefixCache over a pool without groups= (prefix_tree(model) does)."
+                f"{type(self).__name__} cannot share prefixes over a pool with layer groups yet; build its tree with "
+                "prefix_tree(model, codec=...), whose pool keeps one group."
             )
         if pool is not None:
             self._adopt_pool(pool)
@@ -277,6 +280,8 @@ class PagedCache(GovernedCache):
             )
         if self._expand_rows_on_next_forward:
             self._expand_matched_rows(batch)
+        if layer.index == 0:  # every group still holds the prompt blocks the previous step computed
+            prefix_groups.publish_computed(self)
         if key_states.device != self.pool.layer_device(layer.index):
             self._check_layer_device(layer.index, key_states.device)
         tables = self._tables_of(layer.index)

@@ -10,6 +10,9 @@
 `match` always leaves at least one prompt token uncached: generate needs one to produce logits, and a
 cache holding the whole prompt would make it re-feed everything (see DESIGN.md).
 
+A pool with layer groups (hybrid sliding-window models) is served by `hf_kvgov.hf.prefix_groups`, which
+says what a hit keeps there.
+
 A cache that stores blocks differently (`QuantizedCache`) passes its own `namespace` (so that caches
 storing blocks differently never share one) and `sealed_from`: full-precision blocks from that column on
 are offered to the tree as sealed copies, so the tree holds codes while the cache keeps what it reads.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.hf import prefix_groups
 from hf_kvgov.hf.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
 from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
@@ -52,13 +56,22 @@ def match(
         raise ValueError("match() needs an empty cache; call it before generate, or reset() first.")
     rows = real_tokens(input_ids, attention_mask)
     space = cache.namespace if namespace is None else namespace
-    hits = [prefix.match(tokens, space, max_tokens=len(tokens) - 1) for tokens in rows]
-    cache._prefix_locks.extend(block for hit in hits for block in hit)
-    plan = layouts(rows, [len(hit) * prefix.block_size for hit in hits])
-    if not any(hits):
+    if prefix.grouped is not None:
+        grouped_hits = prefix_groups.match_rows(cache, rows, space)
+        hit_blocks = [len(entries) for entries, _ in grouped_hits]
+    else:
+        hits = [prefix.match(tokens, space, max_tokens=len(tokens) - 1) for tokens in rows]
+        cache._prefix_locks.extend(block for hit in hits for block in hit)
+        hit_blocks = [len(hit) for hit in hits]
+    plan = layouts(rows, [count * prefix.block_size for count in hit_blocks])
+    if not any(hit_blocks):
         cache._row_layouts = plan if attention_mask is None else _left_padded(rows, input_ids.shape[1])
         return {"input_ids": input_ids, "attention_mask": _ones_like(input_ids, attention_mask)}
-    _fill_from_hits(cache, hits, plan)
+    if prefix.grouped is not None:
+        prefix_groups.fill_from_hits(cache, grouped_hits, plan)
+        _set_lengths(cache, max(row.cached for row in plan))
+    else:
+        _fill_from_hits(cache, hits, plan)
     cache._row_layouts = plan
     ids, mask = middle_padded(plan, pad_token_id)
     return {"input_ids": ids.to(input_ids.device), "attention_mask": mask.to(input_ids.device)}
@@ -81,8 +94,13 @@ def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayo
         cache.tables.rows.append(BlockTable(cache.pool, hit + pad_blocks))
     cache.tables.num_tokens = longest
     cache.tables._changed()
+    _set_lengths(cache, longest)
+
+
+def _set_lengths(cache: PagedCache, tokens: int) -> None:
+    """Every layer holds `tokens` tokens after a hit; generate's first forward expands the rows it asks for."""
     for paged_layer in cache.layers:
-        paged_layer.length = longest  # type: ignore[union-attr]
+        paged_layer.length = tokens  # type: ignore[union-attr]
     cache._expand_rows_on_next_forward = True
 
 
@@ -121,6 +139,8 @@ def publish(
     pairs = zip(sequences, first_pads, strict=True)
     rows = [publishable_tokens(sequence, stored, first_pad) for sequence, first_pad in pairs]
     space = cache.namespace if namespace is None else namespace
+    if prefix.grouped is not None:
+        return prefix_groups.publish_rows(cache, rows, space)
     copies = _swap_in_sealed_copies(cache, sealed_from, rows) if sealed_from is not None else []
     try:
         for row, tokens in zip(cache.tables.rows, rows, strict=True):
@@ -194,6 +214,7 @@ def release_prefix_locks(cache: PagedCache) -> None:
         cache.prefix.unlock(cache._prefix_locks)
     cache._prefix_locks = []
     cache._row_layouts = None
+    cache._published_blocks = 0
 
 
 def _left_padded(rows: list[list[int]], width: int) -> list[RowLayout]:

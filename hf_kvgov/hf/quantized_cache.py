@@ -128,6 +128,8 @@ class QuantizedCache(PagedCache):
         namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).
     """
 
+    shares_grouped_prefix = False  # publishing offers sealed copies of one table's blocks: one group for now
+
     def __init__(
         self,
         model_or_config: Any,

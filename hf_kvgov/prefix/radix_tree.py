@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from hf_kvgov.prefix import inputs
@@ -89,6 +89,7 @@ class RadixTree:
         *,
         max_tokens: int | None = None,
         lock: bool = False,
+        servable: Callable[[list[int]], int] | None = None,
     ) -> PrefixMatch:
         """Longest cached prefix of ``token_ids`` in whole blocks; refreshes the recency of what matched.
 
@@ -98,6 +99,8 @@ class RadixTree:
             max_tokens: match at most this many tokens (rounded down to whole blocks). Callers pass
                 ``len(token_ids) - 1`` so that at least one prompt token is left to compute.
             lock: also lock every matched block once, atomically with the lookup.
+            servable: the matched block ids -> how many leading ones the caller can use (the hit is cut there,
+                atomically with the lookup; a prefix over layer groups needs its sliding groups' blocks).
         """
         tokens = inputs.token_list(token_ids)
         space = inputs.namespace(namespace)
@@ -106,7 +109,11 @@ class RadixTree:
             usable = min(usable, inputs.non_negative_int(max_tokens, "max_tokens"))
         index = self._index
         with self._mutex:
-            path = index.claim(*index.descend(space, index.keys(tokens, usable // index.block_size)))
+            keys = index.keys(tokens, usable // index.block_size)
+            path, used = index.descend(space, keys)
+            if servable is not None:
+                path, used = index.descend(space, keys[: servable(index.path_ids(path, used))])
+            path = index.claim(path, used)
             index.touch(path)
             block_ids = tuple(block_id for node in path for block_id in node.block_ids)
             if lock:

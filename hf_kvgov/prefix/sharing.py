@@ -16,6 +16,12 @@ and in a quantized path it sits above its full-precision sink (the leaves are se
 is not): the reclaimer therefore keeps evicting, sealed leaves included, until the allocator has the
 full-precision blocks it asked for, or nothing is left to evict.
 
+A pool with layer groups (hybrid sliding-window models) stores one block position in one block per group,
+so the tree caches an entry per position instead, and `GroupedBlocks` says which pool blocks each entry
+stands for (`match_groups` / `publish_groups`; `hf_kvgov.prefix.grouped_blocks` says what a hit keeps). When
+the pool needs room, the reclaimer first lets go of sliding blocks only the tree holds (a sliding block serves
+only hits whose window covers it), then evicts whole entries.
+
 Locking: the tree and the pool each have one lock, and they are only ever nested in the order
 pool -> tree: the pool calls the reclaimer with its lock held, and the reclaimer takes the tree's lock.
 Every other path takes the tree's lock, releases it, and only then takes the pool's. Blocks found by
@@ -29,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hf_kvgov.prefix.grouped_blocks import Blocks, GroupedBlocks
 from hf_kvgov.prefix.radix_tree import RadixTree
 from hf_kvgov.prefix.results import PrefixCacheStats
 from hf_kvgov.storage.pool import BlockPool
@@ -67,6 +74,7 @@ class SharingStats:
     cached_blocks: int
     shared_blocks: int  # cached blocks that at least one live sequence is using
     evictions: int
+    pool_blocks: int = 0  # pool blocks the tree holds (cached_blocks, or more with layer groups: one per group)
 
 
 class PrefixCache:
@@ -80,6 +88,9 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, priority: str = "lru") -> None:
         self.pool = pool
         self.tree = RadixTree(pool.block_size, priority=priority)
+        grouped = len(pool.groups) > 1 or pool.groups[0].window is not None
+        # With layer groups the tree's ids are entries, one per block position (None: the tree's ids are pool ids).
+        self.grouped = GroupedBlocks(pool.groups, pool.block_size) if grouped else None
         pool.add_reclaimer(self._reclaim)
 
     @property
@@ -92,10 +103,82 @@ class PrefixCache:
         The caller gets one pool reference per block (for its block table) and one tree lock per block;
         it must give both back: `pool.decref` through its table, and `unlock` when it is done.
         """
+        self._require_groups(False, "match", "match_groups")
         found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True)
         ids = _pool_ids(found.block_ids)
         self.pool.incref(ids)
         return ids
+
+    def match_groups(
+        self, token_ids: Sequence[int], namespace: str = "", max_tokens: int | None = None
+    ) -> tuple[list[int], list[Blocks]]:
+        """`match` over a pool with layer groups: the longest cached prefix every group can serve.
+
+        Returns (the entries the caller must `unlock`, and per layer group the pool blocks of the hit, one per
+        block position): a full-attention group gets every block, a sliding group those from the one holding
+        the first token the next query sees (None before it). The caller holds one pool reference on each.
+        """
+        grouped = self._require_groups(True, "match_groups", "match")
+        found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
+        entries = list(found.block_ids)
+        start, size = len(entries) * self.block_size, self.block_size
+        tables: list[Blocks] = []
+        for g, group in enumerate(self.pool.groups):
+            first = group.first_kept(start, size) // size
+            tables.append([grouped.blocks(e)[g] if i >= first else None for i, e in enumerate(entries)])
+        self.pool.incref([block for table in tables for block in table if block is not None])
+        grouped.touch(entries)
+        return entries, tables
+
+    def publish_groups(
+        self, token_ids: Sequence[int], tables: list[Blocks], namespace: str = ""
+    ) -> tuple[list[Blocks], list[int]]:
+        """`publish` over a pool with layer groups; returns (the tables with cached blocks swapped in, the entries
+        the caller must unlock later).
+
+        `tables[g][i]` is group g's block at position i (None: a sliding block the caller freed), for every full
+        block of `token_ids`. A position already cached keeps its blocks and the caller's copies are swapped
+        for them; a sliding block the cached entry lacks is taken from the caller.
+        """
+        grouped = self._require_groups(True, "publish_groups", "publish")
+        full = len(token_ids) // self.block_size
+        positions = [[table[i] for table in tables] for i in range(full)]
+        offered, fresh = [], {}
+        for i, blocks in enumerate(positions):
+            entry = grouped.entry_of(blocks)
+            if entry is None:
+                entry = grouped.new_entry()
+                fresh[entry] = i
+            offered.append(entry)
+        result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
+        for entry in result.adopted:
+            self.pool.incref(grouped.add(entry, positions[fresh[entry]]))  # the tree's own references
+        swapped = [list(table) for table in tables]
+        for i, entry in enumerate(result.block_ids):
+            for g, (mine, cached) in enumerate(zip(positions[i], grouped.blocks(entry), strict=True)):
+                if mine is None or mine == cached:
+                    continue
+                if cached is None:
+                    if grouped.fill(entry, g, mine):
+                        self.pool.incref([mine])
+                    continue
+                self.pool.incref([cached])
+                self.pool.decref([mine])
+                swapped[g][i] = cached
+        grouped.touch(result.block_ids)
+        return swapped, list(result.block_ids)
+
+    def pool_blocks_of(self, tree_ids: Sequence[int]) -> frozenset[int]:
+        """The pool blocks the tree ids a cache locked stand for (entries' blocks with layer groups)."""
+        if self.grouped is None:
+            return frozenset(tree_ids)
+        return frozenset(b for e in tree_ids for b in self.grouped.blocks(e) if b is not None)
+
+    def _require_groups(self, grouped: bool, action: str, other: str) -> GroupedBlocks:
+        if (self.grouped is not None) != grouped:
+            kind = "has" if self.grouped is not None else "has no"
+            raise ValueError(f"{action}() does not apply: the tree's pool {kind} layer groups; use {other}().")
+        return self.grouped  # type: ignore[return-value]
 
     def publish(
         self, token_ids: Sequence[int], block_ids: list[int], namespace: str = ""
@@ -106,6 +189,7 @@ class PrefixCache:
         references). A block identical to one already cached is replaced by the cached one in the
         returned list: the caller swaps its table entry, so the same KV is stored once.
         """
+        self._require_groups(False, "publish", "publish_groups")
         full = len(token_ids) // self.block_size
         offered = _tree_ids(block_ids[:full])
         result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
@@ -124,8 +208,11 @@ class PrefixCache:
 
     def _evict(self, wanted: int) -> int:
         """Evict up to `wanted` unlocked cached blocks (LRU leaves first), give their references back."""
-        evicted = _pool_ids(self.tree.evict(wanted))
-        self.pool.decref(evicted)
+        evicted = self.tree.evict(wanted)
+        if self.grouped is None:
+            self.pool.decref(_pool_ids(evicted))
+        else:
+            self.pool.decref([block for entry in evicted for block in self.grouped.remove(entry)])
         return len(evicted)
 
     def _reclaim(self, wanted: int) -> int:
@@ -136,6 +223,8 @@ class PrefixCache:
         holds), hence the loop rather than one `evict(wanted)`.
         """
         used = self.pool.num_used
+        if self.grouped is not None:  # sliding blocks no sequence uses go first: they serve the fewest hits
+            self.pool.decref(self.grouped.trim(wanted, lambda block: self.pool.ref_count(block) == 1))
         while used - self.pool.num_used < wanted:
             if not self._evict(wanted - (used - self.pool.num_used)):
                 break
@@ -159,4 +248,5 @@ class PrefixCache:
             cached_blocks=tree.cached_blocks,
             shared_blocks=tree.locked_blocks,
             evictions=tree.evicted_blocks,
+            pool_blocks=tree.cached_blocks if self.grouped is None else self.grouped.pool_blocks,
         )

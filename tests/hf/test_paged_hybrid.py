@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import PagedCache, Paging, PrefixCache, QuantizedCache, QuantizedDiskCache, paged_attention, prefix_tree
+from hf_kvgov import PagedCache, QuantizedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.quality.outliers import key_outlier_ratios, outlier_ratio
 from hf_kvgov.storage.layer_groups import LayerGroup
 from tests.conftest import FULL, SLIDING, tiny_gemma3, tiny_mistral
@@ -104,27 +104,6 @@ def test_cropping_into_freed_tokens_is_refused_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="already freed the tokens before"):
         cache.crop(-40)
     assert cache.get_seq_length() == length and [len(t.rows[0]) for t in cache.all_tables] == [10, 10, 10]
-
-
-def test_prefix_sharing_keeps_one_group_and_refuses_a_grouped_pool() -> None:
-    model = MODELS["gemma3"]
-    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
-    assert tree.pool.groups == (LayerGroup(tuple(range(6))),)
-    # One row: `match` lays a batch of rows with different hits out with padding after each row's hit, which a
-    # sliding window counts as tokens (a known limit of prefix sharing on sliding-window models).
-    prompt = {name: tensor[:1] for name, tensor in batch().items()}
-    first = PagedCache(model, prefix=tree)
-    out = model.generate(**prompt, cache=first, max_new_tokens=4, do_sample=False)
-    first.publish(out)
-    second = PagedCache(model, prefix=tree)
-    inputs = second.match(prompt["input_ids"], prompt["attention_mask"])
-    assert second.get_seq_length() == 64  # the prompt's 8 full blocks came from the tree
-    again = model.generate(**inputs, cache=second, max_new_tokens=4, do_sample=False)
-    assert torch.equal(again, out)
-    grouped = PagedCache(model).pool
-    assert grouped is not None and len(grouped.groups) == 3
-    with pytest.raises(ValueError, match="Prefix sharing over a pool with layer groups is not supported yet"):
-        PagedCache(model, prefix=PrefixCache(grouped))
 
 
 def test_layer_kv_reads_each_groups_own_table() -> None:

@@ -1,0 +1,117 @@
+"""Prefix reuse for a `PagedCache` whose pool has layer groups (hybrid sliding-window models).
+
+The tree caches one entry per block position, holding one block per group (`hf_kvgov.prefix.grouped_blocks`).
+What differs from a pool without groups:
+
+- A hit is exact when every group can serve it: full-attention groups get every block of the prefix,
+  sliding groups the blocks of the last window before the hit point (the tree cuts the hit where they lack
+  one). A sliding group's table starts at the block holding the first token the next query sees; what is
+  before it is freed, as if the request had computed it and moved on.
+- A sliding group frees blocks as they leave its window, long before `publish` runs after generate. So the
+  cache publishes the prompt's blocks as they are computed (at the start of each step, while every group
+  still holds them; the prompt's tokens are known from `match`). The tree then keeps the sliding blocks of
+  the whole document, and a later request on it hits wherever it diverges, as on a model without windows.
+  They are the tree's, evictable: when the pool needs room the tree first lets go of sliding blocks no
+  sequence uses, least recently used first, then evicts whole entries (LRU leaves).
+- `publish` offers a row's full blocks, with None for the sliding blocks it freed; the tree keeps its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.hf.prefix_layout import RowLayout
+from hf_kvgov.prefix.grouped_blocks import Blocks
+from hf_kvgov.storage.block_table import BlockTable
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.paged_cache import PagedCache
+
+Hit = tuple[list[int], list[Blocks]]  # (entries to unlock, per group the hit's pool blocks)
+
+
+def match_rows(cache: PagedCache, rows: list[list[int]], namespace: str) -> list[Hit]:
+    """Each row's longest prefix every group can serve; the entries are locked for this cache."""
+    assert cache.prefix is not None
+    hits = [cache.prefix.match_groups(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
+    cache._prefix_locks.extend(entry for entries, _ in hits for entry in entries)
+    return hits
+
+
+def fill_from_hits(cache: PagedCache, hits: list[Hit], plan: list[RowLayout]) -> None:
+    """Every group's tables from the rows' hits, rows shorter than the longest padded after their hit.
+
+    A sliding group keeps the blocks from the one holding the first token a query at the longest hit sees; a
+    row's hit blocks before it go back (the row's own hit needed them, the batch does not).
+    """
+    pool = cache.pool
+    assert pool is not None and cache.tables is not None
+    bs, longest = pool.block_size, max(row.cached for row in plan)
+    firsts = [group.first_kept(longest, bs) // bs for group in cache.groups]
+    pads = [[max(first, len(hit[1][g])) for hit in hits] for g, first in enumerate(firsts)]  # where pads start
+    count = sum(longest // bs - start for starts in pads for start in starts)
+    held = [block for _, tables in hits for table in tables for block in table if block is not None]
+    try:
+        fresh = iter(pool.allocate(count))  # all-or-nothing, like every allocation
+    except PoolExhausted:
+        pool.decref(held)  # no table holds them yet
+        raise
+    for g, tables in enumerate(cache.all_tables):
+        first = firsts[g]
+        tables.rows = []
+        for (_, groups), start in zip(hits, pads[g], strict=True):
+            hit = groups[g]
+            pool.decref([block for block in hit[:first] if block is not None])
+            pad_blocks = [next(fresh) for _ in range(longest // bs - start)]
+            pool.zero_blocks(pad_blocks)  # masked, but must never hold stale non-finite values
+            kept = [block for block in hit[first:] if block is not None]
+            assert len(kept) == len(hit[first:]), "a hit serves every block from its window's first on"
+            row = BlockTable(pool, [0] * first + kept + pad_blocks)
+            row.freed = first  # the leading entries are freed: stale ids, never read
+            tables.rows.append(row)
+        tables.first_block, tables.num_tokens = first, longest
+        tables._changed()
+
+
+def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str) -> int:
+    """Offer row r's full blocks of `rows[r]` (its publishable tokens) to the tree; returns the blocks offered."""
+    assert cache.prefix is not None
+    offered = 0
+    for r, tokens in enumerate(rows):
+        full = len(tokens) // cache.prefix.block_size
+        if not full:
+            continue
+        tables: list[Blocks] = []
+        for group_tables in cache.all_tables:
+            row = group_tables.rows[r]
+            tables.append([None if i < row.freed else row.block_ids[i] for i in range(full)])
+        swapped, locked = cache.prefix.publish_groups(tokens, tables, namespace)
+        for group_tables, blocks in zip(cache.all_tables, swapped, strict=True):
+            row = group_tables.rows[r]
+            for i, block in enumerate(blocks):
+                if block is not None:
+                    row.block_ids[i] = block
+        cache._prefix_locks.extend(locked)
+        offered += len(locked)
+    for group_tables in cache.all_tables:
+        group_tables._changed()
+    return offered
+
+
+def publish_computed(cache: PagedCache) -> None:
+    """At the start of a step: publish the prompt blocks computed since the last call (see the module docstring).
+
+    Only rows `match` laid out, up to their first padded slot (after it, a slot is not its token's position).
+    """
+    layouts, tables = cache._row_layouts, cache.tables
+    if cache.prefix is None or cache.prefix.grouped is None or layouts is None or tables is None:
+        return
+    if len(layouts) != tables.batch_size:
+        return
+    stored, bs = cache.get_seq_length(), cache.prefix.block_size
+    rows = [row.tokens[: min(stored, len(row.tokens) if row.first_pad is None else row.first_pad)] for row in layouts]
+    ready = max(len(tokens) // bs for tokens in rows)
+    if ready > cache._published_blocks:
+        publish_rows(cache, rows, cache.namespace)
+        cache._published_blocks = ready

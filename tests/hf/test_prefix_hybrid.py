@@ -1,0 +1,147 @@
+"""Prefix sharing over a pool with layer groups (tiny random Gemma-3 and Mistral configs): a hit is exact, a
+sliding group's table starts at its window, the tree keeps a document's sliding blocks as they are computed,
+and the pool takes them back first when it needs room."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov import DiskOffloadCache, PagedCache, Paging, QuantizedCache, paged_attention, prefix_tree
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.layer_groups import LayerGroup
+from hf_kvgov.storage.pool import BlockPool
+from tests.hf.test_paged_hybrid import BLOCK, MODELS, WINDOW
+
+GENERATOR = torch.Generator().manual_seed(5)
+DOCUMENT = torch.randint(3, 96, (1, 64), generator=GENERATOR)  # 8 blocks of 8 tokens, well past the 24-token window
+QUESTIONS = [torch.randint(3, 96, (1, 6), generator=GENERATOR) for _ in range(3)]
+OPTIONS: dict[str, Any] = {"max_new_tokens": 8, "do_sample": False}
+
+
+def prompt(question: int) -> torch.Tensor:
+    return torch.cat([DOCUMENT, QUESTIONS[question]], dim=1)  # 70 tokens
+
+
+def without_sharing(model: Any, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    return model.generate(ids, cache=DynamicCache(config=model.config), **(OPTIONS | kwargs))
+
+
+def request(model: Any, cache: Any, ids: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, int]:
+    """match -> generate -> publish -> release, as a server does; returns (sequences, prompt tokens served)."""
+    inputs = cache.match(ids)
+    served = cache.get_seq_length()
+    out = model.generate(**inputs, cache=cache, **(OPTIONS | kwargs))
+    cache.publish(out)
+    cache.release()
+    return out, served
+
+
+@pytest.mark.parametrize("kind", ["paged", "paged-attention", "disk"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_second_request_on_the_document_computes_only_its_question(name: str, kind: str) -> None:
+    model = MODELS[name]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    assert tree.pool.groups == PagedCache(model).groups and tree.grouped is not None
+
+    def cache() -> Any:
+        if kind == "disk":
+            return DiskOffloadCache(model, prefix=tree, hot_tokens=8)  # the document's own blocks would spill
+        return PagedCache(model, prefix=tree, attention="paged" if kind == "paged-attention" else "contiguous")
+
+    def run(question: int) -> tuple[torch.Tensor, int]:
+        if kind == "paged-attention":
+            with paged_attention(model):
+                return request(model, cache(), prompt(question))
+        return request(model, cache(), prompt(question))
+
+    first, served = run(0)
+    assert served == 0 and torch.equal(first, without_sharing(model, prompt(0)))
+    second, served = run(1)
+    # The document's 8 blocks come from the tree: 6 of 70 prompt tokens are computed (8.6%).
+    assert served == 64 and torch.equal(second, without_sharing(model, prompt(1)))
+    assert tree.pool.num_used == tree.stats().pool_blocks  # every request released its own blocks
+
+
+def test_a_sliding_table_starts_at_its_window_and_the_tree_keeps_what_the_request_freed() -> None:
+    model = MODELS["gemma3"]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    # 77 tokens stored (70 + 7 fed back): 9 full blocks; each entry holds a block of each of the 3 groups, the
+    # sliding ones published as the prompt was computed, before the request freed them.
+    stats = tree.stats()
+    assert (stats.cached_blocks, stats.pool_blocks) == (9, 27)
+    cache = PagedCache(model, prefix=tree)
+    cache.match(prompt(1))
+    # Queries at 64 see 41 .. 64: a sliding group needs blocks 5 (40 .. 47) to 7; the full group all 8.
+    assert [tables.first_block for tables in cache.all_tables] == [5, 5, 0]
+    assert [len(tables.rows[0].live_ids) for tables in cache.all_tables] == [3, 3, 8]
+    assert cache.stats().blocks_in_use == 14
+    cache.release()
+
+
+def test_a_hit_is_cut_where_a_sliding_group_lacks_its_window() -> None:
+    model = MODELS["gemma3"]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    first = PagedCache(model, prefix=tree)  # no match: the cache does not know the prompt while computing it
+    out = model.generate(prompt(0), cache=first, **OPTIONS)
+    first.publish(out)  # so only the blocks still live are offered: the sliding groups' from block 6 (48 ..) on
+    first.release()
+    # A hit at 64 needs the sliding blocks from 5 on, at 56 from 4 on...: no point of the document is servable.
+    again = PagedCache(model, prefix=tree)
+    inputs = again.match(prompt(1))
+    assert again.get_seq_length() == 0
+    assert torch.equal(model.generate(**inputs, cache=again, **OPTIONS), without_sharing(model, prompt(1)))
+    # The same prompt again: the hit at 72 needs sliding blocks 6 .. 8, which the publish offered.
+    again.release()
+    same = PagedCache(model, prefix=tree)
+    inputs = same.match(out[:, :73])
+    assert same.get_seq_length() == 72
+    assert torch.equal(model.generate(**inputs, cache=same, **OPTIONS), without_sharing(model, out[:, :73]))
+
+
+def test_rows_of_one_batch_and_beams_share_the_document() -> None:
+    model = MODELS["gemma3"]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    both = torch.cat([prompt(1), prompt(2)])
+    out, served = request(model, PagedCache(model, prefix=tree), both)
+    assert served == 64 and torch.equal(out, without_sharing(model, both))
+    beamed = PagedCache(model, prefix=tree)  # beams fork the hit's rows (generate returns the best beam only)
+    inputs = beamed.match(prompt(2))
+    assert beamed.get_seq_length() == 64
+    beams = model.generate(**inputs, cache=beamed, **(OPTIONS | {"num_beams": 3}))
+    assert torch.equal(beams, without_sharing(model, prompt(2), num_beams=3))
+
+
+def test_the_pool_takes_back_sliding_blocks_only_the_tree_holds_first() -> None:
+    model = MODELS["gemma3"]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK, max_tokens=40 * BLOCK))  # 40 blocks
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    assert (tree.stats().cached_blocks, tree.stats().pool_blocks) == (9, 27)
+    held = tree.pool.allocate(13 + 4)  # 13 blocks are free: 4 more come from the tree
+    stats = tree.stats()
+    # The 4 least recently used sliding blocks went (the first entries'), every entry and full block stayed.
+    assert (stats.cached_blocks, stats.pool_blocks, stats.evictions) == (9, 23, 0)
+    tree.pool.decref(held)
+    cache = PagedCache(model, prefix=tree)
+    inputs = cache.match(prompt(1))
+    assert cache.get_seq_length() == 64  # entries 0 and 1 lost their sliding blocks; a hit at 64 needs 5 .. 7
+    assert torch.equal(model.generate(**inputs, cache=cache, **OPTIONS), without_sharing(model, prompt(1)))
+    cache.release()
+    everything = tree.pool.allocate(tree.pool.num_free + tree.stats().pool_blocks)  # then whole entries go
+    assert tree.stats().cached_blocks == 0 and tree.pool.num_free == 0
+    tree.pool.decref(everything)
+
+
+def test_caches_that_share_over_one_group_only_refuse_a_grouped_tree() -> None:
+    model = MODELS["gemma3"]
+    grouped = PagedCache(model, block_size=BLOCK).pool
+    assert isinstance(grouped, BlockPool) and len(grouped.groups) == 3
+    with pytest.raises(ValueError, match="QuantizedCache cannot share prefixes over a pool with layer groups"):
+        QuantizedCache(model, prefix=PrefixCache(grouped))
+    assert prefix_tree(model, codec="int8").pool.groups == (LayerGroup(tuple(range(6))),)
+    assert WINDOW == 24  # the arithmetic of the tests above
