@@ -121,3 +121,19 @@ class GroupedBlocks:
             ):
                 return hit
         return 0
+
+    def check(self, cached: Callable[[int], bool], tree_blocks: int, ref_count: Callable[[int], int]) -> None:
+        """Raise an `AssertionError` unless the entries are the tree's `tree_blocks` cached blocks (`cached`) and
+        hold, in their group slots, pool blocks that are in no other entry and hold a reference (`ref_count`)."""
+        assert len(self._blocks) == tree_blocks, f"{len(self._blocks)} entries for {tree_blocks} cached blocks"
+        owners: dict[int, int] = {}
+        for entry, slots in self._blocks.items():
+            assert cached(entry), f"entry {entry} is not in the tree"
+            for block in slots:
+                if block is not None:
+                    assert block not in owners, f"pool block {block} is in entries {owners.get(block)} and {entry}"
+                    owners[block] = entry
+                    assert ref_count(block) >= 1, f"pool block {block} of entry {entry} has no reference"
+        assert owners == self._entry_of, "the block -> entry index differs from the entries"
+        for entry in self._trimmable:
+            assert entry in self._blocks, f"trimmable entry {entry} is not an entry"

@@ -24,7 +24,10 @@ only hits whose window covers it), then evicts whole entries.
 
 Locking: the tree and the pool each have one lock, and they are only ever nested in the order
 pool -> tree: the pool calls the reclaimer with its lock held, and the reclaimer takes the tree's lock.
-Every other path takes the tree's lock, releases it, and only then takes the pool's. Blocks found by
+Every other path takes the tree's lock, releases it, and only then takes the pool's; with layer groups,
+`match_groups` and `publish_groups` hold the pool's lock around their tree call and their `GroupedBlocks`
+updates, so the reclaimer (which trims and evicts entries) never sees an entry half changed, nor trims a
+sliding block between a hit's lookup and its caller's reference. Blocks found by
 `match` are locked in the tree atomically with the lookup, so no other thread can evict them before
 the caller's pool reference is taken. Several threads (a web server with a worker per request) can
 therefore share one `PrefixCache` and one pool; a sequence's own cache is used by one thread at a time.
@@ -119,15 +122,16 @@ class PrefixCache:
         the first token the next query sees (None before it). The caller holds one pool reference on each.
         """
         grouped = self._require_groups(True, "match_groups", "match")
-        found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
-        entries = list(found.block_ids)
-        start, size = len(entries) * self.block_size, self.block_size
-        tables: list[Blocks] = []
-        for g, group in enumerate(self.pool.groups):
-            first = group.first_kept(start, size) // size
-            tables.append([grouped.blocks(e)[g] if i >= first else None for i, e in enumerate(entries)])
-        self.pool.incref([block for table in tables for block in table if block is not None])
-        grouped.touch(entries)
+        with self.pool._lock:  # see the module docstring
+            found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
+            entries = list(found.block_ids)
+            start, size = len(entries) * self.block_size, self.block_size
+            tables: list[Blocks] = []
+            for g, group in enumerate(self.pool.groups):
+                first = group.first_kept(start, size) // size
+                tables.append([grouped.blocks(e)[g] if i >= first else None for i, e in enumerate(entries)])
+            self.pool.incref([block for table in tables for block in table if block is not None])
+            grouped.touch(entries)
         return entries, tables
 
     def publish_groups(
@@ -141,6 +145,12 @@ class PrefixCache:
         for them; a sliding block the cached entry lacks is taken from the caller.
         """
         grouped = self._require_groups(True, "publish_groups", "publish")
+        with self.pool._lock:  # see the module docstring
+            return self._publish_groups(grouped, token_ids, tables, namespace)
+
+    def _publish_groups(
+        self, grouped: GroupedBlocks, token_ids: Sequence[int], tables: list[Blocks], namespace: str
+    ) -> tuple[list[Blocks], list[int]]:
         full = len(token_ids) // self.block_size
         positions = [[table[i] for table in tables] for i in range(full)]
         offered, fresh = [], {}
@@ -232,7 +242,17 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Evict every unlocked cached block; returns how many were evicted."""
-        return self._evict(len(self.tree))
+        with self.pool._lock:
+            return self._evict(len(self.tree))
+
+    def check_invariants(self) -> None:
+        """Raise an `AssertionError` unless the tree's books balance (and, with layer groups, the entries': each
+        entry is a cached block of the tree, each pool block in one entry, with a live pool reference)."""
+        self.tree.check_invariants()
+        if self.grouped is None:
+            return
+        with self.pool._lock:
+            self.grouped.check(lambda entry: entry in self.tree, len(self.tree), self.pool.ref_count)
 
     def close(self) -> None:
         """Detach from the pool (cached blocks stay allocated until `clear`)."""

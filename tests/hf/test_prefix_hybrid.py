@@ -4,6 +4,7 @@ and the pool takes them back first when it needs room."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -64,6 +65,7 @@ def test_a_second_request_on_the_document_computes_only_its_question(name: str, 
     # The document's 8 blocks come from the tree: 6 of 70 prompt tokens are computed (8.6%).
     assert served == 64 and torch.equal(second, without_sharing(model, prompt(1)))
     assert tree.pool.num_used == tree.stats().pool_blocks  # every request released its own blocks
+    tree.check_invariants()
 
 
 def test_a_sliding_table_starts_at_its_window_and_the_tree_keeps_what_the_request_freed() -> None:
@@ -134,7 +136,42 @@ def test_the_pool_takes_back_sliding_blocks_only_the_tree_holds_first() -> None:
     cache.release()
     everything = tree.pool.allocate(tree.pool.num_free + tree.stats().pool_blocks)  # then whole entries go
     assert tree.stats().cached_blocks == 0 and tree.pool.num_free == 0
+    tree.check_invariants()
     tree.pool.decref(everything)
+
+
+def test_threads_share_one_grouped_tree_consistently() -> None:
+    model = MODELS["gemma3"]
+    # The document is cached first; then 8 requests on it, 4 at a time, each needing about 6 blocks of its own
+    # besides the document's last window: 48 blocks make the tree give sliding blocks back, never run out.
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK, max_tokens=48 * BLOCK))
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    questions = [torch.cat([DOCUMENT, torch.randint(3, 96, (1, 4 + i % 3), generator=GENERATOR)], 1) for i in range(8)]
+    expected = [without_sharing(model, q) for q in questions]
+    results: dict[int, tuple[torch.Tensor, int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(indices: list[int]) -> None:
+        try:
+            for i in indices:
+                results[i] = request(model, PagedCache(model, prefix=tree), questions[i])
+        except BaseException as error:  # reported below: a thread's exception must fail the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=([i, i + 4],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for i, (out, _) in results.items():
+        assert torch.equal(out, expected[i])
+    assert all(served == 64 for _, served in results.values())
+    stats = tree.stats()
+    assert stats.pool_blocks < 3 * stats.cached_blocks  # the pool took sliding blocks back from the tree
+    tree.check_invariants()
+    tree.clear()
+    assert tree.pool.num_used == 0
 
 
 def test_caches_that_share_over_one_group_only_refuse_a_grouped_tree() -> None:
