@@ -1,13 +1,16 @@
-"""Eviction policies: pure functions from per-slot scores and positions to the slots worth keeping.
+"""Eviction policies: pure functions from per-slot facts and positions to the slots worth keeping.
 
-A policy's ``select(scores, positions, valid, budget)`` returns slot indices per KV head; the cache then
-moves its tensors with :func:`gather_kept`. Build one by name with :func:`make_policy` (``"h2o"``,
-``"sink"``). The attention-mass and RoPE helpers feed the policies and the caches that apply them.
+A policy's ``select(facts, positions, valid, budget)`` returns slot indices per KV head; the cache then
+moves its tensors with :func:`gather_kept`. ``facts`` is a `SlotFacts` holding what the policy's ``needs``
+asks for (attention mass, the last queries' attention, key norms). Build one by name with
+:func:`make_policy` (``"h2o"``, ``"sink"``, ``"snapkv"``, ``"tova"``, ``"key_norm"``). The attention-mass
+and RoPE helpers feed the policies and the caches that apply them.
 """
 
 from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mass_chunked
-from hf_kvgov.policies.base import EvictionPolicy
+from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, SlotFacts
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
+from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.registry import available_policies, make_policy, register_policy
 from hf_kvgov.policies.rope import apply_rope, rerotate, rotate_half
 from hf_kvgov.policies.selection import (
@@ -16,13 +19,21 @@ from hf_kvgov.policies.selection import (
     oldest_valid,
     order_by_position,
     select_by_priority,
+    select_with_window,
 )
 from hf_kvgov.policies.sink_window import SinkWindow
+from hf_kvgov.policies.snapkv import SnapKV
+from hf_kvgov.policies.tova import TOVA
 
 __all__ = [
+    "TOVA",
     "EvictionPolicy",
+    "FactNeeds",
     "HeavyHitter",
+    "KeyNorm",
     "SinkWindow",
+    "SlotFacts",
+    "SnapKV",
     "accumulate_attention",
     "apply_rope",
     "attention_mass_chunked",
@@ -36,4 +47,5 @@ __all__ = [
     "rerotate",
     "rotate_half",
     "select_by_priority",
+    "select_with_window",
 ]

@@ -3,14 +3,25 @@
 A policy is a pure function from per-slot facts to the slots worth keeping. It never touches K/V memory:
 the cache calls ``select``, then moves its tensors with :func:`hf_kvgov.policies.selection.gather_kept`.
 
+Each policy declares the facts it ranks by in ``needs`` (a `FactNeeds`), and the cache computes only those:
+
+- ``mass``              accumulated attention mass of each slot over every query so far (H2O).
+- ``recent_attention``  attention the step's last ``needs.recent_queries`` queries paid each slot (SnapKV's
+  observation window, TOVA's current query). At prefill these are the prompt's last queries; during decode
+  a step has one query, so it is the newest query's attention.
+- ``key_norm``          L2 norm of each slot's key as cached (after RoPE, which preserves norms).
+
+Attention facts are softmax probabilities summed over the query heads that share a KV head (and over the
+queries counted), so GQA groups rank as one; a padding query adds nothing.
+
 Shapes, for every policy:
 
-- ``scores``    float ``[batch, kv_heads, slots]``: accumulated attention mass of each stored slot, or
-  ``None`` for a policy whose ``needs_scores`` is False.
+- ``facts``     a `SlotFacts`; each fact it holds is float ``[batch, kv_heads, slots]``, and the facts a
+  policy does not need may be None.
 - ``positions`` long  ``[batch, kv_heads, slots]``: absolute token position of each stored slot. Slots may
   be stored in any order; a policy ranks them by position, never by slot index.
 - ``valid``     bool  ``[batch, kv_heads, slots]``: False for left padding and for empty slots. Invalid
-  slots are never kept as sinks, heavy hitters or window tokens; their positions and scores are ignored.
+  slots are never kept as sinks, heavy hitters or window tokens; their positions and facts are ignored.
 - ``budget``    int: how many slots each (row, head) may keep.
 
 The result is a long ``[batch, kv_heads, kept]`` tensor of slot indices with ``kept = min(budget, slots)``,
@@ -22,10 +33,47 @@ valid slots in ascending position: the kept row is left-padded, like a left-padd
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol, runtime_checkable
+from dataclasses import dataclass, fields
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class FactNeeds:
+    """Which per-slot facts a policy reads (see the module doc); the cache computes nothing else.
+
+    Args:
+        mass: accumulated attention mass, kept per slot across steps.
+        recent_queries: how many of the step's last queries ``recent_attention`` sums (0: not needed).
+        key_norm: the L2 norm of each slot's key.
+    """
+
+    mass: bool = False
+    recent_queries: int = 0
+    key_norm: bool = False
+
+    def __post_init__(self) -> None:
+        check_count("FactNeeds", "recent_queries", self.recent_queries)
+
+
+@dataclass(frozen=True)
+class SlotFacts:
+    """The per-slot facts of one eviction, each float ``[batch, kv_heads, slots]`` or None if not computed."""
+
+    mass: Tensor | None = None
+    recent_attention: Tensor | None = None
+    key_norm: Tensor | None = None
+
+    def require(self, name: str, owner: str) -> Tensor:
+        """The fact ``name``; raises ``ValueError`` naming ``owner`` when the cache did not compute it."""
+        fact = getattr(self, name)
+        if fact is None:
+            raise ValueError(
+                f"{owner} ranks slots by {name}, so facts.{name} must be a tensor [batch, kv_heads, slots]; got None."
+            )
+        return fact
 
 
 @runtime_checkable
@@ -35,21 +83,25 @@ class EvictionPolicy(Protocol):
     Implementations are frozen dataclasses validated in ``__post_init__``, one per file.
     """
 
-    #: Whether ``select`` reads ``scores``; a cache only pays for attention mass when this is True.
-    needs_scores: ClassVar[bool]
+    @property
+    def needs(self) -> FactNeeds:
+        """The facts ``select`` reads; a cache pays only for these."""
+        ...
 
     @property
     def min_budget(self) -> int:
         """The smallest budget this configuration accepts (its fixed parts: sinks, windows)."""
         ...
 
-    def select(self, scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+    def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` slot indices to keep (see module doc)."""
         ...
 
 
-def check_slot_tensors(scores: Tensor | None, positions: Tensor, valid: Tensor) -> None:
-    """Raise a ``TypeError``/``ValueError`` unless the three per-slot tensors follow the contract above."""
+def check_slot_tensors(facts: SlotFacts, positions: Tensor, valid: Tensor) -> None:
+    """Raise a ``TypeError``/``ValueError`` unless the per-slot tensors follow the contract above."""
+    if not isinstance(facts, SlotFacts):
+        raise TypeError(f"facts must be a SlotFacts; got {facts!r} of type {type(facts).__name__}.")
     if positions.dim() != 3:
         raise ValueError(
             "positions must have shape [batch, kv_heads, slots]; "
@@ -63,14 +115,17 @@ def check_slot_tensors(scores: Tensor | None, positions: Tensor, valid: Tensor) 
         raise ValueError(
             f"valid has shape {tuple(valid.shape)} but positions has shape {tuple(positions.shape)}; they must match."
         )
-    if scores is None:
-        return
-    if not scores.is_floating_point():
-        raise TypeError(f"scores must be a floating-point tensor; got dtype {scores.dtype}.")
-    if scores.shape != positions.shape:
-        raise ValueError(
-            f"scores has shape {tuple(scores.shape)} but positions has shape {tuple(positions.shape)}; they must match."
-        )
+    for field in fields(facts):
+        fact = getattr(facts, field.name)
+        if fact is None:
+            continue
+        if not fact.is_floating_point():
+            raise TypeError(f"facts.{field.name} must be a floating-point tensor; got dtype {fact.dtype}.")
+        if fact.shape != positions.shape:
+            raise ValueError(
+                f"facts.{field.name} has shape {tuple(fact.shape)} but positions has shape "
+                f"{tuple(positions.shape)}; they must match."
+            )
 
 
 def check_budget(budget: int) -> None:
@@ -87,3 +142,12 @@ def check_count(owner: str, name: str, value: object, minimum: int = 0) -> None:
         raise TypeError(f"{owner}.{name} must be an int; got {value!r} of type {type(value).__name__}.")
     if value < minimum:
         raise ValueError(f"{owner}.{name} must be at least {minimum}; got {value}.")
+
+
+def check_budget_fits(policy: object, budget: int, fixed: int, parts: str) -> None:
+    """Raise unless ``budget`` is a valid budget of at least the ``fixed`` slots ``policy`` always keeps."""
+    check_budget(budget)
+    if budget < fixed:
+        raise ValueError(
+            f"{policy!r} always keeps {parts}, so the budget must be at least {fixed}; got a budget of {budget}."
+        )

@@ -6,11 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
-from hf_kvgov.policies.base import check_budget, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import newest_valid, select_by_priority
+from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
+from hf_kvgov.policies.selection import select_with_window
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class HeavyHitter:
     heavy: int | float
     recent: int
 
-    needs_scores: ClassVar[bool] = True
+    needs: ClassVar[FactNeeds] = FactNeeds(mass=True)
 
     def __post_init__(self) -> None:
         check_count("HeavyHitter", "recent", self.recent)
@@ -58,30 +57,15 @@ class HeavyHitter:
         # The epsilon keeps 0.29 * 100 = 28.999999999999996 from rounding down to 28.
         return math.floor(self.heavy * budget + 1e-9)
 
-    def select(self, scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+    def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices.
 
-        ``scores`` is float ``[batch, kv_heads, slots]`` accumulated attention mass (required);
+        Reads ``facts.mass``, float ``[batch, kv_heads, slots]`` accumulated attention mass (required);
         ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
-        if scores is None:
-            raise ValueError(
-                "HeavyHitter ranks slots by accumulated attention mass, so scores must be a tensor "
-                "[batch, kv_heads, slots]; got None."
-            )
-        check_slot_tensors(scores, positions, valid)
-        self._check_budget(budget)
+        mass = facts.require("mass", "HeavyHitter")
+        check_slot_tensors(facts, positions, valid)
+        check_budget_fits(self, budget, self.recent, f"{self.recent} recent slots")
         kept = min(budget, positions.shape[-1])
         heavy = max(0, min(self.heavy_slots(budget), kept - self.recent))
-        in_window = newest_valid(positions, valid, kept - heavy)
-        # The window outranks every mass, +inf included, because the shared tie-break prefers newer slots.
-        priority = torch.where(in_window, float("inf"), scores)
-        return select_by_priority(priority, positions, valid, kept)
-
-    def _check_budget(self, budget: int) -> None:
-        check_budget(budget)
-        if budget < self.recent:
-            raise ValueError(
-                f"HeavyHitter(heavy={self.heavy!r}, recent={self.recent}) always keeps {self.recent} recent "
-                f"slots, so the budget must be at least {self.recent}; got a budget of {budget}."
-            )
+        return select_with_window(mass, positions, valid, kept, kept - heavy)

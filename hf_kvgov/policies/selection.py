@@ -40,6 +40,16 @@ def select_by_priority(priority: Tensor, positions: Tensor, valid: Tensor, kept:
     return order_by_position(order[..., :kept], positions, valid)
 
 
+def select_with_window(priority: Tensor, positions: Tensor, valid: Tensor, kept: int, window: int) -> Tensor:
+    """`select_by_priority` after giving the ``window`` newest valid slots of each row top priority.
+
+    Shapes as in `select_by_priority`. The window outranks every priority, +inf included, because the
+    shared tie-break prefers newer slots.
+    """
+    in_window = newest_valid(positions, valid, window)
+    return select_by_priority(torch.where(in_window, float("inf"), priority), positions, valid, kept)
+
+
 def order_by_position(slot_idx: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
     """Reorder ``slot_idx`` ``[batch, kv_heads, n]``: invalid slots by slot index, then valid by position."""
     slot_idx = slot_idx.sort(dim=-1).values

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from hf_kvgov.policies.base import check_budget, check_count, check_slot_tensors
+from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
 from hf_kvgov.policies.selection import oldest_valid, select_by_priority
 
 
@@ -17,7 +17,7 @@ class SinkWindow:
 
     Keeps the ``n_sink`` valid slots with the lowest positions, which are the first real tokens, never
     left padding, and fills the rest of ``kept = min(budget, slots)`` with the most recent valid slots.
-    The window is therefore ``kept - n_sink`` slots, at least ``window``; scores are ignored.
+    The window is therefore ``kept - n_sink`` slots, at least ``window``; it reads no facts.
 
     Args:
         n_sink: sink tokens kept at the start (StreamingLLM uses 4).
@@ -30,7 +30,7 @@ class SinkWindow:
     n_sink: int
     window: int
 
-    needs_scores: ClassVar[bool] = False
+    needs: ClassVar[FactNeeds] = FactNeeds()
 
     def __post_init__(self) -> None:
         check_count("SinkWindow", "n_sink", self.n_sink)
@@ -40,24 +40,16 @@ class SinkWindow:
     def min_budget(self) -> int:
         return max(self.n_sink + self.window, 1)
 
-    def select(self, scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+    def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices.
 
-        ``scores`` is ignored (it may be None); ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
+        ``facts`` are ignored; ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
-        check_slot_tensors(scores, positions, valid)
-        self._check_budget(budget)
+        check_slot_tensors(facts, positions, valid)
+        fixed = self.n_sink + self.window
+        check_budget_fits(self, budget, fixed, f"{self.n_sink} sink + {self.window} window = {fixed} slots")
         kept = min(budget, positions.shape[-1])
         # Every non-sink slot ties at priority 0, and the shared tie-break prefers newer positions, so
         # the slots left after the sinks go to the newest tokens: that is the window, grown to the budget.
         priority = oldest_valid(positions, valid, self.n_sink).float()
         return select_by_priority(priority, positions, valid, kept)
-
-    def _check_budget(self, budget: int) -> None:
-        check_budget(budget)
-        if budget < self.n_sink + self.window:
-            raise ValueError(
-                f"SinkWindow(n_sink={self.n_sink}, window={self.window}) always keeps "
-                f"{self.n_sink} sink + {self.window} window = {self.n_sink + self.window} slots, so the "
-                f"budget must be at least {self.n_sink + self.window}; got a budget of {budget}."
-            )

@@ -7,24 +7,15 @@ import dataclasses
 import pytest
 import torch
 
-from hf_kvgov.policies import HeavyHitter
+from hf_kvgov.policies import FactNeeds, HeavyHitter, SlotFacts
+from tests.policies.slot_rows import select_row
 
 NAN = float("nan")
 INF = float("inf")
 
 
-def row(values: list, dtype: torch.dtype) -> torch.Tensor:
-    """One (batch, head) row: ``[1, 1, slots]``."""
-    return torch.tensor(values, dtype=dtype).view(1, 1, -1)
-
-
 def select(policy: HeavyHitter, scores: list, budget: int, positions=None, valid=None) -> list[int]:
-    n = len(scores)
-    pos = row(positions if positions is not None else list(range(n)), torch.long)
-    ok = row(valid if valid is not None else [True] * n, torch.bool)
-    out = policy.select(row(scores, torch.float32), pos, ok, budget)
-    assert out.dtype == torch.long
-    return out.view(-1).tolist()
+    return select_row(policy, "mass", scores, budget, positions, valid)
 
 
 def test_recent_window_plus_highest_mass() -> None:
@@ -70,7 +61,7 @@ def test_every_head_selects_independently() -> None:
     )
     positions = torch.arange(6).expand(2, 2, 6)
     valid = torch.ones(2, 2, 6, dtype=torch.bool)
-    kept = HeavyHitter(heavy=1, recent=1).select(scores, positions, valid, 2)
+    kept = HeavyHitter(heavy=1, recent=1).select(SlotFacts(mass=scores), positions, valid, 2)
     assert kept.tolist() == [[[0, 5], [2, 5]], [[4, 5], [2, 5]]]
 
 
@@ -124,10 +115,10 @@ def test_non_int_budget_is_a_type_error(budget: object) -> None:
         select(HeavyHitter(heavy=1, recent=0), [0] * 4, budget=budget)  # type: ignore[arg-type]
 
 
-def test_scores_are_required() -> None:
+def test_mass_is_required() -> None:
     positions = torch.arange(4).view(1, 1, 4)
-    with pytest.raises(ValueError, match="scores must be a tensor"):
-        HeavyHitter(heavy=1, recent=1).select(None, positions, torch.ones_like(positions, dtype=torch.bool), 2)
+    with pytest.raises(ValueError, match=r"HeavyHitter ranks slots by mass.*facts.mass must be a tensor"):
+        HeavyHitter(heavy=1, recent=1).select(SlotFacts(), positions, torch.ones_like(positions, dtype=torch.bool), 2)
 
 
 @pytest.mark.parametrize(
@@ -150,6 +141,6 @@ def test_config_is_frozen_and_declares_its_needs() -> None:
     policy = HeavyHitter(heavy=4, recent=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.recent = 5  # type: ignore[misc]
-    assert policy.needs_scores is True
+    assert policy.needs == FactNeeds(mass=True)
     assert policy.min_budget == 3
     assert HeavyHitter(heavy=4, recent=0).min_budget == 1

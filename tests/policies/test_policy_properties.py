@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvgov.policies import EvictionPolicy, HeavyHitter, SinkWindow
+from hf_kvgov.policies import TOVA, EvictionPolicy, HeavyHitter, KeyNorm, SinkWindow, SlotFacts
 
 FRACTIONS = [0.0, 0.1, 0.2, 0.25, 0.29, 0.3, 0.5, 0.7, 1.0]
 
@@ -43,6 +43,28 @@ def reference_sink(policy: SinkWindow, pos, valid, budget) -> list[int]:
     return finish(sinks + newest[: kept - len(sinks)], pos, valid, kept)
 
 
+def reference_ranked(policy: TOVA | KeyNorm, scores, pos, valid, budget) -> list[int]:
+    """TOVA: the highest attention; key-norm: its recent window, then the lowest norm (ties: newer first)."""
+    kept = min(budget, len(pos))
+    live = [i for i in range(len(pos)) if valid[i]]
+    if len(live) <= kept:
+        return finish(live, pos, valid, kept)
+    sign = 1 if isinstance(policy, TOVA) else -1
+    window = [] if isinstance(policy, TOVA) else sorted(live, key=lambda i: -pos[i])[: policy.recent]
+    rest = sorted((i for i in live if i not in window), key=lambda i: (-sign * scores[i], -pos[i]))
+    return finish(window + rest[: kept - len(window)], pos, valid, kept)
+
+
+def draw_policy(draw: st.DrawFn, slots: int) -> EvictionPolicy:
+    kind = draw(st.sampled_from(("h2o", "sink", "tova", "key_norm")))
+    if kind == "h2o":
+        heavy = draw(st.integers(0, slots + 2) | st.sampled_from(FRACTIONS))
+        return HeavyHitter(heavy=heavy, recent=draw(st.integers(0, 4)))
+    if kind == "sink":
+        return SinkWindow(n_sink=draw(st.integers(0, 3)), window=draw(st.integers(0, 4)))
+    return TOVA() if kind == "tova" else KeyNorm(recent=draw(st.integers(0, 4)))
+
+
 @st.composite
 def layouts(draw):
     batch, heads, slots = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.integers(1, 12))
@@ -51,11 +73,7 @@ def layouts(draw):
     valid = [draw(st.lists(st.booleans(), min_size=slots, max_size=slots)) for _ in range(rows)]
     # Few distinct values, so ties in mass are common.
     scores = [draw(st.lists(st.integers(0, 3), min_size=slots, max_size=slots)) for _ in range(rows)]
-    if draw(st.booleans()):
-        heavy = draw(st.integers(0, slots + 2) | st.sampled_from(FRACTIONS))
-        policy: EvictionPolicy = HeavyHitter(heavy=heavy, recent=draw(st.integers(0, 4)))
-    else:
-        policy = SinkWindow(n_sink=draw(st.integers(0, 3)), window=draw(st.integers(0, 4)))
+    policy = draw_policy(draw, slots)
     budget = draw(st.integers(policy.min_budget, max(policy.min_budget, slots) + 3))
     shape = (batch, heads, slots)
     tensors = (
@@ -67,14 +85,18 @@ def layouts(draw):
 
 
 def fixed_window(policy: EvictionPolicy) -> int:
-    return policy.recent if isinstance(policy, HeavyHitter) else policy.window  # type: ignore[attr-defined]
+    if isinstance(policy, TOVA):
+        return 0
+    return policy.window if isinstance(policy, SinkWindow) else policy.recent  # type: ignore[attr-defined]
 
 
 @settings(max_examples=300, deadline=None)
 @given(layouts())
 def test_selection_matches_the_reference_and_keeps_its_promises(case) -> None:
     policy, (scores_t, positions_t, valid_t), (scores, positions, valid), budget = case
-    keep = policy.select(scores_t, positions_t, valid_t, budget)
+    # One tensor serves as every fact: each policy reads only the one it needs.
+    facts = SlotFacts(mass=scores_t, recent_attention=scores_t, key_norm=scores_t)
+    keep = policy.select(facts, positions_t, valid_t, budget)
     slots = positions_t.shape[-1]
     kept = min(budget, slots)
     assert keep.dtype == torch.long
@@ -93,5 +115,7 @@ def test_selection_matches_the_reference_and_keeps_its_promises(case) -> None:
         if isinstance(policy, SinkWindow):
             assert set(sorted(live, key=lambda i: pos[i])[: policy.n_sink]) <= set(got)
             assert got == reference_sink(policy, pos, ok, budget)
-        else:
+        elif isinstance(policy, HeavyHitter):
             assert got == reference_h2o(policy, scores[r], pos, ok, budget)
+        else:
+            assert got == reference_ranked(policy, scores[r], pos, ok, budget)

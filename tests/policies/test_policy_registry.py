@@ -10,8 +10,13 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies import (
+    TOVA,
+    FactNeeds,
     HeavyHitter,
+    KeyNorm,
     SinkWindow,
+    SlotFacts,
+    SnapKV,
     available_policies,
     make_policy,
     register_policy,
@@ -28,12 +33,15 @@ def private_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_builtin_names() -> None:
     assert make_policy("h2o", heavy=2, recent=3) == HeavyHitter(heavy=2, recent=3)
     assert make_policy("sink", n_sink=4, window=60) == SinkWindow(n_sink=4, window=60)
-    assert {"h2o", "sink"} <= set(available_policies())
+    assert make_policy("snapkv") == SnapKV(window=32, kernel=7, pooling="max")
+    assert make_policy("tova") == TOVA()
+    assert make_policy("key_norm", recent=8) == KeyNorm(recent=8)
+    assert {"h2o", "key_norm", "sink", "snapkv", "tova"} <= set(available_policies())
 
 
 def test_unknown_name_lists_the_accepted_names() -> None:
-    with pytest.raises(ValueError, match=r"Unknown eviction policy 'snapkv'.*'h2o', 'sink'"):
-        make_policy("snapkv")
+    with pytest.raises(ValueError, match=r"policy 'pyramid'.*'h2o', 'key_norm', 'sink', 'snapkv', 'tova'"):
+        make_policy("pyramid")
 
 
 def test_config_errors_come_from_the_policy() -> None:
@@ -47,15 +55,15 @@ def test_config_errors_come_from_the_policy() -> None:
 class LowestMass:
     """A policy written against the shared routine in one line: keep the least-attended slots."""
 
-    needs_scores: ClassVar[bool] = True
+    needs: ClassVar[FactNeeds] = FactNeeds(mass=True)
 
     @property
     def min_budget(self) -> int:
         return 1
 
-    def select(self, scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
-        assert scores is not None
-        return select_by_priority(-scores, positions, valid, min(budget, positions.shape[-1]))
+    def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        mass = facts.require("mass", "LowestMass")
+        return select_by_priority(-mass, positions, valid, min(budget, positions.shape[-1]))
 
 
 @pytest.mark.usefixtures("private_registry")
@@ -64,7 +72,7 @@ def test_a_new_policy_plugs_in_by_name() -> None:
     policy = make_policy("lowest")
     scores = torch.tensor([[[5.0, 1.0, 3.0, 0.0]]])
     positions = torch.tensor([[[0, 1, 2, 3]]])
-    keep = policy.select(scores, positions, torch.ones(1, 1, 4, dtype=torch.bool), 2)
+    keep = policy.select(SlotFacts(mass=scores), positions, torch.ones(1, 1, 4, dtype=torch.bool), 2)
     assert keep.view(-1).tolist() == [1, 3]
     assert "lowest" in available_policies()
 

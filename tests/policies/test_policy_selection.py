@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from hf_kvgov.policies import (
+    TOVA,
     EvictionPolicy,
     HeavyHitter,
+    KeyNorm,
     SinkWindow,
+    SlotFacts,
+    SnapKV,
     gather_kept,
     newest_valid,
     oldest_valid,
@@ -66,7 +70,11 @@ def test_select_by_priority_ranks_invalid_slots_last_whatever_their_priority() -
     assert select_by_priority(priority, positions, valid, 3).view(-1).tolist() == [0, 1, 3]
 
 
-@pytest.mark.parametrize("policy", [HeavyHitter(heavy=1, recent=1), SinkWindow(n_sink=1, window=1)])
+@pytest.mark.parametrize(
+    "policy",
+    [HeavyHitter(heavy=1, recent=1), SinkWindow(n_sink=1, window=1), SnapKV(), TOVA(), KeyNorm(recent=2)],
+    ids=repr,
+)
 def test_policies_satisfy_the_protocol(policy: EvictionPolicy) -> None:
     assert isinstance(policy, EvictionPolicy)
 
@@ -90,13 +98,13 @@ def make_inputs(positions=None, valid=None, scores=None):
             r"valid has shape \(1, 1, 5\)",
         ),
         (make_inputs(scores=torch.zeros(1, 1, 4, dtype=torch.long)), TypeError, "floating-point"),
-        (make_inputs(scores=torch.zeros(1, 2, 4)), ValueError, r"scores has shape \(1, 2, 4\)"),
+        (make_inputs(scores=torch.zeros(1, 2, 4)), ValueError, r"facts.mass has shape \(1, 2, 4\)"),
     ],
 )
 def test_malformed_slot_tensors_are_refused(inputs: tuple, error: type, message: str) -> None:
     scores, positions, valid = inputs
     with pytest.raises(error, match=message):
-        HeavyHitter(heavy=1, recent=1).select(scores, positions, valid, 2)
+        HeavyHitter(heavy=1, recent=1).select(SlotFacts(mass=scores), positions, valid, 2)
 
 
 def test_kept_slots_gather_into_a_dense_cache_with_a_validity_mask() -> None:
@@ -104,7 +112,7 @@ def test_kept_slots_gather_into_a_dense_cache_with_a_validity_mask() -> None:
     positions = torch.tensor([[[0, 1, 2, 3, 4, 5]]])
     valid = torch.tensor([[[False, False, False, False, True, True]]])
     keys = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1).expand(1, 1, 6, 2)
-    keep = SinkWindow(n_sink=1, window=1).select(None, positions, valid, 3)
+    keep = SinkWindow(n_sink=1, window=1).select(SlotFacts(), positions, valid, 3)
     assert keep.view(-1).tolist() == [0, 4, 5]
     assert gather_kept(valid, keep).view(-1).tolist() == [False, True, True]
     assert gather_kept(keys, keep)[0, 0, :, 0].tolist() == [0.0, 4.0, 5.0]

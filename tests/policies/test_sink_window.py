@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from hf_kvgov.policies import SinkWindow
+from hf_kvgov.policies import FactNeeds, SinkWindow, SlotFacts
 
 
 def row(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -18,8 +18,8 @@ def row(values: list, dtype: torch.dtype) -> torch.Tensor:
 def select(policy: SinkWindow, n: int, budget: int, positions=None, valid=None, scores=None) -> list[int]:
     pos = row(positions if positions is not None else list(range(n)), torch.long)
     ok = row(valid if valid is not None else [True] * n, torch.bool)
-    mass = None if scores is None else row(scores, torch.float32)
-    return policy.select(mass, pos, ok, budget).view(-1).tolist()
+    facts = SlotFacts() if scores is None else SlotFacts(mass=row(scores, torch.float32))
+    return policy.select(facts, pos, ok, budget).view(-1).tolist()
 
 
 def test_sinks_plus_recent_window() -> None:
@@ -59,7 +59,7 @@ def test_every_row_and_head_selects_independently() -> None:
     valid = torch.tensor(
         [[[True] * 5, [True] * 5], [[False, False, True, True, True], [True, False, True, True, True]]]
     )
-    kept = SinkWindow(n_sink=1, window=1).select(None, positions, valid, 2)
+    kept = SinkWindow(n_sink=1, window=1).select(SlotFacts(), positions, valid, 2)
     # Row 1 head 1: slot 1 (position 0) is padding, so the sink is position 1 (slot 3).
     assert kept.tolist() == [[[0, 4], [4, 0]], [[2, 4], [3, 2]]]
 
@@ -102,5 +102,5 @@ def test_config_is_frozen_and_declares_its_needs() -> None:
     policy = SinkWindow(n_sink=4, window=60)
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.window = 5  # type: ignore[misc]
-    assert policy.needs_scores is False
+    assert policy.needs == FactNeeds()
     assert policy.min_budget == 64

@@ -1,6 +1,7 @@
-"""Eviction caches: H2O (`HeavyHitterCache`) and StreamingLLM (`SinkCache`) on a fixed KV budget.
+"""Eviction caches: H2O (`HeavyHitterCache`), StreamingLLM (`SinkCache`) and any policy (`PolicyCache`:
+SnapKV, TOVA, key-norm, or one policy at prefill and another during decode) on a fixed KV budget.
 
-Both keep different tokens in each KV head, so they need the hf_kvgov eviction attention::
+They keep different tokens in each KV head, so they need the hf_kvgov eviction attention::
 
     from hf_kvgov import HeavyHitterCache, eviction_attention
 
@@ -17,6 +18,7 @@ from hf_kvgov.hf.eviction.attention import eviction_attention, use_eviction_atte
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.heavy_hitter import HeavyHitterCache
 from hf_kvgov.hf.eviction.layer import EvictionLayer
+from hf_kvgov.hf.eviction.policy_cache import PolicyCache
 from hf_kvgov.hf.eviction.sink import SinkCache
 from hf_kvgov.hf.eviction.slot_codecs import SLOT_CODECS
 from hf_kvgov.hf.eviction.stats import EvictionStats
@@ -29,6 +31,7 @@ __all__ = [
     "EvictionLayer",
     "EvictionStats",
     "HeavyHitterCache",
+    "PolicyCache",
     "SinkCache",
     "eviction_attention",
     "use_eviction_attention",

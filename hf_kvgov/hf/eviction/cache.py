@@ -10,8 +10,11 @@ Each layer (`EvictionLayer`) holds per-slot tensors; a slot is one kept token of
 
 Heads keep different tokens, so the layer's attention is the hf_kvgov eviction attention, which applies
 this validity itself (see `slot_attention`). A step goes: ``update`` stages kept + new slots in an
-`EvictionView` -> the attention reads the view, attends and records mass -> the view commits, and the
-cache keeps ``policy.select(...)`` of the slots once they exceed the budget. Memory therefore never
+`EvictionView` -> the attention reads the view, attends and records the attention facts the policy
+``needs`` -> the view commits, and the cache keeps ``policy.select(facts, ...)`` of the slots once they
+exceed the budget (key norms, when needed, are taken from the keys then). The first chunk (the prompt,
+under generate) is evicted by the cache's policy and every later step by ``decode_policy`` when one is
+given: SnapKV at prefill, then H2O during decode, is configuration, not a class. Memory therefore never
 exceeds ``budget + q_len`` slots per (sequence, head) during a step and ``budget`` between steps. With a
 codec, the step's new tokens are attended in full precision and encoded once at commit; eviction then
 gathers codes and scales, never decoding and re-encoding the slots that stay. Each layer may have its own
@@ -40,7 +43,7 @@ from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
 from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
-from hf_kvgov.policies import EvictionPolicy, gather_kept, select_by_priority
+from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept, select_by_priority
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 
 PolicyFactory = Callable[[int], EvictionPolicy]
@@ -68,6 +71,8 @@ class EvictionCache(GovernedCache):
             ``slot_store``), so eviction gathers codes and scales as it gathers dense slots.
         layer_budgets: per-layer budgets overriding ``budget`` (``{0: 1.0, 5: 128}``): ints, or fractions
             of the first chunk, like ``budget``. Sliding-window layers still cap theirs at ``window - 1``.
+        decode_policy: the policy for every step after the first chunk (None: the same policy throughout).
+            Its budget is the layer's; the attention mass is accumulated from the prompt on if it needs it.
     """
 
     def __init__(
@@ -81,8 +86,11 @@ class EvictionCache(GovernedCache):
         *,
         codec: CodecSpec = None,
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        decode_policy: EvictionPolicy | None = None,
     ) -> None:
         name = type(self).__name__
+        if decode_policy is not None:
+            min_budget = max(min_budget, decode_policy.min_budget)
         config = checked_decoder_config(model, name)
         self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
@@ -97,6 +105,7 @@ class EvictionCache(GovernedCache):
         self._policy_for = policy_for
         self._min_budget = min_budget
         self._read_keys = read_keys
+        self.decode_policy = decode_policy
         self.query_chunk = query_chunk
         self.budget: int | None = budget if isinstance(budget, int) else None
         self.policy: EvictionPolicy | None = policy_for(budget) if isinstance(budget, int) else None
@@ -119,18 +128,17 @@ class EvictionCache(GovernedCache):
             attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
         )
         keys, values, positions, kept_valid = _with_new_slots(layer, key_states, value_states, new_positions)
-        policy = self._budgets.policies[layer.index]
-        assert policy is not None
+        policy, needs = self._step_policy(layer, q_len)
         view = EvictionView(
             keys=keys,
             values=values,
             positions=positions,
             kept_valid=kept_valid,
             scores=layer.scores,
-            want_scores=policy.needs_scores,
+            needs=needs,
             # Keys moved for attention sinks serve full-context layers; a window layer never reaches the sinks.
             read_keys=self._read_keys if layer.window is None else None,
-            commit=functools.partial(self._commit, layer, q_len),
+            commit=functools.partial(self._commit, layer, q_len, policy, needs.key_norm),
             chunk=self.query_chunk,
             window=layer.window,
         )
@@ -138,19 +146,37 @@ class EvictionCache(GovernedCache):
         self._awaiting_attention = layer.index
         return key_states, value_states
 
+    def _step_policy(self, layer: EvictionLayer, q_len: int) -> tuple[EvictionPolicy, FactNeeds]:
+        """The policy that evicts after this step, and the facts to compute for it.
+
+        The mass is kept whenever either policy ranks by it (a decode-time H2O needs the prompt's mass);
+        the other facts are computed only for the policy in charge, and only when this step will evict.
+        """
+        policy, budget = self._budgets.policies[layer.index], self._budgets.budgets[layer.index]
+        assert policy is not None and budget is not None
+        mass = policy.needs.mass or (self.decode_policy is not None and self.decode_policy.needs.mass)
+        if layer.seen and self.decode_policy is not None:
+            policy = self.decode_policy
+        if layer.slots + q_len <= budget:
+            return policy, FactNeeds(mass=mass)
+        return policy, FactNeeds(mass, policy.needs.recent_queries, policy.needs.key_norm)
+
     def _commit(
         self,
         layer: EvictionLayer,
         q_len: int,
+        policy: EvictionPolicy,
+        key_norm: bool,
         keys: Tensor,
         values: Tensor,
         positions: Tensor,
         valid: Tensor,
         scores: Tensor | None,
+        recent: Tensor | None,
     ) -> None:
         """Store the attended slots, then keep the policy's choice once they exceed the layer's budget."""
-        budget, policy = self._budgets.budgets[layer.index], self._budgets.policies[layer.index]
-        assert budget is not None and policy is not None
+        budget = self._budgets.budgets[layer.index]
+        assert budget is not None
         select = policy.select
         store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
@@ -158,7 +184,8 @@ class EvictionCache(GovernedCache):
             if budget >= layer.window - 1:  # all the next query can read fits: nothing to choose
                 budget, select = layer.window - 1, _newest
         if store.count > budget:
-            keep = select(scores, positions, valid, budget)
+            norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
+            keep = select(SlotFacts(mass=scores, recent_attention=recent, key_norm=norms), positions, valid, budget)
             store = store.gather(keep)
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
             scores = None if scores is None else gather_kept(scores, keep)
@@ -257,7 +284,7 @@ def _with_new_slots(
     return keys, values, torch.cat((layer.positions, positions), dim=2), layer.valid
 
 
-def _newest(scores: Tensor | None, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+def _newest(facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
     """The ``budget`` newest valid slots ``[batch, kv_heads, budget]``, with a policy's ``select`` signature."""
     return select_by_priority(positions.to(torch.float64), positions, valid, budget)
 

@@ -10,7 +10,8 @@ the newest ``q_len`` slots are this step's tokens, causal among themselves::
 
 Queries are processed ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length, and
 the softmax probabilities of each chunk are added to the heavy-hitter scores with
-:func:`hf_kvgov.policies.accumulate_attention`: the mass is exact, prefill included.
+:func:`hf_kvgov.policies.accumulate_attention`: the mass is exact, prefill included. The attention of the
+step's last queries alone (SnapKV's observation window, TOVA's current query) is summed the same way.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def attend_slots(
     softcap: float | None = None,
     scores: Tensor | None = None,
     want_scores: bool = False,
+    recent_queries: int = 0,
     chunk: int = DEFAULT_QUERY_CHUNK,
     window: tuple[int, Tensor] | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Attention of this step's queries over kept + new slots, and optionally the updated attention mass.
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Attention of this step's queries over kept + new slots, optionally with the attention facts.
 
     Args:
         query: ``[batch, q_heads, q_len, head_dim]`` after RoPE; query head ``i`` reads KV head
@@ -51,14 +53,16 @@ def attend_slots(
         softcap: optional logit soft-capping, ``softcap * tanh(logits / softcap)``.
         scores: running mass ``[batch, kv_heads, kept]`` of the kept slots, or None (zero).
         want_scores: whether to return the updated mass.
+        recent_queries: return the attention of the last ``recent_queries`` queries (0: do not).
         chunk: queries per chunk.
         window: for a sliding-window layer, ``(w, positions)`` with positions long ``[batch, kv_heads, kept +
             q_len]``: query at position ``q`` also needs kept slot position ``> q - w`` (transformers' sliding
             mask, which already limits the new slots ``new_mask``).
 
     Returns:
-        ``([batch, q_len, q_heads, head_dim]`` in the query's dtype, float ``[batch, kv_heads, kept + q_len]``
-        mass or None). Padding queries return zeros and add no mass.
+        ``[batch, q_len, q_heads, head_dim]`` in the query's dtype; the mass and the last queries' attention,
+        each float ``[batch, kv_heads, kept + q_len]`` summed over a KV head's query heads, or None when not
+        asked for. Padding queries return zeros and add nothing.
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
@@ -69,6 +73,8 @@ def attend_slots(
     vals = values.to(work).unsqueeze(2)  # [b, hk, 1, slots, d]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
     running = scores if want_scores else None
+    recent: Tensor | None = None
+    first_recent = q_len - recent_queries if recent_queries else q_len
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
@@ -80,11 +86,13 @@ def attend_slots(
         # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing.
         probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
         out[:, :, :, start:end] = probs @ vals
+        weights = probs.reshape(batch, q_heads, end - start, slots)
         if want_scores:
-            weights = probs.reshape(batch, q_heads, end - start, slots)
             running = accumulate_attention(running, weights, group)
+        if end > first_recent:
+            recent = accumulate_attention(recent, weights[:, :, max(first_recent - start, 0) :], group)
     result = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype)
-    return result, running
+    return result, running, recent
 
 
 def new_tokens_valid(new_mask: Tensor | None, batch: int, q_len: int, device: torch.device) -> Tensor:

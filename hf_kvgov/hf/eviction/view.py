@@ -3,7 +3,8 @@
 transformers calls ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then splats that same ``kwargs``
 dict into the attention call. The cache's ``update`` stages the step (kept + new slots) in an
 `EvictionView` under `VIEW_KEY`; the attention reads it, attends, and calls the view's ``commit`` with the
-new tokens' validity and the attention mass, which is when the cache stores the step and evicts.
+new tokens' validity and the attention facts the policy needs, which is when the cache stores the step
+and evicts.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK, attend_slots, new_tokens_valid
+from hf_kvgov.policies import FactNeeds
 
 ATTENTION_NAME = "kvgov_evict"
 VIEW_KEY = "kvgov_eviction_view"
 
-# commit(keys, values, positions, valid, scores): store the attended slots and evict down to the budget.
-Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None], None]
+# commit(keys, values, positions, valid, mass, recent_attention): store the attended slots and evict
+# down to the budget; the two attention facts are None unless ``needs`` asked for them.
+Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
 # read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
 KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -31,9 +34,10 @@ class EvictionView:
 
     ``keys``/``values`` ``[batch, kv_heads, kept + q_len, head_dim]`` (as stored: rotated at each token's
     own position); ``positions`` long ``[batch, kv_heads, kept + q_len]`` (RoPE positions); ``kept_valid``
-    bool ``[batch, kv_heads, kept]``; ``scores`` the kept slots' mass or None; ``read_keys`` an optional
-    hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the layer's
-    sliding window (None: the layer reads every kept slot).
+    bool ``[batch, kv_heads, kept]``; ``scores`` the kept slots' mass or None; ``needs`` the attention
+    facts to compute (the mass, and the attention of the last ``recent_queries`` queries); ``read_keys`` an
+    optional hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the
+    layer's sliding window (None: the layer reads every kept slot).
     """
 
     keys: Tensor
@@ -41,7 +45,7 @@ class EvictionView:
     positions: Tensor
     kept_valid: Tensor
     scores: Tensor | None
-    want_scores: bool
+    needs: FactNeeds
     read_keys: KeyReader | None
     commit: Commit
     chunk: int = DEFAULT_QUERY_CHUNK
@@ -63,7 +67,7 @@ class EvictionView:
         kv_heads = self.kept_valid.shape[1]
         valid = torch.cat((self.kept_valid, new_valid[:, None, :].expand(batch, kv_heads, q_len)), dim=-1)
         keys = self.keys if self.read_keys is None else self.read_keys(self.keys, self.positions, valid)
-        out, scores = attend_slots(
+        out, scores, recent = attend_slots(
             query,
             keys,
             self.values,
@@ -72,11 +76,12 @@ class EvictionView:
             scale,
             softcap=softcap,
             scores=self.scores,
-            want_scores=self.want_scores,
+            want_scores=self.needs.mass,
+            recent_queries=self.needs.recent_queries,
             chunk=self.chunk,
             window=None if self.window is None else (self.window, self.positions),
         )
-        self.commit(self.keys, self.values, self.positions, valid, scores)
+        self.commit(self.keys, self.values, self.positions, valid, scores, recent)
         return out
 
 

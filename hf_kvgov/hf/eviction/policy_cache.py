@@ -1,0 +1,87 @@
+"""`PolicyCache`: any eviction policy (SnapKV, TOVA, key-norm, H2O, sinks...) on a fixed KV budget."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
+from hf_kvgov.policies import EvictionPolicy, make_policy
+from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+
+PolicySpec = EvictionPolicy | str
+
+_NAME = "PolicyCache"
+
+
+class PolicyCache(EvictionCache):
+    """Keep ``budget`` slots per (sequence, KV head), chosen by ``policy`` at prefill and ``decode_policy`` after.
+
+    Use it under ``with hf_kvgov.eviction_attention(model):`` (it refuses to run otherwise)::
+
+        cache = PolicyCache(model, SnapKV(window=32), budget=0.2)       # or policy="snapkv", "tova", "key_norm"
+        cache = PolicyCache(model, SnapKV(), budget=0.2, decode_policy=HeavyHitter(heavy=1.0, recent=32))
+        with eviction_attention(model):
+            model.generate(**inputs, cache=cache, max_new_tokens=64)
+
+    Args:
+        model: the model to serve (an attention-only decoder; sliding-window layers keep only their window).
+        policy: a policy object, or a registered name built with its defaults (`hf_kvgov.policies.make_policy`).
+            It evicts the first chunk the cache sees: the prompt, under generate.
+        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (the first chunk),
+            raised to what the policies always keep if smaller.
+        decode_policy: the policy for every later step (None: ``policy`` throughout), given the same way.
+        query_chunk: queries attended at a time; memory O(query_chunk x slots).
+        codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
+            `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
+        layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
+
+    The policies' budget-independent configuration is fixed here, so H2O's parts are given as ints or as
+    fractions of the budget inside `HeavyHitter` (use `HeavyHitterCache` for H2O's own defaults). Sinks
+    chosen by `SinkWindow` keep their positions here; `SinkCache` is the one that re-rotates them.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        policy: PolicySpec,
+        budget: BudgetSpec = 0.2,
+        *,
+        decode_policy: PolicySpec | None = None,
+        query_chunk: int = DEFAULT_QUERY_CHUNK,
+        codec: CodecSpec = None,
+        layer_budgets: Mapping[int, BudgetSpec] | None = None,
+    ) -> None:
+        check_budget_spec(_NAME, "budget", budget)
+        prefill = _built(policy, "policy")
+        decode = None if decode_policy is None else _built(decode_policy, "decode_policy")
+        fixed = max(p.min_budget for p in (prefill, decode) if p is not None)
+        if isinstance(budget, int) and budget < fixed:
+            raise ValueError(
+                f"{_NAME}: the policies {prefill!r} and {decode!r} keep at least {fixed} slots per KV head, so "
+                f"the budget must be at least {fixed}; got a budget of {budget}."
+            )
+        super().__init__(
+            model,
+            budget,
+            lambda _budget: prefill,
+            min_budget=prefill.min_budget,
+            query_chunk=query_chunk,
+            codec=codec,
+            layer_budgets=layer_budgets,
+            decode_policy=decode,
+        )
+
+
+def _built(spec: PolicySpec, name: str) -> EvictionPolicy:
+    """A policy object from a registered name or an object that follows the policy contract."""
+    if isinstance(spec, str):
+        return make_policy(spec)
+    if not isinstance(spec, EvictionPolicy):
+        raise TypeError(
+            f"{_NAME}: {name} must be a policy name or an object with needs, min_budget and select "
+            f"(see hf_kvgov.policies.base); got {spec!r} of type {type(spec).__name__}."
+        )
+    return spec
