@@ -36,6 +36,7 @@ _EXPORTS = {
     "PrefixCache": "hf_kvgov.prefix.sharing",
     "HeavyHitterCache": "hf_kvgov.hf.eviction",
     "SinkCache": "hf_kvgov.hf.eviction",
+    "PolicyCache": "hf_kvgov.hf.eviction",
     "EvictionStats": "hf_kvgov.hf.eviction",
     "eviction_attention": "hf_kvgov.hf.eviction",
     "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
@@ -74,6 +75,7 @@ __all__ = [
     "Layer",
     "PagedCache",
     "Paging",
+    "PolicyCache",
     "PoolExhausted",
     "PrefixCache",
     "QuantConfig",
@@ -110,7 +112,7 @@ if TYPE_CHECKING:
     )
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
-    from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, SinkCache, eviction_attention
+    from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
     from hf_kvgov.hf.governed import GovernedCache
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
     from hf_kvgov.hf.quant_config import QuantConfig
