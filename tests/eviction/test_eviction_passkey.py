@@ -17,7 +17,8 @@ SmolLM2 reads digits one token each, and the observation window ("The pass key i
 needle's own "pass key is", just before the number: a pool of 7 slots reaches 3 tokens past it, so the
 kept neighbourhood often ends before the last digit. Without the answer's start in the prompt (the model
 writes "The pass key is" itself) the full cache answers 4 of these 10, SnapKV 0 (pool of 7) and 3 (pool
-of 15) of those 4, H2O 0. The thresholds below are the measured counts of the defaults.
+of 15) of those 4, H2O 0. The thresholds below are the measured counts less one sample, room for other
+BLAS builds to flip a greedy digit.
 """
 
 from __future__ import annotations
@@ -84,5 +85,5 @@ def test_snapkv_at_20_percent_retrieves_the_pass_key_stated_early(smollm2, sampl
     h2o = answers(model, tokenizer, samples, lambda: HeavyHitterCache(model, budget=0.2))
     report = f"full {sum(full)}/8, SnapKV {sum(snapkv)}/8, H2O {sum(h2o)}/8"
     assert all(full), report
-    assert sum(snapkv) >= 5, report
-    assert sum(h2o) >= 5, report
+    assert sum(snapkv) >= 4, report
+    assert sum(h2o) >= 6, report
