@@ -6,9 +6,8 @@ hot window, budget), not from the registry name, so a cache registered with othe
 with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
 of type tests; a class with no entry gets no prediction (None).
 
-A `PagedCache` or `QuantizedCache` on a hybrid model frees what left a sliding window (its layer groups), as
-the planner's ``window_frees`` models; the disk caches keep one group of every layer and so every token in a
-sliding-window layer too (``window_frees=False``); eviction caches keep at most the window.
+A block cache on a hybrid model frees what left a sliding window (its layer groups), as the planner's
+``window_frees`` models (a disk cache's sliding layers never spill); eviction caches keep at most the window.
 Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
 the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
 planner counts one layer of the spilled blocks, up to it, as the caches allocate).
@@ -126,7 +125,7 @@ def _disk(cache: DiskOffloadCache, kv_dtype: str) -> CacheSetup | None:
         spill_hot_tokens=cache.disk.hot_tokens,
         spill_pinned_blocks=RESIDENT_FIRST_BLOCKS,
         spill_buffer_bytes=_read_ahead_bytes(cache),
-        window_frees=False,
+        window_frees=_frees(cache),
     )
 
 

@@ -194,7 +194,4 @@ def prefix_tree(
         raise ValueError(
             "prefix_tree needs the model itself (its dtype and devices place the pool), not only its config."
         )
-    # A pool with layer groups, unless the chain's caches share prefixes over one group only (a codec's).
-    grouped = len(owner.pool.groups) > 1 or owner.pool.groups[0].window is not None
-    keep = owner.shares_grouped_prefix or not grouped
-    return PrefixCache(owner.pool if keep else owner.pool.regrouped(None), priority=priority)
+    return PrefixCache(owner.pool, priority=priority)  # with the layer groups such a cache would have

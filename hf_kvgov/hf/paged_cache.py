@@ -122,8 +122,6 @@ class PagedCache(GovernedCache):
     # Whether the pool this cache creates groups layers by window (see the module docstring). Caches built on
     # this one that store blocks elsewhere (a disk tier) keep one group until they free windows too.
     groups_layers = True
-    # Whether it can share prefixes through a tree over a pool with layer groups (`hf_kvgov.hf.prefix_groups`).
-    shares_grouped_prefix = True
 
     def __init__(
         self,
@@ -169,11 +167,6 @@ class PagedCache(GovernedCache):
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
         groups = pool.groups if pool is not None else self._layer_groups(windows)
         self.layout = GroupLayout.of(groups, self.num_layers)
-        if prefix is not None and prefix.grouped is not None and not self.shares_grouped_prefix:
-            raise ValueError(
-                f"{type(self).__name__} cannot share prefixes over a pool with layer groups yet; build its tree with "
-                "prefix_tree(model, codec=...), whose pool keeps one group."
-            )
         if pool is not None:
             self._adopt_pool(pool)
         else:
@@ -421,6 +414,10 @@ class PagedCache(GovernedCache):
     def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered."""
         return paged_prefix.publish(self, sequences, attention_mask)
+
+    def _publish_tokens(self, rows: list[list[int]]) -> int:
+        """Publish row r's full blocks of tokens `rows[r]` (the prompt as computed, `prefix_groups`)."""
+        return paged_prefix.publish_tokens(self, rows, self.namespace)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

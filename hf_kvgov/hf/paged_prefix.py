@@ -125,7 +125,7 @@ def publish(
     Returns:
         The number of blocks offered.
     """
-    prefix = _require_prefix(cache, "publish")
+    _require_prefix(cache, "publish")
     if cache.tables is None or not cache.tables.rows:
         return 0
     if sequences.shape[0] != cache.tables.batch_size:
@@ -134,24 +134,32 @@ def publish(
             f"got {sequences.shape[0]} (beam search returns only the best beams; publish those caches' "
             "rows before generate reorders them, or use one cache per request)."
         )
-    stored, offered = cache.get_seq_length(), 0
+    stored = cache.get_seq_length()
     first_pads = _first_pads(cache, sequences, attention_mask)
     pairs = zip(sequences, first_pads, strict=True)
     rows = [publishable_tokens(sequence, stored, first_pad) for sequence, first_pad in pairs]
-    space = cache.namespace if namespace is None else namespace
-    if prefix.grouped is not None:
-        return prefix_groups.publish_rows(cache, rows, space)
+    return publish_tokens(cache, rows, cache.namespace if namespace is None else namespace, sealed_from)
+
+
+def publish_tokens(cache: PagedCache, rows: list[list[int]], namespace: str, sealed_from: int | None = None) -> int:
+    """`publish` of each row's publishable tokens `rows[r]` (its full blocks are offered); returns blocks offered."""
+    prefix = _require_prefix(cache, "publish")
+    assert cache.tables is not None
     copies = _swap_in_sealed_copies(cache, sealed_from, rows) if sealed_from is not None else []
+    offered = 0
     try:
+        if prefix.grouped is not None:
+            return prefix_groups.publish_rows(cache, rows, namespace)
         for row, tokens in zip(cache.tables.rows, rows, strict=True):
             if len(tokens) < prefix.block_size:
                 continue
-            row.block_ids, locked = prefix.publish(tokens, row.block_ids, space)
+            row.block_ids, locked = prefix.publish(tokens, row.block_ids, namespace)
             cache._prefix_locks.extend(locked)
             offered += len(locked)
     finally:
         _restore_full_precision(cache, copies)
-        cache.tables._changed()
+        for tables in cache.all_tables:
+            tables._changed()
     return offered
 
 
@@ -173,8 +181,9 @@ def _swap_in_sealed_copies(cache: PagedCache, first_column: int, rows: list[list
     assert isinstance(pool, QuantizedBlockPool) and cache.tables is not None, "sealed copies need a quantized pool"
     spots = [
         (row, c)
-        for row, tokens in zip(cache.tables.rows, rows, strict=True)
-        for c in range(first_column, len(tokens) // pool.block_size)
+        for tables in cache.all_tables  # every layer group's rows (a sliding row only from what it still holds)
+        for row, tokens in zip(tables.rows, rows, strict=True)
+        for c in range(max(first_column, row.freed), len(tokens) // pool.block_size)
         if not is_sealed(row.block_ids[c])
     ]
     kept = [row.block_ids[c] for row, c in spots]

@@ -14,6 +14,8 @@ What differs from a pool without groups:
   They are the tree's, evictable: when the pool needs room the tree first lets go of sliding blocks no
   sequence uses, least recently used first, then evicts whole entries (LRU leaves).
 - `publish` offers a row's full blocks, with None for the sliding blocks it freed; the tree keeps its own.
+  A quantized cache offers its full-precision blocks past the sink as sealed copies, in every group, as it
+  does over one group.
 """
 
 from __future__ import annotations
@@ -113,5 +115,5 @@ def publish_computed(cache: PagedCache) -> None:
     rows = [row.tokens[: min(stored, len(row.tokens) if row.first_pad is None else row.first_pad)] for row in layouts]
     ready = max(len(tokens) // bs for tokens in rows)
     if ready > cache._published_blocks:
-        publish_rows(cache, rows, cache.namespace)
+        cache._publish_tokens(rows)
         cache._published_blocks = ready

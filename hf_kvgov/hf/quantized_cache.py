@@ -128,8 +128,6 @@ class QuantizedCache(PagedCache):
         namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).
     """
 
-    shares_grouped_prefix = False  # publishing offers sealed copies of one table's blocks: one group for now
-
     def __init__(
         self,
         model_or_config: Any,
@@ -349,6 +347,9 @@ class QuantizedCache(PagedCache):
         return paged_prefix.publish(
             self, sequences, attention_mask, namespace=self.sharing_namespace, sealed_from=self.quant.sink_blocks
         )
+
+    def _publish_tokens(self, rows: list[list[int]]) -> int:
+        return paged_prefix.publish_tokens(self, rows, self.sharing_namespace, sealed_from=self.quant.sink_blocks)
 
     # ------------------------------------------------------------------ accounting
 

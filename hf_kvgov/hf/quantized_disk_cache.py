@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf import disk_prefix, prefix_groups
 from hf_kvgov.hf.disk_tiered import DiskTieredCache
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
 from hf_kvgov.hf.quant_config import QuantConfig
@@ -160,6 +160,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if layer.index == 0:  # the previous step is complete: its blocks are sealed, the cold ones can go
             self._seal_ready_blocks()
+            prefix_groups.publish_computed(self)  # before spilling: blocks the tree holds stay resident
             self._spill_cold_blocks()
         return super()._update_layer(layer, key_states, value_states, attn_kwargs)
 

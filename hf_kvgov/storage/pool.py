@@ -107,7 +107,6 @@ class BlockPool:
         if preallocate and self.max_blocks is None:
             raise ValueError("preallocate=True needs a cap: pass max_tokens or max_bytes.")
         self._growth = growth_blocks
-        self._preallocate = preallocate
         self._lock = threading.RLock()
         self._ref: list[int] = []
         self._free: deque[int] = deque()
@@ -134,18 +133,6 @@ class BlockPool:
         """Per-position tensors in; `keys[l]` / `values[l]` for every layer l out (aliases within a position)."""
         self.keys = [keys[position] for position in self.layout.position]
         self.values = [values[position] for position in self.layout.position]
-
-    def regrouped(self, groups: tuple[LayerGroup, ...] | None) -> BlockPool:
-        """A new, empty pool like this one (geometry, block size, byte cap, growth), its blocks laid out for
-        `groups` (None: one group of every layer)."""
-        return BlockPool(
-            self.geometry, self.block_size, max_bytes=self._cap_bytes, growth_blocks=self._growth,
-            preallocate=self._preallocate, groups=groups,
-        )  # fmt: skip
-
-    @property
-    def _cap_bytes(self) -> int | None:
-        return None if self.max_blocks is None else self.max_blocks * self.bytes_per_block
 
     def group_of(self, layer: int) -> int:
         """The index in `groups` of layer `layer`'s group."""

@@ -100,14 +100,6 @@ class QuantizedBlockPool(BlockPool):
             formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
         )
 
-    def regrouped(self, groups: tuple[LayerGroup, ...] | None) -> QuantizedBlockPool:
-        """As `BlockPool.regrouped`, with this pool's sealed formats and store growth."""
-        return QuantizedBlockPool(
-            self.geometry, self.sealed.formats, self.block_size, max_bytes=self._cap_bytes,
-            growth_blocks=self._growth, preallocate=self._preallocate, sealed_growth_blocks=self.sealed._growth,
-            groups=groups,
-        )  # fmt: skip
-
     @property
     def format_names(self) -> tuple[str, ...]:
         """The sealed format of each layer, by name."""

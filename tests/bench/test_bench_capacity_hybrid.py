@@ -47,3 +47,15 @@ def test_paged_capacity_counts_the_windows_only(gemma3_and_tokenizer: tuple[Any,
     # fill refuses the fifth request at its peak (24 + 8 > 30) where the planner still fits it.
     assert row.predicted_sequences == math.floor(budget / (STEADY * LAYER_BLOCK))
     assert (row.sequences, row.predicted_sequences) == ((5, 5) if capacity_blocks == 32 else (4, 5))
+
+
+def test_disk_capacity_spills_only_the_full_layer(gemma3_and_tokenizer: tuple[Any, Any]) -> None:
+    model, tokenizer = gemma3_and_tokenizer
+    config = CapacityConfig(("disk@16",), parse_lengths(str(LENGTH)), 40 * LAYER_BLOCK + 100)
+    (row,) = run_capacity(model, tokenizer, config, model_name="tiny-gemma3", progress=False).rows
+    # A decoding request of 64 tokens with a 16-token hot window: the full layer spilled block 1 ((63 - 16) // 16
+    # - the sink block = 1) and holds blocks 0, 2 and 3; each sliding layer holds block 3 (48-63) and spills
+    # nothing; reading block 1 back takes one layer's block of read-ahead. 3 + 1 + 1 + 1 = 6 blocks (every layer
+    # spilling, as before layer groups: 3 blocks in each of 3 layers + the read-ahead = 10).
+    assert row.bytes_per_sequence == 6 * LAYER_BLOCK
+    assert row.predicted_bytes_per_sequence == 6 * LAYER_BLOCK and row.sequences == row.predicted_sequences == 6

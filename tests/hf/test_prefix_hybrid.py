@@ -11,11 +11,16 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import DiskOffloadCache, PagedCache, Paging, QuantizedCache, paged_attention, prefix_tree
-from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.layer_groups import LayerGroup
-from hf_kvgov.storage.pool import BlockPool
-from tests.hf.test_paged_hybrid import BLOCK, MODELS, WINDOW
+from hf_kvgov import (
+    DiskOffloadCache,
+    PagedCache,
+    Paging,
+    QuantizedCache,
+    QuantizedDiskCache,
+    paged_attention,
+    prefix_tree,
+)
+from tests.hf.test_paged_hybrid import BLOCK, MODELS
 
 GENERATOR = torch.Generator().manual_seed(5)
 DOCUMENT = torch.randint(3, 96, (1, 64), generator=GENERATOR)  # 8 blocks of 8 tokens, well past the 24-token window
@@ -174,11 +179,17 @@ def test_threads_share_one_grouped_tree_consistently() -> None:
     assert tree.pool.num_used == 0
 
 
-def test_caches_that_share_over_one_group_only_refuse_a_grouped_tree() -> None:
-    model = MODELS["gemma3"]
-    grouped = PagedCache(model, block_size=BLOCK).pool
-    assert isinstance(grouped, BlockPool) and len(grouped.groups) == 3
-    with pytest.raises(ValueError, match="QuantizedCache cannot share prefixes over a pool with layer groups"):
-        QuantizedCache(model, prefix=PrefixCache(grouped))
-    assert prefix_tree(model, codec="int8").pool.groups == (LayerGroup(tuple(range(6))),)
-    assert WINDOW == 24  # the arithmetic of the tests above
+@pytest.mark.parametrize("kind", [QuantizedCache, QuantizedDiskCache])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_quantized_caches_share_codes_over_layer_groups(name: str, kind: type) -> None:
+    model = MODELS[name]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK), codec="int8")
+    assert tree.pool.groups == QuantizedCache(model).groups and tree.grouped is not None
+    extra: dict[str, Any] = {"hot_tokens": 8} if kind is QuantizedDiskCache else {}
+    for question in (0, 1):
+        alone = model.generate(prompt(question), cache=QuantizedCache(model, block_size=BLOCK), **OPTIONS)
+        out, served = request(model, kind(model, prefix=tree, **extra), prompt(question))
+        assert served == (0 if question == 0 else 64) and torch.equal(out, alone)
+    # The tree holds codes: its only full-precision blocks are each group's sink (block 0), all else is sealed.
+    assert tree.pool.num_used == len(tree.pool.groups)
+    tree.check_invariants()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import PagedCache, prefix_tree
+from hf_kvgov import PagedCache, QuantizedCache, prefix_tree
 
 pytestmark = pytest.mark.real_model
 
@@ -37,3 +37,21 @@ def test_document_qa_reuses_the_document_and_answers_exactly(gemma3, austen_text
         cache.release()
     assert computed[0] == 1.0
     assert max(computed[1:]) <= 0.15, f"later requests computed {computed[1:]} of their prompts"
+
+
+def test_int8_document_qa_shares_codes_and_answers_as_without_sharing(gemma3, austen_text) -> None:  # type: ignore[no-untyped-def]
+    model, tokenizer = gemma3
+    document = austen_text[60000:63600]
+    prompts = [tokenizer(f"{document}\n\n{q}\nAnswer:", return_tensors="pt") for q in ("Who?", "Where is it?")]
+    tree = prefix_tree(model, codec="int8")
+    assert len(tree.pool.groups) == 6
+    for index, inputs in enumerate(prompts):
+        alone = model.generate(**inputs, cache=QuantizedCache(model), max_new_tokens=8, do_sample=False)
+        cache = QuantizedCache(model, prefix=tree)
+        warm = cache.match(inputs["input_ids"], inputs["attention_mask"])
+        computed = 1 - cache.get_seq_length() / inputs["input_ids"].shape[1]
+        assert computed == 1.0 if index == 0 else computed <= 0.15
+        got = model.generate(**warm, cache=cache, max_new_tokens=8, do_sample=False)
+        assert torch.equal(got, alone)
+        cache.publish(got)
+        cache.release()
