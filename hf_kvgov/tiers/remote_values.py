@@ -1,0 +1,172 @@
+"""Between the pool's blocks and the remote tier's values: snapshot, encode with a checksum, verify, load.
+
+One value per block, every layer of it, as the pool stores it (a sealed block of a quantized pool travels as
+its codes and scales, never decoded)::
+
+    offset 0   b"KVGR"                     magic
+           4   u8  FORMAT_VERSION
+           5   u8  kind                    0: raw K/V, 1: sealed pieces
+           6   32 bytes  sha256(key, bytes 0..5, payload)
+          38   payload: per position of a block (`pool.layout.heads`), per part, the part's bytes:
+                 raw:    keys[l][b], values[l][b]               block_size x kv_heads x head_dim, pool dtype
+                 sealed: each piece of layer l's SealedFormat   in the store's piece order
+
+The checksum covers the key, so a value stored under another key (or a truncated, bit-flipped one) fails
+verification and is treated as a miss. Byte order is the machine's (every x86 and ARM host is little-endian).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed, sealed_id_of
+from hf_kvgov.tiers.remote_keys import FORMAT_VERSION
+
+MAGIC = b"KVGR"
+RAW, SEALED = 0, 1
+_HEADER = 6
+_PAYLOAD = _HEADER + 32
+
+# (shape of one block's part, dtype), in payload order.
+PartSpec = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def part_specs(pool: BlockPool, kind: int) -> PartSpec:
+    """The parts of one block of `kind` in `pool`, in payload order."""
+    if kind == SEALED:
+        assert isinstance(pool, QuantizedBlockPool)
+        return [spec for layer in pool.layout.heads for spec in pool.sealed.layout(layer).values()]
+    g = pool.geometry
+    raw = ((pool.block_size, g.num_kv_heads, g.head_dim), g.dtype)
+    return [raw, raw] * len(pool.layout.heads)
+
+
+def _nbytes(spec: PartSpec) -> int:
+    return sum(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in spec)
+
+
+@dataclass(frozen=True)
+class BlockSnapshot:
+    """Copies of `n` blocks of one kind taken at publish time (the pool may reuse the blocks right after).
+
+    `parts[j]` is `[n, *shape]` for part j in payload order, on the pool's device: the copy is queued there,
+    and the writer thread moves it to the host, off the decode path.
+    """
+
+    kind: int
+    parts: list[torch.Tensor]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.parts[0].shape[0] if self.parts else 0
+
+    def head(self, n: int) -> BlockSnapshot:
+        return BlockSnapshot(self.kind, [part[:n] for part in self.parts])
+
+
+def snapshot(pool: BlockPool, block_ids: Sequence[int]) -> list[tuple[list[int], BlockSnapshot]]:
+    """Snapshots of `block_ids` (pool entries, sealed ones < 0 included), one per kind, with the positions in
+    `block_ids` each holds."""
+    out = []
+    for kind in (RAW, SEALED):
+        where = [i for i, b in enumerate(block_ids) if is_sealed(b) == (kind == SEALED)]
+        if where:
+            out.append((where, _snapshot_kind(pool, [block_ids[i] for i in where], kind)))
+    return out
+
+
+def _snapshot_kind(pool: BlockPool, block_ids: list[int], kind: int) -> BlockSnapshot:
+    parts: list[torch.Tensor] = []
+    for layer in pool.layout.heads:
+        device = pool.geometry.layer_device(layer)
+        if kind == SEALED:
+            assert isinstance(pool, QuantizedBlockPool)
+            index = torch.tensor([sealed_id_of(b) for b in block_ids], dtype=torch.long, device=device)
+            parts.extend(piece.index_select(0, index) for piece in pool.sealed.pieces[layer].values())
+        else:
+            index = torch.tensor(block_ids, dtype=torch.long, device=device)
+            parts.extend((pool.keys[layer].index_select(0, index), pool.values[layer].index_select(0, index)))
+    return BlockSnapshot(kind, parts)
+
+
+def encode(snap: BlockSnapshot, keys: Sequence[bytes]) -> list[bytes]:
+    """The value of each block of `snap` (host copies are made here: call it off the decode path)."""
+    host = [part.cpu().contiguous() for part in snap.parts]
+    header = MAGIC + bytes((FORMAT_VERSION, snap.kind))
+    values = []
+    for i, key in enumerate(keys):
+        payload = b"".join(part[i].reshape(-1).view(torch.uint8).numpy().tobytes() for part in host)
+        values.append(header + hashlib.sha256(key + header + payload).digest() + payload)
+    return values
+
+
+def verify(pool: BlockPool, key: bytes, value: bytes) -> tuple[int, memoryview] | None:
+    """(kind, payload) of a value read under `key`, or None when it is damaged or not of this pool's layout."""
+    if len(value) < _PAYLOAD or value[:4] != MAGIC or value[4] != FORMAT_VERSION:
+        return None
+    kind = value[5]
+    if kind not in (RAW, SEALED) or (kind == SEALED and not isinstance(pool, QuantizedBlockPool)):
+        return None
+    view = memoryview(value)
+    if len(value) - _PAYLOAD != _nbytes(part_specs(pool, kind)):
+        return None
+    if hashlib.sha256(key + view[:_HEADER] + view[_PAYLOAD:]).digest() != view[_HEADER:_PAYLOAD]:
+        return None
+    return kind, view[_PAYLOAD:]
+
+
+def load(pool: BlockPool, blocks: Sequence[tuple[int, memoryview]]) -> list[int]:
+    """Write verified blocks (kind, payload) into fresh pool entries; returns them in order, one reference each.
+
+    Raises `PoolExhausted` (nothing allocated then) when the pool has no room for them.
+    """
+    ids: list[int] = [0] * len(blocks)
+    taken: list[int] = []
+    try:
+        for kind in (RAW, SEALED):
+            where = [i for i, (k, _) in enumerate(blocks) if k == kind]
+            if not where:
+                continue
+            fresh = _allocate(pool, kind, len(where))
+            taken.extend(fresh)
+            _write(pool, kind, fresh, [blocks[i][1] for i in where])
+            for i, block in zip(where, fresh, strict=True):
+                ids[i] = block
+    except BaseException:
+        pool.decref(taken)
+        raise
+    return ids
+
+
+def _allocate(pool: BlockPool, kind: int, n: int) -> list[int]:
+    if kind == SEALED:
+        assert isinstance(pool, QuantizedBlockPool)
+        return pool.allocate_sealed(n)
+    return pool.allocate(n)
+
+
+def _write(pool: BlockPool, kind: int, entries: list[int], payloads: list[memoryview]) -> None:
+    specs = part_specs(pool, kind)
+    offset, parts = 0, []
+    for shape, dtype in specs:
+        size = int(torch.Size(shape).numel()) * dtype.itemsize
+        joined = bytearray(b"".join(payload[offset : offset + size] for payload in payloads))
+        parts.append(torch.frombuffer(joined, dtype=torch.uint8).view(dtype).view(len(payloads), *shape))
+        offset += size
+    per_head = len(specs) // len(pool.layout.heads)
+    for position, layer in enumerate(pool.layout.heads):
+        mine = parts[position * per_head : (position + 1) * per_head]
+        device = pool.geometry.layer_device(layer)
+        if kind == SEALED:
+            assert isinstance(pool, QuantizedBlockPool)
+            names = list(pool.sealed.layout(layer))
+            pool.write_sealed_pieces(layer, entries, dict(zip(names, mine, strict=True)))
+        else:
+            index = torch.tensor(entries, dtype=torch.long, device=device)
+            pool.keys[layer].index_copy_(0, index, mine[0].to(device))
+            pool.values[layer].index_copy_(0, index, mine[1].to(device))
