@@ -31,6 +31,10 @@ sliding block between a hit's lookup and its caller's reference. Blocks found by
 `match` are locked in the tree atomically with the lookup, so no other thread can evict them before
 the caller's pool reference is taken. Several threads (a web server with a worker per request) can
 therefore share one `PrefixCache` and one pool; a sequence's own cache is used by one thread at a time.
+
+A remote tier (`remote=RedisTier(...)`, `hf_kvgov.prefix.remote_fill`) shares prefixes across processes: a
+publish also queues the blocks new to the tree for the store, and a local hit shorter than the prompt is
+extended by the blocks the store holds after it. Pools with layer groups are not served by it yet.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hf_kvgov.prefix import remote_fill
 from hf_kvgov.prefix.grouped_blocks import Blocks, GroupedBlocks
 from hf_kvgov.prefix.radix_tree import RadixTree
 from hf_kvgov.prefix.results import PrefixCacheStats
 from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.tiers.remote_stats import RemoteStats
 
 # Tree ids at and above this stand for sealed blocks: sealed entry e < 0 is tree id SEALED_BASE - 1 - e.
 # No pool reaches 2**62 full-precision blocks, so the two ranges never meet.
@@ -78,6 +84,7 @@ class SharingStats:
     shared_blocks: int  # cached blocks that at least one live sequence is using
     evictions: int
     pool_blocks: int = 0  # pool blocks the tree holds (cached_blocks, or more with layer groups: one per group)
+    remote: RemoteStats | None = None  # the remote tier's counters, when there is one
 
 
 class PrefixCache:
@@ -86,12 +93,21 @@ class PrefixCache:
     Args:
         pool: the block pool whose blocks are shared; its block size is the tree's.
         priority: eviction priority of unreferenced blocks ("lru" or "lfu"; see `hf_kvgov.prefix`).
+        remote: a tier shared with other processes (`hf_kvgov.tiers.redis_tier.RedisTier`), or None.
     """
 
-    def __init__(self, pool: BlockPool, priority: str = "lru") -> None:
-        self.pool = pool
-        self.tree = RadixTree(pool.block_size, priority=priority)
+    def __init__(self, pool: BlockPool, priority: str = "lru", remote: remote_fill.RemoteTier | None = None) -> None:
         grouped = len(pool.groups) > 1 or pool.groups[0].window is not None
+        if remote is not None:
+            if grouped:
+                raise ValueError(
+                    "A remote prefix tier serves pools without layer groups (one group of full-attention layers); "
+                    f"this pool has groups {[(len(g.layers), g.window) for g in pool.groups]} (layers, window)."
+                )
+            remote.bind(pool)
+        self.pool = pool
+        self.remote = remote
+        self.tree = RadixTree(pool.block_size, priority=priority)
         # With layer groups the tree's ids are entries, one per block position (None: the tree's ids are pool ids).
         self.grouped = GroupedBlocks(pool.groups, pool.block_size) if grouped else None
         pool.add_reclaimer(self._reclaim)
@@ -110,6 +126,9 @@ class PrefixCache:
         found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True)
         ids = _pool_ids(found.block_ids)
         self.pool.incref(ids)
+        if self.remote is not None:
+            usable = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+            ids = remote_fill.extend(self, self.remote, list(token_ids), namespace, ids, usable // self.block_size)
         return ids
 
     def match_groups(
@@ -204,6 +223,8 @@ class PrefixCache:
         offered = _tree_ids(block_ids[:full])
         result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
         self.pool.incref(_pool_ids(result.adopted))  # the tree's own reference
+        if self.remote is not None:
+            remote_fill.write_new(self.pool, self.remote, token_ids, namespace, _pool_ids(result.adopted))
         swapped = list(block_ids)
         for caller_id, cached_id in result.duplicates:
             index = offered.index(caller_id)
@@ -255,8 +276,10 @@ class PrefixCache:
             self.grouped.check(lambda entry: entry in self.tree, len(self.tree), self.pool.ref_count)
 
     def close(self) -> None:
-        """Detach from the pool (cached blocks stay allocated until `clear`)."""
+        """Detach from the pool (cached blocks stay allocated until `clear`); close the remote tier."""
         self.pool.remove_reclaimer(self._reclaim)
+        if self.remote is not None:
+            self.remote.close()
 
     def stats(self) -> SharingStats:
         tree = self.tree.stats()
@@ -269,4 +292,5 @@ class PrefixCache:
             shared_blocks=tree.locked_blocks,
             evictions=tree.evicted_blocks,
             pool_blocks=tree.cached_blocks if self.grouped is None else self.grouped.pool_blocks,
+            remote=None if self.remote is None else self.remote.stats(),
         )
