@@ -1,7 +1,7 @@
 """Budgets and their parts given either as token counts or as fractions.
 
 A cache budget is the number of slots each (sequence, KV head) may keep: an int, or a float fraction of
-the first chunk the cache sees (the prompt, under ``generate``), resolved once on that first step. The
+a declared length or of generate's prompt (``hf_kvgov.hf.eviction.budget_basis`` says which). The
 parts of a budget (H2O's recent window and heavy hitters) are ints or fractions of the resolved budget.
 """
 

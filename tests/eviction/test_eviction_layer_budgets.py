@@ -21,7 +21,7 @@ def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def test_a_layer_with_budget_one_keeps_the_whole_prompt_as_dynamic_cache_does() -> None:
     prompt = ids(2, 20)
-    cache, dynamic = HeavyHitterCache(MODEL, budget=4, recent=2, layer_budgets={0: 1.0}), DynamicCache()
+    cache, dynamic = HeavyHitterCache(MODEL, budget=4, recent=2, layer_budgets={0: 1.0}, budget_of=20), DynamicCache()
     with eviction_attention(MODEL), torch.inference_mode():
         MODEL(prompt, cache=cache)
     with torch.inference_mode():
@@ -66,17 +66,14 @@ def test_layer_budgets_covering_everything_make_a_small_default_budget_lossless(
     assert cache.stats().slots == 20 and cache.stats().budget == 3
 
 
-def test_fractional_layer_budgets_resolve_on_the_first_chunk_and_again_after_reset() -> None:
-    cache = HeavyHitterCache(MODEL, budget=4, recent=2, layer_budgets={1: 0.5})
-    assert cache.stats().layer_budgets == (4, None)  # an int is known at once, a fraction on the first chunk
+def test_fractional_layer_budgets_of_a_declared_length_resolve_on_construction_and_survive_reset() -> None:
+    cache = HeavyHitterCache(MODEL, budget=4, recent=2, layer_budgets={1: 0.5}, budget_of=20)
+    assert cache.stats().layer_budgets == (4, 10)
     with eviction_attention(MODEL), torch.inference_mode():
-        MODEL(ids(1, 20), cache=cache)
-        assert cache.stats().layer_budgets == (4, 10)
+        MODEL(ids(1, 30), cache=cache)
         assert [layer.slots for layer in cache.layers] == [4, 10]  # type: ignore[attr-defined]
         cache.reset()
-        assert cache.stats().layer_budgets == (4, None)
-        MODEL(ids(1, 12), cache=cache)
-    assert cache.stats().layer_budgets == (4, 6)
+        assert cache.stats().layer_budgets == (4, 10)
 
 
 def test_a_smaller_layer_budget_evicts_more_in_that_layer_only() -> None:
@@ -99,7 +96,7 @@ def test_sliding_window_layers_cap_their_own_budget_at_the_window() -> None:
 
 
 def test_layer_budgets_combine_with_a_codec() -> None:
-    cache = HeavyHitterCache(MODEL, budget=4, recent=2, codec="int8", layer_budgets={0: 1.0})
+    cache = HeavyHitterCache(MODEL, budget=4, recent=2, codec="int8", layer_budgets={0: 1.0}, budget_of=10)
     with eviction_attention(MODEL), torch.inference_mode():
         MODEL(ids(1, 10, seed=5), cache=cache)
     # int8 slot: K and V each 16 codes + float16 scale + float16 zero point; 10 + 4 slots per KV head.

@@ -35,18 +35,27 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.hf.compat import kv_heads_and_head_dim
+from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, fraction_label
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
+from hf_kvgov.hf.eviction.slot_steps import (
+    check_attention,
+    check_shapes,
+    newest,
+    visible_to_next_queries,
+    with_new_slots,
+)
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
-from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView, KeyReader
+from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
-from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept, select_by_priority
+from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 
 PolicyFactory = Callable[[int], EvictionPolicy]
+COMPRESS_MODES = ("always", "prefill")
 
 
 class EvictionCache(GovernedCache):
@@ -59,7 +68,9 @@ class EvictionCache(GovernedCache):
             keep at most ``min(budget, window - 1)`` slots, all inside their window: the policy chooses among
             the tokens the next query can still see, so with a budget of at least the window such a layer
             holds exactly what `DynamicCache` holds.
-        budget: slots per (sequence, KV head), or a float fraction of the first chunk seen (the prompt).
+        budget: slots per (sequence, KV head), or a float fraction of ``budget_of`` tokens, or of generate's
+            prompt when ``budget_of`` is None (see ``budget_basis``: anywhere else an undeclared fraction is
+            refused on the first forward).
         policy_for: budget -> the policy that chooses kept slots.
         min_budget: the smallest budget the policy accepts; a fractional budget is raised to it.
         read_keys: optional hook turning stored keys into the keys attention reads.
@@ -70,9 +81,14 @@ class EvictionCache(GovernedCache):
             Keys and values are both encoded per slot (why keys are not grouped per channel: see
             ``slot_store``), so eviction gathers codes and scales as it gathers dense slots.
         layer_budgets: per-layer budgets overriding ``budget`` (``{0: 1.0, 5: 128}``): ints, or fractions
-            of the first chunk, like ``budget``. Sliding-window layers still cap theirs at ``window - 1``.
+            like ``budget``. Sliding-window layers still cap theirs at ``window - 1``.
         decode_policy: the policy for every step after the first chunk (None: the same policy throughout).
             Its budget is the layer's; the attention mass is accumulated from the prompt on if it needs it.
+        budget_of: the number of tokens fractional budgets are fractions of (the whole text's length for a
+            chunked stream); None: generate's prompt.
+        compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
+            evicted; later steps append, as a cache compressed once at prefill and then decoded in full).
+            Sliding-window layers still drop what leaves their window, as `DynamicCache` does.
     """
 
     def __init__(
@@ -87,8 +103,12 @@ class EvictionCache(GovernedCache):
         codec: CodecSpec = None,
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
         decode_policy: EvictionPolicy | None = None,
+        budget_of: int | None = None,
+        compress: str = "always",
     ) -> None:
         name = type(self).__name__
+        if compress not in COMPRESS_MODES:
+            raise ValueError(f"{name}: compress must be one of {COMPRESS_MODES}; got {compress!r}.")
         if decode_policy is not None:
             min_budget = max(min_budget, decode_policy.min_budget)
         config = checked_decoder_config(model, name)
@@ -100,6 +120,9 @@ class EvictionCache(GovernedCache):
         self.codec_name: str | None = None if self.quant is None else self.quant.codec_name
         self.layer_budgets = check_layer_budgets(name, layer_budgets, len(windows))
         self._budgets = LayerBudgets(name, budget, self.layer_budgets, len(windows), policy_for, min_budget)
+        self.budget_of = check_budget_of(name, budget_of, self._budgets.specs)
+        self._basis = BudgetBasis(name, fraction_label(budget, self.layer_budgets), self.budget_of)
+        self.compress = compress
         self._config = config
         self._budget_spec = budget
         self._policy_for = policy_for
@@ -110,8 +133,22 @@ class EvictionCache(GovernedCache):
         self.budget: int | None = budget if isinstance(budget, int) else None
         self.policy: EvictionPolicy | None = policy_for(budget) if isinstance(budget, int) else None
         self._awaiting_attention: int | None = None  # the layer whose staged step attention has not read
+        self._user_defined = False
         pairs = enumerate(zip(windows, formats, strict=True))
         super().__init__(layers=[EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs])
+        if self.budget_of is not None:
+            self._resolve_budget(self.budget_of)
+
+    # generate sets this on a cache the caller passes in, before its prefill: the mark `BudgetBasis` reads.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._user_defined = value
+        if value:
+            self._basis.mark_generate()
 
     # ------------------------------------------------------------------ one step
 
@@ -121,13 +158,13 @@ class EvictionCache(GovernedCache):
         """Hand attention the kept + new slots of ``[batch, kv_heads, q_len, head_dim]`` new K/V."""
         attn_kwargs = self._check_attention(attn_kwargs)
         self._check_shapes(layer, key_states)
-        if not self._budgets.resolved:
-            self._resolve_budget(key_states.shape[2])
         batch, _, q_len, _ = key_states.shape
+        if layer.index == 0:
+            self._check_basis(q_len)
         new_positions = new_token_positions(
             attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
         )
-        keys, values, positions, kept_valid = _with_new_slots(layer, key_states, value_states, new_positions)
+        keys, values, positions, kept_valid = with_new_slots(layer, key_states, value_states, new_positions)
         policy, needs = self._step_policy(layer, q_len)
         view = EvictionView(
             keys=keys,
@@ -154,6 +191,8 @@ class EvictionCache(GovernedCache):
         """
         policy, budget = self._budgets.policies[layer.index], self._budgets.budgets[layer.index]
         assert policy is not None and budget is not None
+        if self._appends_only(layer):  # nothing will be evicted again: no fact is needed any more
+            return policy, FactNeeds()
         mass = policy.needs.mass or (self.decode_policy is not None and self.decode_policy.needs.mass)
         if layer.seen and self.decode_policy is not None:
             policy = self.decode_policy
@@ -177,12 +216,14 @@ class EvictionCache(GovernedCache):
         """Store the attended slots, then keep the policy's choice once they exceed the layer's budget."""
         budget = self._budgets.budgets[layer.index]
         assert budget is not None
+        if self._appends_only(layer):  # every token stays (a window layer still drops what leaves its window)
+            budget = layer.seen + q_len
         select = policy.select
         store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
-            valid = _visible_to_next_queries(positions, valid, q_len, layer.window)
+            valid = visible_to_next_queries(positions, valid, q_len, layer.window)
             if budget >= layer.window - 1:  # all the next query can read fits: nothing to choose
-                budget, select = layer.window - 1, _newest
+                budget, select = layer.window - 1, newest
         if store.count > budget:
             norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
             keep = select(SlotFacts(mass=scores, recent_attention=recent, key_norm=norms), positions, valid, budget)
@@ -193,6 +234,16 @@ class EvictionCache(GovernedCache):
         layer.seen += q_len
         self._awaiting_attention = None
 
+    def _appends_only(self, layer: EvictionLayer) -> bool:
+        return self.compress == "prefill" and layer.seen > 0
+
+    def _check_basis(self, q_len: int) -> None:
+        """Resolve fractional budgets on a fresh cache's first forward; refuse a basis that is wrong."""
+        if not self._budgets.resolved:
+            self._resolve_budget(self._basis.length(q_len))
+        elif self.budget_of is None:
+            self._basis.check_step(q_len)
+
     def _resolve_budget(self, first_length: int) -> None:
         if self.policy is None:
             self.budget = resolve_budget(self._budget_spec, first_length, self._min_budget)
@@ -202,39 +253,10 @@ class EvictionCache(GovernedCache):
     # ------------------------------------------------------------------ checks
 
     def _check_attention(self, attn_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        name = type(self).__name__
-        current = self._config._attn_implementation
-        if current != ATTENTION_NAME:
-            raise RuntimeError(
-                f"{name} keeps different tokens in each KV head, so the model must attend with the hf_kvgov "
-                f"eviction attention ({ATTENTION_NAME!r}), but it uses {current!r}. Wrap generation in "
-                "`with hf_kvgov.eviction_attention(model):`."
-            )
-        if self._awaiting_attention is not None:
-            raise RuntimeError(
-                f"{name} handed layer {self._awaiting_attention}'s slots to attention, but attention did not read "
-                "them (it saw only the newest tokens). The model must call the attention registered as "
-                f"{ATTENTION_NAME!r} for every layer; models routing attention elsewhere cannot use an eviction cache."
-            )
-        if attn_kwargs is None:
-            raise RuntimeError(
-                f"{name} needs the model to pass its attention kwargs to cache.update (transformers >= 5 "
-                "decoder models do); this model does not, so it cannot use an eviction cache."
-            )
-        return attn_kwargs
+        return check_attention(type(self).__name__, self._config, self._awaiting_attention, attn_kwargs)
 
     def _check_shapes(self, layer: EvictionLayer, key_states: Tensor) -> None:
-        batch, heads, _, head_dim = key_states.shape
-        if (heads, head_dim) != (self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built for "
-                f"{self.num_kv_heads} KV heads of dim {self.head_dim}."
-            )
-        if layer.store is not None and layer.store.batch != batch:
-            raise ValueError(
-                f"{type(self).__name__} holds a batch of {layer.store.batch} sequences but got a batch of {batch}; "
-                "call reset() before starting another batch."
-            )
+        check_shapes(type(self).__name__, layer, key_states, self.num_kv_heads, self.head_dim)
 
     # ------------------------------------------------------------------ generate's bookkeeping
 
@@ -244,12 +266,15 @@ class EvictionCache(GovernedCache):
                 layer.crop(tokens_to_remove)
 
     def reset(self) -> None:
-        """Forget every token; a fractional budget is resolved again on the next first chunk."""
+        """Forget every token; a fraction of generate's prompt is resolved again on the next prompt."""
         super().reset()
         self._awaiting_attention = None
         self._budgets.reset()
+        self._basis.reset()
         if not isinstance(self._budget_spec, int):
             self.budget, self.policy = None, None
+        if self.budget_of is not None:
+            self._resolve_budget(self.budget_of)
 
     # ------------------------------------------------------------------ accounting
 
@@ -266,34 +291,3 @@ class EvictionCache(GovernedCache):
                 budget = min(budget, layer.window - 1)
             caps.append(budget)
         return tuple(caps)
-
-
-def _with_new_slots(
-    layer: EvictionLayer, key_states: Tensor, value_states: Tensor, new_positions: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Kept slots followed by the new ones: keys, values, positions ``[b, h, kept + q, ...]``, kept validity."""
-    batch, heads, q_len, _ = key_states.shape
-    positions = new_positions[:, None].expand(batch, heads, q_len)
-    if layer.store is None:
-        kept_valid = torch.zeros(batch, heads, 0, dtype=torch.bool, device=key_states.device)
-        return key_states, value_states, positions, kept_valid
-    assert layer.positions is not None and layer.valid is not None
-    kept_keys, kept_values = layer.store.read()
-    keys = torch.cat((kept_keys, key_states), dim=2)
-    values = torch.cat((kept_values, value_states), dim=2)
-    return keys, values, torch.cat((layer.positions, positions), dim=2), layer.valid
-
-
-def _newest(facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
-    """The ``budget`` newest valid slots ``[batch, kv_heads, budget]``, with a policy's ``select`` signature."""
-    return select_by_priority(positions.to(torch.float64), positions, valid, budget)
-
-
-def _visible_to_next_queries(positions: Tensor, valid: Tensor, q_len: int, window: int) -> Tensor:
-    """``valid`` ``[batch, kv_heads, slots]`` minus the slots that no later query of a window layer can read.
-
-    The next query sits one past this step's newest position ``p``; it reads keys at positions
-    ``> p + 1 - window``, and later queries read even fewer of the old ones.
-    """
-    newest = positions[..., -q_len:].amax(dim=-1, keepdim=True)
-    return valid & (positions > newest + 1 - window)

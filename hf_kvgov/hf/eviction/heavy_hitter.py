@@ -32,8 +32,8 @@ class HeavyHitterCache(EvictionCache):
 
     Args:
         model: the model to serve (an attention-only decoder; sliding-window layers keep only their window).
-        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (the first chunk
-            the cache sees), resolved then and raised to the int parts below if smaller.
+        budget: slots per (sequence, KV head): an int, or a float fraction of generate's prompt (or of
+            ``budget_of`` tokens), resolved then and raised to the int parts below if smaller.
         recent: most recent tokens always kept: an int, or a float fraction of the budget (default: half,
             H2O's split).
         heavy: heavy-hitter slots: an int, a float fraction of the budget, or None for the rest of the
@@ -42,6 +42,10 @@ class HeavyHitterCache(EvictionCache):
         codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
+        budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
+            None: generate's prompt (a fraction is refused on any other first forward).
+        compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
+            evicted; later tokens are appended, as after a one-time compression of the prompt).
     """
 
     def __init__(
@@ -54,6 +58,8 @@ class HeavyHitterCache(EvictionCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        budget_of: int | None = None,
+        compress: str = "always",
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         check_budget_spec(_NAME, "recent", recent, allow_zero=True)
@@ -75,6 +81,8 @@ class HeavyHitterCache(EvictionCache):
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
+            budget_of=budget_of,
+            compress=compress,
         )
         policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
         self.parts = ChainParts.of(policy=policy, codec=self.quant, layers=budget_overrides(layer_budgets))

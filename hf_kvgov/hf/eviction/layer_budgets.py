@@ -1,9 +1,9 @@
 """Per-layer budgets: ``layer_budgets={0: 1.0, 5: 128}`` gives the layers it names their own budget.
 
-Each layer's budget is an int (slots per sequence and KV head) or a float fraction of the first chunk the
-cache sees, exactly like the cache's ``budget``, which every layer not named keeps. Int budgets, and the
-policies for them, are fixed on construction (so a budget a policy cannot serve is refused at once);
-fractions are resolved on the first chunk and forgotten again by ``reset``.
+Each layer's budget is an int (slots per sequence and KV head) or a float fraction of the same length as
+the cache's ``budget`` (``budget_of``, or generate's prompt), which every layer not named keeps. Int budgets,
+and the policies for them, are fixed on construction (so a budget a policy cannot serve is refused at once);
+fractions are resolved on the first forward (see ``budget_basis``) and forgotten again by ``reset``.
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ class LayerBudgets:
         return all(budget is not None for budget in self.budgets)
 
     def resolve(self, first_length: int) -> None:
-        """Fix every fractional budget as a share of ``first_length`` tokens, the first chunk seen."""
+        """Fix every fractional budget as a share of ``first_length`` tokens (see ``budget_basis``)."""
         policies: dict[int, EvictionPolicy] = {}
         for layer, spec in enumerate(self.specs):
             if self.budgets[layer] is None:
                 self._set(layer, resolve_budget(spec, first_length, self._min_budget), policies)
 
     def reset(self) -> None:
-        """Forget fractional budgets (the next first chunk resolves them again); int budgets stay."""
+        """Forget fractional budgets (the next prompt resolves them again); int budgets stay."""
         policies: dict[int, EvictionPolicy] = {}
         for layer, spec in enumerate(self.specs):
             self.budgets[layer], self.policies[layer] = None, None

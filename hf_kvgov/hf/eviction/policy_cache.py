@@ -30,13 +30,17 @@ class PolicyCache(EvictionCache):
         model: the model to serve (an attention-only decoder; sliding-window layers keep only their window).
         policy: a policy object, or a registered name built with its defaults (`hf_kvgov.policies.make_policy`).
             It evicts the first chunk the cache sees: the prompt, under generate.
-        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (the first chunk),
+        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (or of ``budget_of``),
             raised to what the policies always keep if smaller.
         decode_policy: the policy for every later step (None: ``policy`` throughout), given the same way.
         query_chunk: queries attended at a time; memory O(query_chunk x slots).
         codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
+        budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
+            None: generate's prompt (a fraction is refused on any other first forward).
+        compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
+            evicted; later tokens are appended, as after a one-time compression of the prompt).
 
     The policies' budget-independent configuration is fixed here, so H2O's parts are given as ints or as
     fractions of the budget inside `HeavyHitter` (use `HeavyHitterCache` for H2O's own defaults). Sinks
@@ -53,6 +57,8 @@ class PolicyCache(EvictionCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        budget_of: int | None = None,
+        compress: str = "always",
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         prefill = _built(policy, "policy")
@@ -71,6 +77,8 @@ class PolicyCache(EvictionCache):
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
+            budget_of=budget_of,
+            compress=compress,
             decode_policy=decode,
         )
 

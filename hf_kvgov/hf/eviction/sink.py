@@ -54,13 +54,17 @@ class SinkCache(EvictionCache):
         n_sink: sink tokens kept at the start (StreamingLLM uses 4). Left padding is never a sink.
         window: most recent tokens always kept.
         budget: slots per (sequence, KV head); defaults to ``n_sink + window``. A larger int widens the window;
-            a float is a fraction of the prompt (the first chunk seen), raised to ``n_sink + window`` if below.
+            a float is a fraction of the prompt (or of ``budget_of``), raised to ``n_sink + window`` if below.
         query_chunk: queries attended at a time (memory O(query_chunk x slots)).
         codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`). Sink keys
             are re-rotated from their decoded values, as attention reads them.
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``, each at least
             ``n_sink + window`` as an int; the others use ``budget``.
+        budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
+            None: generate's prompt (a fraction is refused on any other first forward).
+        compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
+            evicted; later tokens are appended, as after a one-time compression of the prompt).
     """
 
     def __init__(
@@ -73,6 +77,8 @@ class SinkCache(EvictionCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        budget_of: int | None = None,
+        compress: str = "always",
     ) -> None:
         policy = SinkWindow(n_sink=n_sink, window=window)
         budget = policy.min_budget if budget is None else budget
@@ -94,6 +100,8 @@ class SinkCache(EvictionCache):
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
+            budget_of=budget_of,
+            compress=compress,
         )
         # A name of its own: the policy factory above closes over `policy`, the SinkWindow.
         part = Sink(n_sink, window, None if budget == n_sink + window else budget, query_chunk)

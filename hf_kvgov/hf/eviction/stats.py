@@ -35,7 +35,7 @@ class EvictionStats:
 
     sequences: int
     tokens_seen: int  # tokens processed per sequence (left padding included), as get_seq_length() reports
-    budget: int | None  # None until a fractional budget is resolved by the first chunk
+    budget: int | None  # None until a fraction of the prompt is resolved
     slots: int  # the most slots any layer stores per (sequence, KV head)
     kept: tuple[tuple[int, ...], ...]
     kv_bytes: int
