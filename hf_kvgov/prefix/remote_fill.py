@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.tiers.redis_tier import Fetched
 from hf_kvgov.tiers.remote_stats import RemoteStats
 from hf_kvgov.tiers.remote_values import BlockSnapshot, load, snapshot
 
@@ -28,7 +29,7 @@ class RemoteTier(Protocol):
 
     def bind(self, pool: BlockPool) -> None: ...
     def keys(self, tokens: Sequence[int], namespace: str = "") -> list[bytes]: ...
-    def fetch(self, keys: Sequence[bytes]) -> list[tuple[int, memoryview]]: ...
+    def fetch(self, keys: Sequence[bytes], held: Sequence[bytes] = ()) -> Fetched: ...
     def put(self, keys: Sequence[bytes], snap: BlockSnapshot) -> None: ...
     def flush(self, timeout: float | None = None) -> bool: ...
     def stats(self) -> RemoteStats: ...
@@ -38,13 +39,18 @@ class RemoteTier(Protocol):
 def extend(
     prefix: PrefixCache, remote: RemoteTier, tokens: Sequence[int], namespace: str, hit: list[int], max_blocks: int
 ) -> list[int]:
-    """`hit` (pool ids the caller holds and has locked) extended by the blocks the store has after it."""
+    """`hit` (pool ids the caller holds and has locked) extended by the blocks the store has after it; blocks of
+    `hit` the store lost are queued to be written again."""
     from hf_kvgov.prefix.sharing import pool_id, tree_id
 
     bs = prefix.block_size
     if len(hit) >= max_blocks:
         return hit
-    blocks = remote.fetch(remote.keys(tokens[: max_blocks * bs], namespace)[len(hit) :])
+    keys = remote.keys(tokens[: max_blocks * bs], namespace)
+    found = remote.fetch(keys[len(hit) :], held=keys[: len(hit)])
+    if not found.held_intact:
+        write_new(prefix.pool, remote, tokens[: len(hit) * bs], namespace, hit)
+    blocks = found.blocks
     if not blocks:
         return hit
     try:

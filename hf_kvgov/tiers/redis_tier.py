@@ -9,7 +9,9 @@ What it guarantees, whatever the server does:
   SET, and a publish's blocks go in one MULTI/EXEC transaction, in chain order.
 - A read is one pipelined round trip for the whole prompt: GET of every block key the local tree lacks; the
   hit is the leading run of values present and verified. A key the server evicted (`maxmemory`), expired
-  (`ttl_s`) or another client deleted is a miss from there on.
+  (`ttl_s`) or another client deleted is a miss from there on. The same round trip asks whether the store
+  still has the blocks of the local hit (EXISTS); when it lost some (a restart, an eviction), the caller
+  writes them again, so a store that lost a prefix gets it back from the next process that holds it.
 - A damaged value (checksum, length, format) is counted, deleted from the store and recomputed here.
 - A lost connection is a miss: the first failure of an outage warns once, every failure is counted, and the
   store is not asked again for `retry_s` seconds (so a dead server costs one timeout, not one per request).
@@ -25,6 +27,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +41,15 @@ from hf_kvgov.tiers.remote_writer import RemoteWriter
 DEFAULT_MAX_PENDING = 1024
 DEFAULT_TIMEOUT_S = 1.0
 DEFAULT_RETRY_S = 2.0
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What one lookup found: the leading blocks asked for, verified, as (kind, payload); and whether the store
+    still holds every block of the caller's local hit (False: it lost some, the caller writes them again)."""
+
+    blocks: list[tuple[int, memoryview]]
+    held_intact: bool
 
 
 class StoreUnavailable(RuntimeError):
@@ -123,38 +135,41 @@ class RedisTier:
 
     # ------------------------------------------------------------------ reads
 
-    def fetch(self, keys: Sequence[bytes]) -> list[tuple[int, memoryview]]:
-        """The leading blocks of `keys` the store holds, verified, as (kind, payload); one round trip.
+    def fetch(self, keys: Sequence[bytes], held: Sequence[bytes] = ()) -> Fetched:
+        """The leading blocks of `keys` the store holds, verified, as (kind, payload), and whether it still has
+        every block of `held` (the keys of the caller's local hit); one round trip.
 
         Never raises for the store's sake: an unreachable store, a missing or a damaged value ends the hit.
         """
         if not keys:
-            return []
+            return Fetched([], True)
         if not self._available():
             self.counters.add(skipped_lookups=1)
-            return []
+            return Fetched([], True)
         self.counters.add(lookups=1)
         try:
-            values = self._get_all(keys)
+            values, present = self._get_all(keys, held)
         except self._errors as error:
             self._failed(error)
-            return []
+            return Fetched([], True)
         blocks, damaged = self._leading(keys, values)
         if damaged is not None:
             self._drop_damaged(damaged)
         if blocks:
             self.counters.add(hits=1, blocks_read=len(blocks), bytes_read=sum(len(p) for _, p in blocks))
-        return blocks
+        return Fetched(blocks, present == len(held))
 
-    def _get_all(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def _get_all(self, keys: Sequence[bytes], held: Sequence[bytes]) -> tuple[list[bytes | None], int]:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.get(self._name(key))
+        if held:
+            pipe.exists(*(self._name(key) for key in held))
         start = time.perf_counter()
-        values = pipe.execute()
+        replies = pipe.execute()
         self.counters.round_trip(time.perf_counter() - start)
         self._recovered()
-        return values
+        return replies[: len(keys)], int(replies[-1]) if held else 0
 
     def _leading(
         self, keys: Sequence[bytes], values: Sequence[bytes | None]
