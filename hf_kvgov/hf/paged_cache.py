@@ -13,7 +13,7 @@ Hybrid models (sliding-window layers beside full-attention ones, or every layer 
 grouped by what they keep (`hf_kvgov.storage.layer_groups`), each group has its own block tables over the
 one pool, and a sliding group frees the blocks that left its window before each step. A sliding layer then
 reports `is_sliding` and the position of its first kept token to the mask, as DynamicCache's sliding layers
-do. A cache with a prefix tree keeps one group for now (every layer keeps every token).
+do. A prefix tree over such a pool shares blocks per group (`hf_kvgov.hf.prefix_groups`).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ class PagedCache(GovernedCache):
         namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
     """
 
-    # Whether the pool this cache creates groups layers by window (see the module docstring). Caches built on
-    # this one that store blocks elsewhere (a disk tier) keep one group until they free windows too.
+    # Whether the pool this cache creates groups layers by window (see the module docstring); False keeps one
+    # group of every layer, every token in every layer (the benchmarks measure the two side by side).
     groups_layers = True
 
     def __init__(
@@ -181,10 +181,10 @@ class PagedCache(GovernedCache):
     # ------------------------------------------------------------------ layer groups
 
     def _layer_groups(self, windows: list[int | None]) -> tuple[LayerGroup, ...]:
-        """The groups of the pool this cache creates: by window, unless this cache cannot free windows (a
-        prefix tree's blocks serve every layer; a split model's positions would span devices)."""
+        """The groups of the pool this cache creates: by window, unless this cache cannot free windows (a split
+        model's positions would span devices)."""
         known = {device for device in self._layer_devices if device is not None}
-        if not self.groups_layers or self.prefix is not None or len(known) > 1:
+        if not self.groups_layers or len(known) > 1:
             return single_group(len(windows))
         return layer_groups(windows)
 
