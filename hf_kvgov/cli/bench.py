@@ -3,6 +3,7 @@
 Examples::
 
     kvgov bench prefix --requests 20
+    kvgov bench prefix --remote redis://127.0.0.1:6379/0 --workers 4   # processes sharing prefixes on Redis
     kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
     kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
 
@@ -71,16 +72,36 @@ def _show(table: str, data: dict[str, Any], args: argparse.Namespace, completed:
 def _prefix(args: argparse.Namespace) -> Any:
     from hf_kvgov.bench import prefix_qa
 
-    model, tokenizer = models.load_model(args.model)
     document = demo_text(max_chars=args.document_chars)
     asks = prefix_qa.questions(args.requests)
     new_tokens = args.new_tokens if args.new_tokens is not None else PREFIX_NEW_TOKENS
+    if args.remote:
+        return _prefix_remote(args, document, asks, new_tokens)
+    model, tokenizer = models.load_model(args.model)
     return prefix_qa.run_prefix(model, tokenizer, document, asks, new_tokens, args.block_size, args.model)
 
 
-def _show_prefix(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
-    from hf_kvgov.bench import prefix_qa
+def _prefix_remote(args: argparse.Namespace, document: str, asks: list[str], new_tokens: int) -> Any:
+    import contextlib
+    import functools
 
+    from hf_kvgov.bench import prefix_remote
+    from hf_kvgov.tiers.local_redis import LocalRedis
+
+    load = functools.partial(models.load_model, args.model)
+    with LocalRedis() if args.remote == "local" else contextlib.nullcontext() as server:
+        url = server.url if server is not None else args.remote
+        return prefix_remote.run_remote(
+            load, url, document, asks, args.workers, new_tokens, args.block_size, args.model
+        )  # fmt: skip
+
+
+def _show_prefix(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
+    from hf_kvgov.bench import prefix_qa, prefix_remote
+
+    if isinstance(report, prefix_remote.RemoteReport):
+        _show(prefix_remote.render(report), report.to_dict(), args, completed)
+        return
     _show(prefix_qa.render(list(report.rows), report.document_chars), report.to_dict(), args, completed)
 
 
@@ -194,6 +215,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prefix.add_argument("--requests", type=int, default=20)
     prefix.add_argument("--document-chars", type=int, default=5000)
     prefix.add_argument("--block-size", type=int, default=16)
+    prefix.add_argument(
+        "--remote",
+        metavar="URL",
+        help="share prefixes across --workers processes through this Redis (redis://host:port/db), or 'local' "
+        "to start a throwaway redis-server on loopback for the run",
+    )
+    prefix.add_argument("--workers", type=int, default=2, help="worker processes with --remote [%(default)s]")
     measured = parser.add_argument_group("speed and capacity")
     measured.add_argument("--caches", default=DEFAULT_CACHES, help="registry names, comma-separated [%(default)s]")
     measured.add_argument("--plots", metavar="DIR", help="also write PNG plots into this directory")

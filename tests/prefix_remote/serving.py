@@ -64,3 +64,10 @@ def reference(net: Any, prompt: list[int]) -> list[int]:
     """The tokens generate gives without any sharing."""
     out = net.generate(torch.tensor([prompt]), past_key_values=DynamicCache(), max_new_tokens=NEW, do_sample=False)
     return out[0, -NEW:].tolist()
+
+
+def tiny_worker() -> tuple[Any, Any]:
+    """(model, tokenizer) for a benchmark worker process: the tiny model and a one-token-per-character tokenizer."""
+    from tests.hf.test_prefix_bench import CharTokenizer
+
+    return model(), CharTokenizer()
