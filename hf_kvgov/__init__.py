@@ -34,6 +34,8 @@ _EXPORTS = {
     "restore_attention": "hf_kvgov.hf.attention",
     "load_model": "hf_kvgov.models",
     "PrefixCache": "hf_kvgov.prefix.sharing",
+    "RedisTier": "hf_kvgov.tiers.redis_tier",
+    "RemoteStats": "hf_kvgov.tiers.remote_stats",
     "HeavyHitterCache": "hf_kvgov.hf.eviction",
     "SinkCache": "hf_kvgov.hf.eviction",
     "PolicyCache": "hf_kvgov.hf.eviction",
@@ -84,6 +86,8 @@ __all__ = [
     "QuantizedCacheStats",
     "QuantizedDiskCache",
     "QuantizedDiskCacheStats",
+    "RedisTier",
+    "RemoteStats",
     "Sink",
     "SinkCache",
     "SpillCorrupted",
@@ -124,6 +128,8 @@ if TYPE_CHECKING:
     from hf_kvgov.storage.block_table import BlockTable, BlockTables
     from hf_kvgov.storage.pool import BlockPool, KVGeometry
     from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
+    from hf_kvgov.tiers.redis_tier import RedisTier
+    from hf_kvgov.tiers.remote_stats import RemoteStats
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,14 @@
 - ``block_table``: block tables whose entries are pool ids or spilled handles.
 - ``kv_segments``: the raw segment format and the gather of K/V from the pool plus spilled blocks.
 
+The remote prefix tier, shared by processes and machines (``PrefixCache(pool, remote=RedisTier(...))``):
+
+- ``redis_tier``: `RedisTier`, reads of a whole chain in one pipelined round trip, the failure policy (a lost
+  store is a miss with one warning); ``local_redis``: a throwaway ``redis-server`` on loopback.
+- ``remote_keys``: chained SHA-256 block keys mixing model identity, pool layout and tenant.
+- ``remote_values``: one checksummed value per block, raw K/V or sealed codes as stored.
+- ``remote_writer``: the bounded background writer; ``remote_stats``: its counters.
+
 The tier decides nothing about what is cold: the cache (``hf_kvgov.hf.disk_cache``) asks it to store
 blocks and to read them back.
 """
