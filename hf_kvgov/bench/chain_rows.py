@@ -36,6 +36,7 @@ from hf_kvgov.bench.chain_steps import (
 from hf_kvgov.chain.build import prefix_tree
 from hf_kvgov.chain.parts import Paging
 from hf_kvgov.hf.disk_prefix import tree_held
+from hf_kvgov.hf.paged_stats import live_entries
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import kv_bytes
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
@@ -92,7 +93,7 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
 
 def document_bytes(cache: Any) -> int:
     """Bytes of the tree's blocks `cache` uses (the shared document): full-precision and sealed blocks."""
-    held, pool = tree_held(cache), cache.pool
+    held, pool = tree_held(cache) & live_entries(cache), cache.pool  # the tree's blocks its rows still read
     sealed = sum(1 for entry in held if is_sealed(entry))
     sealed_block = pool.sealed.bytes_per_block if isinstance(pool, QuantizedBlockPool) else 0
     return (len(held) - sealed) * pool.bytes_per_block + sealed * sealed_block
