@@ -28,7 +28,8 @@ class EvictionStats:
 
     ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
     keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
-    fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer).
+    fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a
+cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
     ``bytes_used`` is everything the cache holds: ``kv_bytes`` (keys and values as stored: codes and scales
     when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass).
     """

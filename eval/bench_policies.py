@@ -1,0 +1,147 @@
+"""hf_kvgov's eviction policies on the two compression protocols of `policy_protocols`, against the full cache.
+
+(a) ``continue``: prefill 1,536 tokens keeping 20% (307 slots per KV head) with ``compress="prefill"``, then
+    score the next 512 tokens teacher-forced in 32-token chunks, appended without further eviction.
+(b) ``stream``: 2,048 tokens in 32-token chunks through a cache of 20% of 2,048 (409 slots) throughout,
+    scored from the first chunk that reads an evicted cache.
+
+Both declare what the 20% is a fraction of (``budget_of=``); a fraction of the first chunk would be 20% of
+32 tokens. Models: SmolLM2-135M and Gemma-3-270M (float32, CPU), two passages of Pride and Prejudice.
+Configurations: H2O (half recent window, H2O's split, and a 32-token window), sinks + window (StreamingLLM),
+SnapKV, TOVA, key-norm, SnapKV at prefill then H2O (stream only: in (a) nothing is evicted after the
+prefill), and with ``--pyramid`` SnapKV and H2O with PyramidKV-like per-layer budgets (1.5x the budget in
+the first layer down to 0.5x in the last, the same total).
+
+    python eval/bench_policies.py                 # both protocols, both models: ~35 min on 2 CPU cores
+    python eval/bench_policies.py --models smollm2 --protocols continue --json eval/out/policies.json
+
+Prints Markdown tables; ``--json`` writes every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from policy_protocols import (
+    CHUNK,
+    KEEP,
+    PASSAGES,
+    PREFILL,
+    SCORED,
+    STREAM,
+    continue_ppl,
+    first_evicted,
+    markdown,
+    passage_ids,
+    plain_forward,
+    row,
+    stream_ppl,
+)
+from transformers import DynamicCache
+
+from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.models import load_model
+from hf_kvgov.policies import HeavyHitter
+
+CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
+
+
+def configurations(stream: bool) -> dict[str, CacheFactory]:
+    """Name -> factory of an hf_kvgov cache keeping ``KEEP`` of ``budget_of`` tokens."""
+    configs: dict[str, CacheFactory] = {
+        "h2o": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, **kw),
+        "h2o recent=32": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, recent=32, **kw),
+        "sink": lambda m, **kw: SinkCache(m, n_sink=4, window=60, budget=KEEP, **kw),
+        "snapkv": lambda m, **kw: PolicyCache(m, "snapkv", budget=KEEP, **kw),
+        "tova": lambda m, **kw: PolicyCache(m, "tova", budget=KEEP, **kw),
+        "key_norm": lambda m, **kw: PolicyCache(m, "key_norm", budget=KEEP, **kw),
+    }
+    if stream:
+        decode = HeavyHitter(heavy=0.5, recent=32)
+        configs["snapkv+h2o decode"] = lambda m, **kw: PolicyCache(m, "snapkv", KEEP, decode_policy=decode, **kw)
+    return configs
+
+
+def pyramid(num_layers: int, tokens: int) -> dict[int, int]:
+    """Per-layer slot budgets from 1.5x to 0.5x of ``KEEP x tokens``, linear in depth (PyramidKV's shape)."""
+    mean = KEEP * tokens
+    if num_layers == 1:
+        return {0: int(mean)}
+    return {i: max(32, int(mean * (1.5 - i / (num_layers - 1)))) for i in range(num_layers)}
+
+
+def run_model(name: str, protocols: list[str], with_pyramid: bool, selected: list[str] | None) -> list[dict[str, Any]]:
+    model, tokenizer = load_model(name)
+    forward = plain_forward(model)
+    rows: list[dict[str, Any]] = []
+    for passage in PASSAGES:
+        ids = passage_ids(tokenizer, passage, STREAM + 1)
+        for protocol in protocols:
+            rows += _protocol_rows(model, name, passage, ids, protocol, forward, with_pyramid, selected)
+    return rows
+
+
+def _protocol_rows(
+    model: Any,
+    name: str,
+    passage: str,
+    ids: torch.Tensor,
+    protocol: str,
+    forward: Any,
+    with_pyramid: bool,
+    selected: list[str] | None,
+) -> list[dict[str, Any]]:
+    stream = protocol == "stream"
+    tokens = STREAM if stream else PREFILL
+    kept = int(KEEP * tokens)
+    full = _ppl(forward, DynamicCache(), ids, stream, kept)
+    configs = {c: f for c, f in configurations(stream).items() if selected is None or c in selected}
+    variants: list[tuple[str, CacheFactory, dict[str, Any]]] = [(c, f, {}) for c, f in configs.items()]
+    if with_pyramid:
+        layers = {"layer_budgets": pyramid(model.config.num_hidden_layers, tokens)}
+        variants += [(f"{c} +pyramid", configs[c], layers) for c in ("snapkv", "h2o") if c in configs]
+    rows = []
+    for config, make, extra in variants:
+        cache = make(model, budget_of=tokens, compress="always" if stream else "prefill", **extra)
+        with eviction_attention(model):
+            ppl = _ppl(forward, cache, ids, stream, kept)
+        rows.append(row(name, passage, config, kept, ppl, full) | {"protocol": protocol})
+        print(f"  {name} {passage} {protocol} {config}: {ppl:.3f} (full {full:.3f})", flush=True)
+    return rows
+
+
+def _ppl(forward: Any, cache: Any, ids: torch.Tensor, stream: bool, kept: int) -> float:
+    if stream:
+        return stream_ppl(forward, cache, ids, first_evicted(kept))
+    return continue_ppl(forward, forward, cache, ids[:, : PREFILL + SCORED + 1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
+    parser.add_argument("--protocols", nargs="+", choices=["continue", "stream"], default=["continue", "stream"])
+    parser.add_argument("--pyramid", action="store_true", help="add SnapKV and H2O with per-layer budgets")
+    parser.add_argument("--configs", nargs="+", help="run only these configurations (default: all)")
+    parser.add_argument("--json", type=Path, help="write every row here")
+    args = parser.parse_args()
+    rows = [r for m in args.models for r in run_model(m, args.protocols, args.pyramid, args.configs)]
+    machine = machine_description()
+    titles = {
+        "continue": f"(a) compress, then continue: {PREFILL} prefill -> {int(KEEP * PREFILL)} kept, {SCORED} scored",
+        "stream": f"(b) streaming: {STREAM} tokens in {CHUNK}-token chunks, {int(KEEP * STREAM)} kept",
+    }
+    for protocol in args.protocols:
+        print("\n" + markdown([r for r in rows if r["protocol"] == protocol], f"{titles[protocol]} ({machine})"))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
