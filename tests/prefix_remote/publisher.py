@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 
 from tests.prefix_remote.serving import DOCUMENT, model, question, remote_prefix, serve
 
 
 def main(url: str, namespace: str) -> None:
-    warnings.simplefilter("ignore", FutureWarning)  # generate's past_key_values= rename
     net = model()
     prefix = remote_prefix(net, url, namespace)
     served = serve(net, prefix, DOCUMENT + question(0))

@@ -49,20 +49,23 @@ class Served:
 
 
 def serve(net: Any, prefix: PrefixCache, prompt: list[int], cache_type: Any = PagedCache, **options: Any) -> Served:
-    """match -> generate -> publish -> release, as a server's worker does for one request."""
+    """match -> generate -> publish -> release, as a server's worker does for one request; then wait for the
+    writer, so what a test does next (read, kill the server) sees every write done."""
     cache = cache_type(net, prefix=prefix, **options)
     inputs = cache.match(torch.tensor([prompt]))
     reused = cache.get_seq_length()
-    out = net.generate(**inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    out = net.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
     cache.publish(out)
     cache.release()
     prefix.check_invariants()
+    if prefix.remote is not None:
+        assert prefix.remote.flush(10)
     return Served(out[0, -NEW:].tolist(), reused, len(prompt))
 
 
 def reference(net: Any, prompt: list[int]) -> list[int]:
     """The tokens generate gives without any sharing."""
-    out = net.generate(torch.tensor([prompt]), past_key_values=DynamicCache(), max_new_tokens=NEW, do_sample=False)
+    out = net.generate(torch.tensor([prompt]), cache=DynamicCache(), max_new_tokens=NEW, do_sample=False)
     return out[0, -NEW:].tolist()
 
 

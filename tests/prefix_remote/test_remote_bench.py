@@ -24,7 +24,7 @@ def test_workers_share_the_document_through_the_store(redis_server: LocalRedis) 
     model, tokenizer = tiny_worker()
     for served, ask in zip(report.requests, asks, strict=True):  # the tokens of a run without sharing
         ids = tokenizer(f"{document}\n\n{ask}\nAnswer:", return_tensors="pt")["input_ids"]
-        out = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=3, do_sample=False)
+        out = model.generate(ids, cache=DynamicCache(), max_new_tokens=3, do_sample=False)
         assert served.tokens == tuple(out[0, -3:].tolist())
     stats = report.remote
     assert stats["blocks_written"] > 0 and stats["blocks_read"] == common // 16

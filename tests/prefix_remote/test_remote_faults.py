@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable, Sequence
 
 import pytest
 import redis
+import torch
 
+from hf_kvgov import BlockPool, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.local_redis import LocalRedis
+from hf_kvgov.tiers.redis_tier import Fetched, RedisTier
+from hf_kvgov.tiers.remote_stats import RemoteCounters
 from hf_kvgov.tiers.remote_values import BlockSnapshot, snapshot
+from hf_kvgov.tiers.remote_writer import RemoteWriter
 from tests.prefix_remote.serving import BLOCK, DOCUMENT, model, question, reference, remote_prefix, serve
 
 NET = model()
@@ -129,3 +135,54 @@ def test_a_full_writer_queue_drops_and_counts(redis_server: LocalRedis) -> None:
     prompt = DOCUMENT + question(1)
     served = serve(NET, reader, prompt)
     assert served.reused == 2 * BLOCK and served.new_tokens == reference(NET, prompt)
+
+
+def test_the_writer_survives_a_failing_store_and_says_so() -> None:
+    counters = RemoteCounters()
+    calls: list[int] = []
+
+    def store(keys: list[bytes], values: list[bytes]) -> int:
+        calls.append(len(keys))
+        if len(calls) == 1:
+            raise ValueError("a bug in the store")
+        return sum(map(len, values))
+
+    writer = RemoteWriter(store, counters, max_pending=8)
+    snap = BlockSnapshot(0, [torch.zeros(2, 4)])
+    writer.offer([b"a", b"b"], snap)
+    assert writer.flush(10)
+    writer.offer([b"c", b"d"], snap)
+    assert writer.flush(10) and writer.alive
+    stats = counters.snapshot(writer.pending, writer.alive)
+    assert stats.write_errors == 1 and stats.dropped_writes == 2 and stats.blocks_written == 2
+    assert "ValueError: a bug in the store" in stats.last_error
+    writer.close()
+    assert not writer.alive
+
+
+class RacingTier(RedisTier):
+    """A tier whose first lookup lets `race` run between the read and the caller's insert (another thread)."""
+
+    race: Callable[[], object] | None = None
+
+    def fetch(self, keys: Sequence[bytes], held: Sequence[bytes] = ()) -> Fetched:
+        found = super().fetch(keys, held)
+        race, self.race = self.race, None
+        if race is not None:
+            race()
+        return found
+
+
+def test_a_request_racing_another_for_the_same_blocks_uses_the_cached_ones(redis_server: LocalRedis) -> None:
+    published(redis_server.url)
+    pool = BlockPool(PagedCache(NET).pool.geometry, block_size=BLOCK)  # type: ignore[union-attr]
+    tier = RacingTier(redis_server.url, NET)
+    prefix = PrefixCache(pool, remote=tier)
+    prompt = DOCUMENT + question(1)
+    inner: list[int] = []
+    tier.race = lambda: inner.append(serve(NET, prefix, DOCUMENT + question(2)).reused)
+    served = serve(NET, prefix, prompt)  # its loaded copies are duplicates of what the racing request cached
+    assert inner == [BLOCKS * BLOCK] and served.reused == BLOCKS * BLOCK
+    assert served.new_tokens == reference(NET, prompt)
+    assert pool.num_used == len(prefix.tree)  # the loaded copies went back: only the tree's blocks are held
+    assert tier.flush(10)

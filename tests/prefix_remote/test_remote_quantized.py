@@ -33,7 +33,7 @@ def serve(prefix: PrefixCache, prompt: list[int], codec: str) -> tuple[int, torc
     inputs = cache.match(torch.tensor([prompt]))
     reused = cache.get_seq_length()
     out: Any = NET.generate(
-        **inputs, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+        **inputs, cache=cache, max_new_tokens=NEW, do_sample=False,
         return_dict_in_generate=True, output_logits=True,
     )  # fmt: skip
     cache.publish(out.sequences)
