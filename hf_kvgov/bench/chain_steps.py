@@ -234,7 +234,8 @@ def evicting(ctx: Context) -> Probe:
 
 
 def h2o_parts(ctx: Context) -> Parts:
-    return {"policy": HeavyHitter(ctx.config.h2o_budget), "codec": "int8"}
+    # Its prompt is all tokens but the last, fed to the model directly: the fraction is of those.
+    return {"policy": HeavyHitter(ctx.config.h2o_budget, budget_of=ctx.config.length - 1), "codec": "int8"}
 
 
 def disk_parts(ctx: Context) -> Parts:

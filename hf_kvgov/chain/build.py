@@ -141,6 +141,8 @@ def _eviction(model: Any, parts: ChainParts) -> GovernedCache:
 
 def _eviction_arguments(policy: Policy, parts: ChainParts) -> dict[str, Any]:
     arguments: dict[str, Any] = {} if policy.query_chunk is None else {"query_chunk": policy.query_chunk}
+    if policy.budget_of is not None:
+        arguments["budget_of"] = policy.budget_of
     if parts.codec is not None:
         arguments["codec"] = parts.codec
     if parts.layer_budgets():

@@ -66,16 +66,19 @@ class HeavyHitter:
     """H2O: keep a recent window plus the tokens that collected the most attention, per KV head.
 
     Args:
-        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt.
+        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (or of `budget_of`).
         recent / heavy: the recent window and the heavy-hitter share (ints or fractions of the budget;
             heavy None = the rest), as `HeavyHitterCache` takes them.
         query_chunk: queries attended at a time (memory O(query_chunk x slots)); None: the cache's default.
+        budget_of: the tokens a fractional budget is a fraction of, when it is not generate's prompt (a text
+            fed in chunks, or through the model directly); None: the prompt.
     """
 
     budget: BudgetSpec = 0.2
     recent: BudgetSpec = 0.5
     heavy: BudgetSpec | None = None
     query_chunk: int | None = None
+    budget_of: int | None = None
 
     def __post_init__(self) -> None:
         check_budget_spec("HeavyHitter", "budget", self.budget)
@@ -96,12 +99,14 @@ class Sink:
         n_sink / window: sink tokens and recent window, in tokens.
         budget: slots per (sequence, KV head); None = ``n_sink + window``.
         query_chunk: queries attended at a time; None: the cache's default.
+        budget_of: the tokens a fractional budget is a fraction of, as for `HeavyHitter`.
     """
 
     n_sink: int = 4
     window: int = 1020
     budget: BudgetSpec | None = None
     query_chunk: int | None = None
+    budget_of: int | None = None
 
     def __post_init__(self) -> None:
         for name, lowest in (("n_sink", 0), ("window", 1)):
