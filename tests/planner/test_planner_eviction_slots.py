@@ -107,13 +107,15 @@ def _predicted(model: Any, cache: Any, tokens: int) -> int:
 
 
 # 61 tokens: floor(0.2 x 60) = floor(0.2 x 61) = 12 and floor(0.5 x 60) = floor(0.5 x 61) = 30, so the budget
-# the cache resolves on its 60-token prompt is the planner's for the 61-token sequence.
+# the cache resolves on its 60-token prompt is the planner's for the 61-token sequence. The prompt is fed
+# directly, not by generate, so the caches are told its length.
+PROMPT = 60
 EVICTING: dict[str, Callable[[Any], Any]] = {
-    "h2o": lambda m: HeavyHitterCache(m, budget=0.2),
-    "h2o-int8": lambda m: HeavyHitterCache(m, budget=0.2, codec="int8"),
-    "h2o-int4": lambda m: HeavyHitterCache(m, budget=0.5, codec="int4"),
-    "h2o-fp8": lambda m: HeavyHitterCache(m, budget=0.5, codec="fp8"),
-    "sink-int8": lambda m: SinkCache(m, n_sink=2, window=6, budget=0.5, codec="int8"),
+    "h2o": lambda m: HeavyHitterCache(m, budget=0.2, budget_of=PROMPT),
+    "h2o-int8": lambda m: HeavyHitterCache(m, budget=0.2, codec="int8", budget_of=PROMPT),
+    "h2o-int4": lambda m: HeavyHitterCache(m, budget=0.5, codec="int4", budget_of=PROMPT),
+    "h2o-fp8": lambda m: HeavyHitterCache(m, budget=0.5, codec="fp8", budget_of=PROMPT),
+    "sink-int8": lambda m: SinkCache(m, n_sink=2, window=6, budget=0.5, codec="int8", budget_of=PROMPT),
 }
 
 
@@ -126,7 +128,7 @@ def test_eviction_bytes_match_stats(model: Any, name: str) -> None:
 
 def test_h2o_int8_bytes_by_hand_on_the_tiny_llama() -> None:
     model = tiny_llama()
-    cache = _run(model, HeavyHitterCache(model, budget=0.2, codec="int8"), 61, evicting=True)
+    cache = _run(model, HeavyHitterCache(model, budget=0.2, codec="int8", budget_of=PROMPT), 61, evicting=True)
     # 2 layers x 2 KV heads x 12 slots x (40 B of codes and scales + 4 B mass + 9 B bookkeeping).
     expected = 2 * 2 * 12 * (40 + SCORE + METADATA)
     assert cache.stats().bytes_used == expected == _predicted(model, cache, 61)
