@@ -55,6 +55,20 @@ def test_a_damaged_value_is_dropped_counted_and_recomputed(redis_server: LocalRe
     assert serve(NET, fresh, prompt).reused == BLOCKS * BLOCK
 
 
+def test_a_value_stored_under_another_key_is_damaged(redis_server: LocalRedis) -> None:
+    published(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = remote_prefix(NET, redis_server.url)
+    names = [b"kvgov::" + key.hex().encode() for key in prefix.remote.keys(DOCUMENT)]  # type: ignore[union-attr]
+    other = client.get(names[3])
+    assert isinstance(other, bytes)
+    client.set(names[4], other)  # well-formed, checksummed, but another block's
+    prompt = DOCUMENT + question(1)
+    served = serve(NET, prefix, prompt)
+    assert served.reused == 4 * BLOCK and served.new_tokens == reference(NET, prompt)
+    assert prefix.stats().remote.damaged_values == 1  # type: ignore[union-attr]
+
+
 def test_server_killed_mid_run_then_restarted(redis_server: LocalRedis) -> None:
     published(redis_server.url)
     prefix = remote_prefix(NET, redis_server.url, retry_s=0.2, timeout_s=0.5)

@@ -18,7 +18,7 @@ from hf_kvgov.tiers.remote_values import SEALED
 from tests.prefix_remote.serving import BLOCK, DOCUMENT, NEW, model, question
 
 NET = model()
-CODECS: dict[str, dict[str, Any]] = {"int8": {"bits": 8}, "int4": {"bits": 4}}
+CODECS: dict[str, dict[str, Any]] = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"bits": 8, "fmt": "fp8"}}
 
 
 def quantized_prefix(url: str | None, codec: str) -> PrefixCache:
