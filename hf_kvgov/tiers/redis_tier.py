@@ -35,8 +35,8 @@ import torch
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.remote_keys import chain_keys, model_identity, tier_salt
 from hf_kvgov.tiers.remote_stats import RemoteCounters, RemoteStats
-from hf_kvgov.tiers.remote_values import BlockSnapshot, verify
-from hf_kvgov.tiers.remote_writer import RemoteWriter
+from hf_kvgov.tiers.remote_values import verify
+from hf_kvgov.tiers.remote_writer import RemoteWriter, Snapshot
 
 DEFAULT_MAX_PENDING = 1024
 DEFAULT_TIMEOUT_S = 1.0
@@ -194,7 +194,7 @@ class RedisTier:
 
     # ------------------------------------------------------------------ writes
 
-    def put(self, keys: Sequence[bytes], snap: BlockSnapshot) -> None:
+    def put(self, keys: Sequence[bytes], snap: Snapshot) -> None:
         """Queue blocks for the writer (never waits; what does not fit, or finds the store down, is dropped)."""
         if not self._available():
             self.counters.add(dropped_writes=len(keys))

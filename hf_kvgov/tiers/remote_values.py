@@ -5,7 +5,8 @@ its codes and scales, never decoded)::
 
     offset 0   b"KVGR"                     magic
            4   u8  FORMAT_VERSION
-           5   u8  kind                    0: raw K/V, 1: sealed pieces
+           5   u8  kind                    0: raw K/V, 1: sealed pieces, 2: an entry of a pool with layer
+                                       groups (`remote_entries`: a kind per group, then those blocks)
            6   32 bytes  sha256(key, bytes 0..5, payload)
           38   payload: per position of a block (`pool.layout.heads`), per part, the part's bytes:
                  raw:    keys[l][b], values[l][b]               block_size x kv_heads x head_dim, pool dtype
@@ -28,7 +29,8 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed, seale
 from hf_kvgov.tiers.remote_keys import FORMAT_VERSION
 
 MAGIC = b"KVGR"
-RAW, SEALED = 0, 1
+RAW, SEALED, GROUPED = 0, 1, 2
+ABSENT = 255  # a group slot of a GROUPED value without a block
 _HEADER = 6
 _PAYLOAD = _HEADER + 32
 
@@ -50,6 +52,18 @@ def _nbytes(spec: PartSpec) -> int:
     return sum(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in spec)
 
 
+def has_layer_groups(pool: BlockPool) -> bool:
+    """True when the prefix tree over `pool` caches entries (one block per layer group), not blocks."""
+    return len(pool.groups) > 1 or pool.groups[0].window is not None
+
+
+def block_bytes(pool: BlockPool, kind: int) -> int:
+    """Bytes of one block of `kind` (RAW or SEALED) in `pool`'s payload format; -1 for a kind it cannot hold."""
+    if kind not in (RAW, SEALED) or (kind == SEALED and not isinstance(pool, QuantizedBlockPool)):
+        return -1
+    return _nbytes(part_specs(pool, kind))
+
+
 @dataclass(frozen=True)
 class BlockSnapshot:
     """Copies of `n` blocks of one kind taken at publish time (the pool may reuse the blocks right after).
@@ -67,6 +81,20 @@ class BlockSnapshot:
 
     def head(self, n: int) -> BlockSnapshot:
         return BlockSnapshot(self.kind, [part[:n] for part in self.parts])
+
+    def encode(self, keys: Sequence[bytes]) -> list[bytes]:
+        return encode(self, keys)
+
+
+def framed(key: bytes, kind: int, payload: bytes) -> bytes:
+    """A value: the header, the checksum of key, header and payload, the payload."""
+    header = MAGIC + bytes((FORMAT_VERSION, kind))
+    return header + hashlib.sha256(key + header + payload).digest() + payload
+
+
+def host_bytes(host: list[torch.Tensor], row: int) -> bytes:
+    """Block `row` of host copies of a snapshot's parts, as one payload."""
+    return b"".join(part[row].reshape(-1).view(torch.uint8).numpy().tobytes() for part in host)
 
 
 def snapshot(pool: BlockPool, block_ids: Sequence[int]) -> list[tuple[list[int], BlockSnapshot]]:
@@ -97,27 +125,29 @@ def _snapshot_kind(pool: BlockPool, block_ids: list[int], kind: int) -> BlockSna
 def encode(snap: BlockSnapshot, keys: Sequence[bytes]) -> list[bytes]:
     """The value of each block of `snap` (host copies are made here: call it off the decode path)."""
     host = [part.cpu().contiguous() for part in snap.parts]
-    header = MAGIC + bytes((FORMAT_VERSION, snap.kind))
-    values = []
-    for i, key in enumerate(keys):
-        payload = b"".join(part[i].reshape(-1).view(torch.uint8).numpy().tobytes() for part in host)
-        values.append(header + hashlib.sha256(key + header + payload).digest() + payload)
-    return values
+    return [framed(key, snap.kind, host_bytes(host, i)) for i, key in enumerate(keys)]
 
 
 def verify(pool: BlockPool, key: bytes, value: bytes) -> tuple[int, memoryview] | None:
     """(kind, payload) of a value read under `key`, or None when it is damaged or not of this pool's layout."""
     if len(value) < _PAYLOAD or value[:4] != MAGIC or value[4] != FORMAT_VERSION:
         return None
-    kind = value[5]
-    if kind not in (RAW, SEALED) or (kind == SEALED and not isinstance(pool, QuantizedBlockPool)):
+    kind, view = value[5], memoryview(value)
+    payload = view[_PAYLOAD:]
+    if hashlib.sha256(key + view[:_HEADER] + payload).digest() != view[_HEADER:_PAYLOAD]:
         return None
-    view = memoryview(value)
-    if len(value) - _PAYLOAD != _nbytes(part_specs(pool, kind)):
-        return None
-    if hashlib.sha256(key + view[:_HEADER] + view[_PAYLOAD:]).digest() != view[_HEADER:_PAYLOAD]:
-        return None
-    return kind, view[_PAYLOAD:]
+    return (kind, payload) if _expected_bytes(pool, kind, payload) == len(payload) else None
+
+
+def _expected_bytes(pool: BlockPool, kind: int, payload: memoryview) -> int:
+    """The payload length a value of `kind` must have in `pool` (-1: the pool holds no such value)."""
+    if (kind == GROUPED) != has_layer_groups(pool):
+        return -1
+    if kind != GROUPED:
+        return block_bytes(pool, kind)
+    slots = bytes(payload[: len(pool.groups)])
+    sizes = [0 if slot == ABSENT else block_bytes(pool, slot) for slot in slots]
+    return -1 if len(slots) < len(pool.groups) or min(sizes) < 0 else len(slots) + sum(sizes)
 
 
 def load(pool: BlockPool, blocks: Sequence[tuple[int, memoryview]]) -> list[int]:

@@ -11,12 +11,19 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from hf_kvgov.tiers.remote_stats import RemoteCounters
-from hf_kvgov.tiers.remote_values import BlockSnapshot, encode
 
 # Stores (key, value) pairs, all or nothing; returns the bytes written.
 Store = Callable[[list[bytes], list[bytes]], int]
+
+
+class Snapshot(Protocol):
+    """Copies of blocks to store, one value per key (`remote_values.BlockSnapshot`, `remote_entries.EntrySnapshot`)."""
+
+    def head(self, n: int) -> Snapshot: ...
+    def encode(self, keys: Sequence[bytes]) -> list[bytes]: ...
 
 
 class RemoteWriter:
@@ -29,7 +36,7 @@ class RemoteWriter:
         self._store = store
         self._counters = counters
         self.max_pending = max_pending
-        self._queue: deque[tuple[list[bytes], BlockSnapshot]] = deque()
+        self._queue: deque[tuple[list[bytes], Snapshot]] = deque()
         self._pending = 0  # blocks queued or being written
         self._cond = threading.Condition()
         self._closed = False
@@ -45,7 +52,7 @@ class RemoteWriter:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def offer(self, keys: Sequence[bytes], snap: BlockSnapshot) -> int:
+    def offer(self, keys: Sequence[bytes], snap: Snapshot) -> int:
         """Queue `snap`'s blocks under `keys` without waiting; returns how many were queued (the rest dropped)."""
         with self._cond:
             room = 0 if self._closed else max(0, self.max_pending - self._pending)
@@ -85,9 +92,9 @@ class RemoteWriter:
                     self._pending -= len(keys)
                     self._cond.notify_all()
 
-    def _write(self, keys: list[bytes], snap: BlockSnapshot) -> None:
+    def _write(self, keys: list[bytes], snap: Snapshot) -> None:
         try:
-            written = self._store(keys, encode(snap, keys))
+            written = self._store(keys, snap.encode(keys))
         except Exception as error:  # counted and surfaced in stats: the thread must go on
             self._counters.error(f"write: {type(error).__name__}: {error}", write_errors=1, dropped_writes=len(keys))
             return
