@@ -34,7 +34,8 @@ therefore share one `PrefixCache` and one pool; a sequence's own cache is used b
 
 A remote tier (`remote=RedisTier(...)`, `hf_kvgov.prefix.remote_fill`) shares prefixes across processes: a
 publish also queues the blocks new to the tree for the store, and a local hit shorter than the prompt is
-extended by the blocks the store holds after it. Pools with layer groups are not served by it yet.
+extended by the blocks the store holds after it; with layer groups, by the entries it holds after it, as far
+as every group can serve the hit (`hf_kvgov.prefix.remote_groups`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hf_kvgov.prefix import remote_fill
+from hf_kvgov.prefix import remote_fill, remote_groups
 from hf_kvgov.prefix.grouped_blocks import Blocks, GroupedBlocks
 from hf_kvgov.prefix.radix_tree import RadixTree
 from hf_kvgov.prefix.results import PrefixCacheStats
@@ -99,11 +100,6 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, priority: str = "lru", remote: remote_fill.RemoteTier | None = None) -> None:
         grouped = len(pool.groups) > 1 or pool.groups[0].window is not None
         if remote is not None:
-            if grouped:
-                raise ValueError(
-                    "A remote prefix tier serves pools without layer groups (one group of full-attention layers); "
-                    f"this pool has groups {[(len(g.layers), g.window) for g in pool.groups]} (layers, window)."
-                )
             remote.bind(pool)
         self.pool = pool
         self.remote = remote
@@ -144,14 +140,23 @@ class PrefixCache:
         with self.pool._lock:  # see the module docstring
             found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
             entries = list(found.block_ids)
-            start, size = len(entries) * self.block_size, self.block_size
-            tables: list[Blocks] = []
-            for g, group in enumerate(self.pool.groups):
-                first = group.first_kept(start, size) // size
-                tables.append([grouped.blocks(e)[g] if i >= first else None for i, e in enumerate(entries)])
+            tables = self.hit_tables(grouped, entries)
             self.pool.incref([block for table in tables for block in table if block is not None])
             grouped.touch(entries)
+        if self.remote is not None:
+            usable = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+            hit = (entries, tables)
+            return remote_groups.extend(self, self.remote, list(token_ids), namespace, hit, usable // self.block_size)
         return entries, tables
+
+    def hit_tables(self, grouped: GroupedBlocks, entries: Sequence[int]) -> list[Blocks]:
+        """Per layer group, the pool blocks a hit on `entries` uses (None before a sliding group's window)."""
+        start, size = len(entries) * self.block_size, self.block_size
+        tables: list[Blocks] = []
+        for g, group in enumerate(self.pool.groups):
+            first = group.first_kept(start, size) // size
+            tables.append([grouped.blocks(e)[g] if i >= first else None for i, e in enumerate(entries)])
+        return tables
 
     def publish_groups(
         self, token_ids: Sequence[int], tables: list[Blocks], namespace: str = ""
@@ -182,6 +187,9 @@ class PrefixCache:
         result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
         for entry in result.adopted:
             self.pool.incref(grouped.add(entry, positions[fresh[entry]]))  # the tree's own references
+        if self.remote is not None:
+            tokens = token_ids[: full * self.block_size]
+            remote_groups.write_new(self.pool, grouped, self.remote, tokens, namespace, list(result.adopted))
         swapped = [list(table) for table in tables]
         for i, entry in enumerate(result.block_ids):
             for g, (mine, cached) in enumerate(zip(positions[i], grouped.blocks(entry), strict=True)):
