@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
 import redis
 import torch
 
-from hf_kvgov import BlockPool, PagedCache
-from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov import BlockPool
 from hf_kvgov.storage.geometry import KVGeometry
 from hf_kvgov.tiers.local_redis import LocalRedis
-from hf_kvgov.tiers.redis_tier import RedisTier
 from hf_kvgov.tiers.remote_keys import chain_keys, model_identity, tier_salt
-from tests.conftest import tiny_gemma3
 from tests.prefix_remote.serving import BLOCK, DOCUMENT, model, question, reference, remote_prefix, serve
 
 NET = model()
@@ -89,11 +85,3 @@ def test_ttl_is_set_on_every_block(redis_server: LocalRedis) -> None:
     client = redis.Redis.from_url(redis_server.url)
     keys = list(client.scan_iter(match=b"kvgov:*"))
     assert keys and all(0 < client.ttl(key) <= 60 for key in keys)
-
-
-def test_a_pool_with_layer_groups_is_refused(redis_server: LocalRedis) -> None:
-    net = tiny_gemma3()
-    pool = PagedCache(net).pool
-    assert pool is not None and len(pool.groups) > 1
-    with pytest.raises(ValueError, match="without layer groups"):
-        PrefixCache(pool, remote=RedisTier(redis_server.url, net))
