@@ -14,7 +14,8 @@ The remote prefix tier, shared by processes and machines (``PrefixCache(pool, re
 - ``redis_tier``: `RedisTier`, reads of a whole chain in one pipelined round trip, the failure policy (a lost
   store is a miss with one warning); ``local_redis``: a throwaway ``redis-server`` on loopback.
 - ``remote_keys``: chained SHA-256 block keys mixing model identity, pool layout and tenant.
-- ``remote_values``: one checksummed value per block, raw K/V or sealed codes as stored.
+- ``remote_values``: one checksummed value per block, raw K/V or sealed codes as stored; ``remote_entries``:
+  with layer groups, one value per block position holding each group's block.
 - ``remote_writer``: the bounded background writer; ``remote_stats``: its counters.
 
 The tier decides nothing about what is cold: the cache (``hf_kvgov.hf.disk_cache``) asks it to store
