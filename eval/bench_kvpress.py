@@ -11,7 +11,8 @@ Each press compresses the 1,536-token prefill (``compression_ratio=0.8``: 307 of
 ``int(k_len * 0.2)`` in kvpress) inside ``with press(model):``, exactly as kvpress applies it; the next 512
 tokens are scored in 32-token forwards with explicit positions outside the context, appended to kvpress's
 `DynamicCache` without further compression. kvpress compresses every layer of Gemma3ForCausalLM, sliding
-ones included (it skips sliding layers only for Gemma3ForConditionalGeneration). ObservedAttentionPress
+ones included (it skips sliding layers only for Gemma3ForConditionalGeneration); ``--skip-sliding`` applies
+that rule to the text model too, leaving the sliding layers their whole window. ObservedAttentionPress
 needs the attention weights, so that press runs with eager attention; the others with SDPA. AdaKV presses
 mask evicted keys instead of freeing them (kvpress's own note), so they hold the memory of the full prefill.
 """
@@ -62,7 +63,7 @@ def load(name: str, attention: str) -> tuple[Any, Any]:
     return model.eval(), AutoTokenizer.from_pretrained(directory)
 
 
-def run_model(name: str, selected: list[str]) -> list[dict[str, Any]]:
+def run_model(name: str, selected: list[str], skip_sliding: bool) -> list[dict[str, Any]]:
     models = {attention: load(name, attention) for attention in ("sdpa", "eager")}
     tokenizer = models["sdpa"][1]
     rows: list[dict[str, Any]] = []
@@ -74,21 +75,39 @@ def run_model(name: str, selected: list[str]) -> list[dict[str, Any]]:
             model = models["eager" if press_name == "ObservedAttentionPress" else "sdpa"][0]
             forward = plain_forward(model, "past_key_values")
             try:
-                ppl = continue_ppl(_pressed(model, presses()[press_name](), forward), forward, DynamicCache(), ids)
+                prefill = _pressed(model, presses()[press_name](), forward, skip_sliding)
+                ppl = continue_ppl(prefill, forward, DynamicCache(), ids)
             except Exception as error:
                 print(f"  {name} {passage} {press_name}: failed: {type(error).__name__}: {error}", flush=True)
                 continue
-            rows.append(row(name, passage, press_name, int(KEEP * PREFILL), ppl, full) | {"protocol": "continue"})
-            print(f"  {name} {passage} {press_name}: {ppl:.3f} (full {full:.3f})", flush=True)
+            label = f"{press_name} (full layers only)" if skip_sliding else press_name
+            rows.append(row(name, passage, label, int(KEEP * PREFILL), ppl, full) | {"protocol": "continue"})
+            print(f"  {name} {passage} {label}: {ppl:.3f} (full {full:.3f})", flush=True)
     return rows
 
 
-def _pressed(model: Any, press: Any, forward: Any) -> Any:
-    """``forward`` run inside ``with press(model):``, so the press compresses that (prefill) forward."""
+def _pressed(model: Any, press: Any, forward: Any, skip_sliding: bool) -> Any:
+    """``forward`` run inside ``with press(model):``, so the press compresses that (prefill) forward.
+
+    With ``skip_sliding`` the press's hook goes on full-attention layers only, the rule kvpress applies to
+    Gemma3ForConditionalGeneration (``BasePress.__call__``), here applied to Gemma3ForCausalLM.
+    """
 
     def prefill(ids: torch.Tensor, cache: Any, positions: torch.Tensor) -> torch.Tensor:
-        with press(model):
+        if not skip_sliding:
+            with press(model):
+                return forward(ids, cache, positions)
+        press.post_init_from_model(model)
+        hooks = []
+        for layer in model.model.layers:
+            if not getattr(layer.self_attn, "is_sliding", False):
+                layer.self_attn.rotary_emb = model.model.rotary_emb
+                hooks.append(layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True))
+        try:
             return forward(ids, cache, positions)
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     return prefill
 
@@ -97,9 +116,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     parser.add_argument("--presses", nargs="+", default=list(presses()), choices=list(presses()))
+    parser.add_argument(
+        "--skip-sliding", action="store_true", help="compress full-attention layers only (kvpress's Gemma-3 rule)"
+    )
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args()
-    rows = [r for name in args.models for r in run_model(name, args.presses)]
+    rows = [r for name in args.models for r in run_model(name, args.presses, args.skip_sliding)]
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     versions = f"kvpress {metadata.version('kvpress')}, transformers {metadata.version('transformers')}"
     title = f"(a) compress, then continue, kvpress presses ({versions}, {machine})"
