@@ -11,8 +11,15 @@ Each press compresses the 1,536-token prefill (``compression_ratio=0.8``: 307 of
 ``int(k_len * 0.2)`` in kvpress) inside ``with press(model):``, exactly as kvpress applies it; the next 512
 tokens are scored in 32-token forwards with explicit positions outside the context, appended to kvpress's
 `DynamicCache` without further compression. kvpress compresses every layer of Gemma3ForCausalLM, sliding
-ones included (it skips sliding layers only for Gemma3ForConditionalGeneration); ``--skip-sliding`` applies
-that rule to the text model too, leaving the sliding layers their whole window. ObservedAttentionPress
+ones included (it skips sliding layers only for Gemma3ForConditionalGeneration, and warns that
+Gemma3ForCausalLM is not among its tested models): a sliding layer then keeps tokens from anywhere in the
+prompt, and its mask, built on the compacted cache, lets it read keys further away than its 512-token
+window ever did. ``--skip-sliding`` applies kvpress's Gemma-3 rule to the text model instead: only the
+AdaKV presses run so (they mask, so every layer keeps its length); a press that removes slots leaves the
+full layers shorter than the sliding ones, and transformers builds one mask for all of them, which fails
+("size of tensor a (339) must match ... (1568)"). A config-aware ``DynamicCache(config=...)`` does not fix
+it: the mask is then misaligned and perplexity drops below the full cache's (1.4-1.9 against 22.3), i.e.
+future tokens leak, so that variant is not offered. ObservedAttentionPress
 needs the attention weights, so that press runs with eager attention; the others with SDPA. AdaKV presses
 mask evicted keys instead of freeing them (kvpress's own note), so they hold the memory of the full prefill.
 """
