@@ -91,9 +91,10 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
     return capacity
 
 
-def document_bytes(cache: Any) -> int:
-    """Bytes of the tree's blocks `cache` uses (the shared document): full-precision and sealed blocks."""
-    held, pool = tree_held(cache) & live_entries(cache), cache.pool  # the tree's blocks its rows still read
+def document_bytes(cache: Any, matched: frozenset[int]) -> int:
+    """Bytes of the tree's blocks `cache` took by `match` (`matched`) and still reads: the shared document,
+    full-precision and sealed blocks."""
+    held, pool = tree_held(cache) & live_entries(cache) & matched, cache.pool
     sealed = sum(1 for entry in held if is_sealed(entry))
     sealed_block = pool.sealed.bytes_per_block if isinstance(pool, QuantizedBlockPool) else 0
     return (len(held) - sealed) * pool.bytes_per_block + sealed * sealed_block
@@ -104,7 +105,7 @@ def shared_measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
 
     For a composition whose fill by allocation is too slow for the bench (see `_SHARED_MEASURED`).
     """
-    document = document_bytes(probe.cache)
+    document = document_bytes(probe.cache, probe.matched)
     own = kv_bytes(probe.cache) - document  # the probe's stats count the tree blocks it uses in full
     if own <= 0:
         raise ValueError(

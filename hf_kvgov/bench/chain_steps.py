@@ -31,6 +31,7 @@ from hf_kvgov.chain.build import prefix_tree
 from hf_kvgov.chain.parts import Disk, HeavyHitter, Paging
 from hf_kvgov.hf.eviction import eviction_attention
 from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.paged_stats import live_entries
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import kv_bytes
 
@@ -153,6 +154,7 @@ class Probe:
     next_token: torch.Tensor  # long [1, 1]
     attention: AttentionContext = _plain
     companions: tuple[Any, ...] = ()  # caches it shares blocks with (the request that published them)
+    matched: frozenset[int] = frozenset()  # the blocks its `match` took from the tree (the shared document)
 
     def step(self, model: Any) -> float:
         """One decode step; returns its seconds."""
@@ -220,8 +222,10 @@ def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}
         first.publish(ctx.ids(0))
         second, ids = ctx.sharing(codec, **parts(ctx))(prefix), ctx.ids(1)
         second.match(ids)
+        # What the tree served; its own prompt's sliding blocks join the tree as computed (layer groups).
+        matched = frozenset(live_entries(second))
         forward(ctx.model, second, ids[:, second.get_seq_length() : -1])  # the model runs on its own part only
-        return Probe(second, ids[:, -1:], companions=(first,))
+        return Probe(second, ids[:, -1:], companions=(first,), matched=matched)
 
     return probe
 

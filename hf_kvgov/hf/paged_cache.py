@@ -415,9 +415,9 @@ class PagedCache(GovernedCache):
         """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered."""
         return paged_prefix.publish(self, sequences, attention_mask)
 
-    def _publish_tokens(self, rows: list[list[int]]) -> int:
-        """Publish row r's full blocks of tokens `rows[r]` (the prompt as computed, `prefix_groups`)."""
-        return paged_prefix.publish_tokens(self, rows, self.namespace)
+    def _publish_tokens(self, rows: list[list[int]], sliding_only: bool) -> int:
+        """Publish row r's full blocks of `rows[r]` (`sliding_only`: the prompt as computed, `prefix_groups`)."""
+        return paged_prefix.publish_tokens(self, rows, self.namespace, sliding_only=sliding_only)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

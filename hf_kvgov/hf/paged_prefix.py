@@ -27,7 +27,7 @@ import torch
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf import prefix_groups
 from hf_kvgov.hf.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
-from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.block_table import BlockTable, BlockTables
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 if TYPE_CHECKING:
@@ -141,15 +141,25 @@ def publish(
     return publish_tokens(cache, rows, cache.namespace if namespace is None else namespace, sealed_from)
 
 
-def publish_tokens(cache: PagedCache, rows: list[list[int]], namespace: str, sealed_from: int | None = None) -> int:
-    """`publish` of each row's publishable tokens `rows[r]` (its full blocks are offered); returns blocks offered."""
+def publish_tokens(
+    cache: PagedCache,
+    rows: list[list[int]],
+    namespace: str,
+    sealed_from: int | None = None,
+    sliding_only: bool = False,
+) -> int:
+    """`publish` of each row's publishable tokens `rows[r]` (its full blocks are offered); returns blocks offered.
+
+    `sliding_only`: over layer groups, offer only the sliding groups' blocks (the prompt as computed).
+    """
     prefix = _require_prefix(cache, "publish")
     assert cache.tables is not None
-    copies = _swap_in_sealed_copies(cache, sealed_from, rows) if sealed_from is not None else []
+    offered_tables = [t for t in cache.all_tables if not sliding_only or (t.group and t.group.window is not None)]
+    copies = _swap_in_sealed_copies(cache, sealed_from, rows, offered_tables) if sealed_from is not None else []
     offered = 0
     try:
         if prefix.grouped is not None:
-            return prefix_groups.publish_rows(cache, rows, namespace)
+            return prefix_groups.publish_rows(cache, rows, namespace, offered_tables)
         for row, tokens in zip(cache.tables.rows, rows, strict=True):
             if len(tokens) < prefix.block_size:
                 continue
@@ -167,10 +177,12 @@ def publish_tokens(cache: PagedCache, rows: list[list[int]], namespace: str, sea
 _Copies = list[tuple[BlockTable, int, int]]
 
 
-def _swap_in_sealed_copies(cache: PagedCache, first_column: int, rows: list[list[int]]) -> _Copies:
+def _swap_in_sealed_copies(
+    cache: PagedCache, first_column: int, rows: list[list[int]], offered: list[BlockTables]
+) -> _Copies:
     """Put a sealed copy in each table in place of the full-precision blocks from `first_column` it publishes.
 
-    `rows` are the tokens each row publishes (its full blocks are offered).
+    `rows` are the tokens each row publishes (its full blocks are offered), `offered` the groups' tables offered.
 
     Such blocks are the newest full ones (a quantized cache's residual window): the cache keeps reading them
     in full precision, but the tree would otherwise hold them in full precision for as long as it caches
@@ -181,7 +193,7 @@ def _swap_in_sealed_copies(cache: PagedCache, first_column: int, rows: list[list
     assert isinstance(pool, QuantizedBlockPool) and cache.tables is not None, "sealed copies need a quantized pool"
     spots = [
         (row, c)
-        for tables in cache.all_tables  # every layer group's rows (a sliding row only from what it still holds)
+        for tables in offered  # every offered group's rows (a sliding row only from what it still holds)
         for row, tokens in zip(tables.rows, rows, strict=True)
         for c in range(max(first_column, row.freed), len(tokens) // pool.block_size)
         if not is_sealed(row.block_ids[c])

@@ -8,9 +8,11 @@ What differs from a pool without groups:
   one). A sliding group's table starts at the block holding the first token the next query sees; what is
   before it is freed, as if the request had computed it and moved on.
 - A sliding group frees blocks as they leave its window, long before `publish` runs after generate. So the
-  cache publishes the prompt's blocks as they are computed (at the start of each step, while every group
-  still holds them; the prompt's tokens are known from `match`). The tree then keeps the sliding blocks of
-  the whole document, and a later request on it hits wherever it diverges, as on a model without windows.
+  cache publishes the prompt's sliding blocks as they are computed (at the start of each step, while the
+  groups still hold them; the prompt's tokens are known from `match`). The full-attention blocks wait for
+  `publish`, as without groups: until then they are the request's own (a disk cache may spill them), and an
+  entry lacking them serves no hit. The tree then keeps the sliding blocks of the whole document, and a
+  later request on it hits wherever it diverges, as on a model without windows.
   They are the tree's, evictable: when the pool needs room the tree first lets go of sliding blocks no
   sequence uses, least recently used first, then evicts whole entries (LRU leaves).
 - `publish` offers a row's full blocks, with None for the sliding blocks it freed; the tree keeps its own.
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.prefix.grouped_blocks import Blocks
-from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.block_table import BlockTable, BlockTables
 
 if TYPE_CHECKING:
     from hf_kvgov.hf.paged_cache import PagedCache
@@ -76,8 +78,9 @@ def fill_from_hits(cache: PagedCache, hits: list[Hit], plan: list[RowLayout]) ->
         tables._changed()
 
 
-def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str) -> int:
-    """Offer row r's full blocks of `rows[r]` (its publishable tokens) to the tree; returns the blocks offered."""
+def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str, offered_tables: list[BlockTables]) -> int:
+    """Offer row r's full blocks of `rows[r]` (its publishable tokens) to the tree, those of the groups whose
+    tables are `offered_tables` (the others' as absent); returns the blocks offered."""
     assert cache.prefix is not None
     offered = 0
     for r, tokens in enumerate(rows):
@@ -87,7 +90,8 @@ def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str) -> in
         tables: list[Blocks] = []
         for group_tables in cache.all_tables:
             row = group_tables.rows[r]
-            tables.append([None if i < row.freed else row.block_ids[i] for i in range(full)])
+            offer = any(group_tables is t for t in offered_tables)
+            tables.append([None if i < row.freed or not offer else row.block_ids[i] for i in range(full)])
         swapped, locked = cache.prefix.publish_groups(tokens, tables, namespace)
         for group_tables, blocks in zip(cache.all_tables, swapped, strict=True):
             row = group_tables.rows[r]
@@ -115,5 +119,5 @@ def publish_computed(cache: PagedCache) -> None:
     rows = [row.tokens[: min(stored, len(row.tokens) if row.first_pad is None else row.first_pad)] for row in layouts]
     ready = max(len(tokens) // bs for tokens in rows)
     if ready > cache._published_blocks:
-        cache._publish_tokens(rows)
+        cache._publish_tokens(rows, sliding_only=True)
         cache._published_blocks = ready

@@ -348,8 +348,10 @@ class QuantizedCache(PagedCache):
             self, sequences, attention_mask, namespace=self.sharing_namespace, sealed_from=self.quant.sink_blocks
         )
 
-    def _publish_tokens(self, rows: list[list[int]]) -> int:
-        return paged_prefix.publish_tokens(self, rows, self.sharing_namespace, sealed_from=self.quant.sink_blocks)
+    def _publish_tokens(self, rows: list[list[int]], sliding_only: bool) -> int:
+        return paged_prefix.publish_tokens(
+            self, rows, self.sharing_namespace, sealed_from=self.quant.sink_blocks, sliding_only=sliding_only
+        )
 
     # ------------------------------------------------------------------ accounting
 

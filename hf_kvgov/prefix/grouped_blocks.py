@@ -7,14 +7,14 @@ table says which pool blocks an entry stands for::
 
     tokens:   [ block 0 ][ block 1 ] ... [ block 40 ][ block 41 ]  ...
     entry:        e0         e1              e40        e41
-    full:         f0         f1              f40        f41          every block, always
+    full:         f0         f1              f40        f41          every block, once published
     sliding:      -          -               s40        s41          only while the tree keeps them
 
-A full-attention group's block is in every entry: a hit at any point needs all of them. A sliding group's
-block serves only hits whose window covers it, so an entry may lack it: the cache that published the
-position had freed it already, or the pool needed room and the tree let it go (`trim`, before it evicts
-whole entries). A hit is exact when every sliding group has the blocks of the last window before it
-(`servable`).
+A hit at any point needs every full-attention block before it; a sliding group's block serves only hits whose
+window covers it. An entry may lack either: a full-attention block until the request that computed it
+publishes it (a prompt's sliding blocks are published as computed, `hf_kvgov.hf.prefix_groups`), a sliding
+block that its request had freed already, or that the tree let go when the pool needed room (`trim`, before
+it evicts whole entries). A hit is exact when every group has the blocks it needs (`servable`).
 
 Each pool block is in at most one entry, and the tree holds one pool reference on each block of its entries.
 """
@@ -51,6 +51,11 @@ class GroupedBlocks:
 
     def blocks(self, entry: int) -> Blocks:
         return list(self._blocks[entry])
+
+    def has_full(self, entry: int) -> bool:
+        """Whether the entry holds every full-attention group's block (a hit through it needs them all)."""
+        slots = self._blocks[entry]
+        return all(block is not None for group, block in zip(self.groups, slots, strict=True) if group.window is None)
 
     def entry_of(self, blocks: Blocks) -> int | None:
         """The entry holding any of `blocks` (one position's), or None when none is cached."""
@@ -109,14 +114,14 @@ class GroupedBlocks:
         return dropped
 
     def servable(self, entries: Sequence[int]) -> int:
-        """How many leading `entries` (a path from the root) a hit may use: the most, `p`, for which every
-        sliding group has its blocks from the one holding the first token a query at `p * block_size` sees."""
-        sliding = [(g, group) for g, group in enumerate(self.groups) if group.window is not None]
+        """How many leading `entries` (a path from the root) a hit may use: the most, `p`, for which every group
+        has its blocks from the one holding the first token a query at `p * block_size` sees (block 0 for a
+        full-attention group)."""
         for hit in range(len(entries), 0, -1):
             start = hit * self.block_size
             if all(
                 self._blocks[entries[i]][g] is not None
-                for g, group in sliding
+                for g, group in enumerate(self.groups)
                 for i in range(group.first_kept(start, self.block_size) // self.block_size, hit)
             ):
                 return hit

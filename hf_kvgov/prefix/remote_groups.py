@@ -27,18 +27,22 @@ if TYPE_CHECKING:
     from hf_kvgov.prefix.sharing import PrefixCache
 
 
-def write_new(
+def write_positions(
     pool: BlockPool,
     grouped: GroupedBlocks,
     remote: RemoteTier,
     tokens: Sequence[int],
     namespace: str,
     entries: Sequence[int],
+    positions: Sequence[int],
 ) -> None:
-    """Queue `entries` (the last `len(entries)` full blocks of `tokens`) with their blocks; under the pool's lock."""
-    if entries:
-        keys = remote.keys(tokens, namespace)[-len(entries) :]
-        remote.put(keys, snapshot_entries(pool, [grouped.blocks(e) for e in entries]))
+    """Queue the entries at `positions` (of `entries`, one per full block of `tokens`) with their blocks: new
+    entries, and entries that gained blocks (a prompt's full-attention blocks arrive at `publish`, after its
+    sliding ones); under the pool's lock."""
+    if positions:
+        keys = remote.keys(tokens, namespace)
+        blocks = [grouped.blocks(entries[i]) for i in positions]
+        remote.put([keys[i] for i in positions], snapshot_entries(pool, blocks))
 
 
 def extend(
@@ -59,7 +63,8 @@ def extend(
     found = remote.fetch(keys[len(entries) :], held=keys[: len(entries)])
     with pool._lock:  # see the module docstring
         if not found.held_intact:
-            write_new(pool, grouped, remote, tokens[: len(entries) * bs], namespace, entries)
+            held = tokens[: len(entries) * bs]  # the local hit's entries, lost by the store: written again
+            write_positions(pool, grouped, remote, held, namespace, entries, range(len(entries)))
         fetched = [split_entry(pool, payload) for _, payload in found.blocks]
         reach = _servable(grouped, entries, fetched)
         if reach <= len(entries):

@@ -185,11 +185,9 @@ class PrefixCache:
                 fresh[entry] = i
             offered.append(entry)
         result = self.tree.insert(list(token_ids[: full * self.block_size]), offered, namespace, lock=True)
+        changed = {fresh[entry] for entry in result.adopted}  # positions whose entry is new or gained blocks
         for entry in result.adopted:
             self.pool.incref(grouped.add(entry, positions[fresh[entry]]))  # the tree's own references
-        if self.remote is not None:
-            tokens = token_ids[: full * self.block_size]
-            remote_groups.write_new(self.pool, grouped, self.remote, tokens, namespace, list(result.adopted))
         swapped = [list(table) for table in tables]
         for i, entry in enumerate(result.block_ids):
             for g, (mine, cached) in enumerate(zip(positions[i], grouped.blocks(entry), strict=True)):
@@ -198,10 +196,17 @@ class PrefixCache:
                 if cached is None:
                     if grouped.fill(entry, g, mine):
                         self.pool.incref([mine])
+                        changed.add(i)
                     continue
                 self.pool.incref([cached])
                 self.pool.decref([mine])
                 swapped[g][i] = cached
+        # The store gets an entry once it has its full-attention blocks (before, it serves no hit anywhere).
+        changed = {i for i in changed if grouped.has_full(result.block_ids[i])}
+        if self.remote is not None and changed:
+            tokens = token_ids[: full * self.block_size]
+            entries = list(result.block_ids)
+            remote_groups.write_positions(self.pool, grouped, self.remote, tokens, namespace, entries, sorted(changed))
         grouped.touch(result.block_ids)
         return swapped, list(result.block_ids)
 
