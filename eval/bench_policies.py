@@ -8,9 +8,9 @@
 Both declare what the 20% is a fraction of (``budget_of=``); a fraction of the first chunk would be 20% of
 32 tokens. Models: SmolLM2-135M and Gemma-3-270M (float32, CPU), two passages of Pride and Prejudice.
 Configurations: H2O (half recent window, H2O's split, and a 32-token window), sinks + window (StreamingLLM),
-SnapKV, TOVA, key-norm, SnapKV at prefill then H2O (stream only: in (a) nothing is evicted after the
-prefill), and with ``--pyramid`` SnapKV and H2O with PyramidKV-like per-layer budgets (1.5x the budget in
-the first layer down to 0.5x in the last, the same total).
+SnapKV, TOVA, key-norm, mean attention mass, SnapKV at prefill then H2O (stream only: in (a) nothing is
+evicted after the prefill), and with ``--pyramid`` SnapKV and H2O with PyramidKV-like per-layer budgets
+(1.5x the budget in the first layer down to 0.5x in the last, the same total).
 
     python eval/bench_policies.py                 # both protocols, both models: ~35 min on 2 CPU cores
     python eval/bench_policies.py --models smollm2 --protocols continue --json eval/out/policies.json
@@ -61,6 +61,7 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
         "snapkv": lambda m, **kw: PolicyCache(m, "snapkv", budget=KEEP, **kw),
         "tova": lambda m, **kw: PolicyCache(m, "tova", budget=KEEP, **kw),
         "key_norm": lambda m, **kw: PolicyCache(m, "key_norm", budget=KEEP, **kw),
+        "mean_mass": lambda m, **kw: PolicyCache(m, "mean_mass", budget=KEEP, **kw),
     }
     if stream:
         decode = HeavyHitter(heavy=0.5, recent=32)

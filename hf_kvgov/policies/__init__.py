@@ -11,6 +11,7 @@ from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mas
 from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, SlotFacts
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
+from hf_kvgov.policies.mean_mass import MeanMass
 from hf_kvgov.policies.registry import available_policies, make_policy, register_policy
 from hf_kvgov.policies.rope import apply_rope, rerotate, rotate_half
 from hf_kvgov.policies.selection import (
@@ -31,6 +32,7 @@ __all__ = [
     "FactNeeds",
     "HeavyHitter",
     "KeyNorm",
+    "MeanMass",
     "SinkWindow",
     "SlotFacts",
     "SnapKV",

@@ -8,6 +8,7 @@ from typing import Any
 from hf_kvgov.policies.base import EvictionPolicy
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
+from hf_kvgov.policies.mean_mass import MeanMass
 from hf_kvgov.policies.sink_window import SinkWindow
 from hf_kvgov.policies.snapkv import SnapKV
 from hf_kvgov.policies.tova import TOVA
@@ -17,6 +18,7 @@ PolicyFactory = Callable[..., EvictionPolicy]
 _FACTORIES: dict[str, PolicyFactory] = {
     "h2o": HeavyHitter,
     "key_norm": KeyNorm,
+    "mean_mass": MeanMass,
     "sink": SinkWindow,
     "snapkv": SnapKV,
     "tova": TOVA,

@@ -14,7 +14,17 @@ from transformers import DynamicCache
 from hf_kvgov import eviction_attention
 from hf_kvgov.hf.eviction import PolicyCache
 from hf_kvgov.hf.eviction import view as view_module
-from hf_kvgov.policies import TOVA, EvictionPolicy, FactNeeds, HeavyHitter, KeyNorm, SlotFacts, SnapKV, gather_kept
+from hf_kvgov.policies import (
+    TOVA,
+    EvictionPolicy,
+    FactNeeds,
+    HeavyHitter,
+    KeyNorm,
+    MeanMass,
+    SlotFacts,
+    SnapKV,
+    gather_kept,
+)
 from tests.conftest import tiny_gemma3, tiny_llama
 from tests.eviction.test_eviction_equivalence import prompts, run
 
@@ -24,6 +34,7 @@ NEW: dict[str, Callable[[], EvictionPolicy]] = {
     "snapkv": lambda: SnapKV(window=4, kernel=3),
     "tova": TOVA,
     "key_norm": lambda: KeyNorm(recent=3),
+    "mean_mass": lambda: MeanMass(recent=2),
 }
 
 
@@ -106,7 +117,7 @@ def test_prefill_keeps_what_the_policy_chooses_from_eager_attention(name: str) -
     for layer, attn, layer_keys in zip(cache.layers, attentions, keys, strict=True):
         keep = policy.select(reference_facts(attn, layer_keys, policy.needs), positions, valid, budget)
         assert torch.equal(layer.positions, gather_kept(positions, keep))  # type: ignore[attr-defined]
-        assert layer.scores is None  # type: ignore[attr-defined]  # no policy here ranks by mass
+        assert (layer.scores is None) == (not policy.needs.mass)  # type: ignore[attr-defined]  # kept only if ranked by
 
 
 @pytest.mark.parametrize(

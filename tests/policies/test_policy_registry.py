@@ -40,7 +40,7 @@ def test_builtin_names() -> None:
 
 
 def test_unknown_name_lists_the_accepted_names() -> None:
-    with pytest.raises(ValueError, match=r"policy 'pyramid'.*'h2o', 'key_norm', 'sink', 'snapkv', 'tova'"):
+    with pytest.raises(ValueError, match=r"policy 'pyramid'.*'h2o', 'key_norm', 'mean_mass', 'sink', 'snapkv', 'tova'"):
         make_policy("pyramid")
 
 
