@@ -319,8 +319,7 @@ def run_sequence(model: Any, spec: CacheSpec, ids: torch.Tensor) -> Any:
     in the state a decoding request is in.
     """
     # A budget that is a fraction of the prompt is one of these prompt tokens (the model is called directly).
-    prompt = max(1, ids.shape[1] - 1)
-    cache = spec.build(model) if spec.build_sized is None else spec.build_sized(model, prompt)
+    cache = spec.build_for(model, max(1, ids.shape[1] - 1))
     with spec.attention(model), torch.inference_mode():
         if ids.shape[1] > 1:
             model(ids[:, :-1], cache=cache, logits_to_keep=1)

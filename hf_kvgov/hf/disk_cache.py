@@ -151,7 +151,8 @@ class DiskOffloadCache(DiskTieredCache):
         if layout is None:
             return super()._contiguous_kv(layer)
         pool, i = self._parts()[0], layer.index
-        return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length, self._reader(i, layout))
+        first = self._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
+        return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length - first, self._reader(i, layout))
 
     def _hand_view_to_attention(
         self,

@@ -41,6 +41,7 @@ from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.prefix_layout import publishable_tokens
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTable, TieredBlockTables
@@ -142,13 +143,15 @@ def make_rows_tiered(tables: TieredBlockTables) -> None:
     `match` builds plain block tables from the tree's hits; a row must be tiered before any of its blocks
     can spill, since only a tiered row knows how to fork, truncate and release spilled entries.
     """
-    tables.rows = [
-        row
-        if isinstance(row, TieredBlockTable)
-        else TieredBlockTable(tables.pool, tables.tier, row.block_ids, tables.ids)
-        for row in tables.rows
-    ]
+    tables.rows = [row if isinstance(row, TieredBlockTable) else _tiered(tables, row) for row in tables.rows]
     tables._changed()
+
+
+def _tiered(tables: TieredBlockTables, row: BlockTable) -> TieredBlockTable:
+    """`row` as a tiered row, its freed leading entries (a sliding group's) still freed."""
+    tiered = TieredBlockTable(tables.pool, tables.tier, row.block_ids, tables.ids)
+    tiered.freed = row.freed
+    return tiered
 
 
 def bring_back_offered(

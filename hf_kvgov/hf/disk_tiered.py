@@ -6,11 +6,12 @@ the blocks that left the hot window at the start of a step (never the ones a pre
 bringing blocks back (a crop into a spilled block, a `publish`), naming the tokens of a damaged block,
 and resetting or releasing the file.
 
-Layer groups (a hybrid sliding-window model): only the full-attention groups' blocks are tiered. A sliding
-group's tables free every block that left its window, so it holds at most about `window + block_size`
-tokens per row and nothing of a sliding layer is ever written to disk. The tier stores one segment per
-position of a block (a pool block holds one group's layers, `hf_kvgov.storage.layer_groups`), and each full
-layer reads the segment of its position; the read-ahead fetches the next full layer's blocks.
+Layer groups (a hybrid sliding-window model): every group's tables are tiered. A sliding group frees every
+block that left its window (from memory or from disk), so it holds at most about `window + block_size`
+tokens per row, and spills only what is inside its window but older than the hot window: with
+`hot_tokens` at least the window, nothing of a sliding layer is ever written. The tier stores one segment
+per position of a block (a pool block holds one group's layers, `hf_kvgov.storage.layer_groups`), and each
+layer reads the segment of its position; the read-ahead fetches the next layer's blocks.
 
 A subclass says what differs when it attaches the tier (`_attach_tier`): its blocks' kind (which entries
 the tier can take and how their bytes are read and written), how many leading blocks of a row never move
@@ -64,9 +65,11 @@ class DiskTieredCache(PagedCache):
         if pool_bytes is None or block_size is None:
             return
         blocks, kept = disk_prefix.resident_need(block_size, self.disk, self._sealed)
-        # A block holds one position of every group; a sliding group keeps its window, the tail and one step.
+        # A block holds one position of every group; a sliding group keeps at most its window, the tail and a step.
         bytes_per_block = geometry.bytes_per_token // geometry.num_layers * len(self.layout.heads) * block_size
-        per_group = [blocks if g.window is None else math.ceil(g.window / block_size) + 2 for g in self.groups]
+        per_group = [
+            blocks if g.window is None else min(blocks, math.ceil(g.window / block_size) + 2) for g in self.groups
+        ]
         needed = sum(per_group) * bytes_per_block
         if pool_bytes < needed:
             raise ValueError(
@@ -90,15 +93,9 @@ class DiskTieredCache(PagedCache):
         self.prefetcher = LayerPrefetcher(
             self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
         )
-        tables = [
-            TieredBlockTables(pool, self.tier, ids, group) if group.window is None else BlockTables(pool, group)
-            for group in pool.groups
-        ]
+        tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, ids, group) for group in pool.groups]
         self.tables, self._other_tables = tables[0], tables[1:]
         self._tier_blocks, self._resident_first = blocks, resident_first
-        spilling = [layer for layer in range(self.num_layers) if self._group(layer).window is None]
-        # After each layer that reads spilled blocks, the next one that does (cyclically): its blocks are read ahead.
-        self._next_spilling = {layer: spilling[(i + 1) % len(spilling)] for i, layer in enumerate(spilling)}
 
     def _parts(self) -> tuple[Any, DiskTier, LayerPrefetcher]:
         assert self.pool is not None and self.tier is not None and self.prefetcher is not None
@@ -106,15 +103,13 @@ class DiskTieredCache(PagedCache):
 
     @property
     def tiered_tables(self) -> list[TieredBlockTables]:
-        """The block tables whose blocks may spill: the full-attention groups' (every layer's without groups)."""
+        """Every layer group's block tables (their blocks may spill)."""
         return [tables for tables in self.all_tables if isinstance(tables, TieredBlockTables)]
 
     def _spilled_layout(self, layer: int) -> SpilledLayout | None:
-        """Where the batch's blocks of `layer` live, on its device; None when none of them has spilled."""
+        """Where the batch's live blocks of `layer` live, on its device; None when none of them has spilled."""
         tables = self._tables_of(layer)
-        if not isinstance(tables, TieredBlockTables):
-            return None  # a sliding layer: its blocks never spill
-        assert self.pool is not None
+        assert self.pool is not None and isinstance(tables, TieredBlockTables)
         return tables.spilled_layout(self.pool.layer_device(layer))
 
     def _count_spilled(self, blocks: int) -> None:
@@ -131,8 +126,11 @@ class DiskTieredCache(PagedCache):
             if self.stop_reason is not None or not tables.rows:
                 continue
             stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+            # Not what a sliding group frees at this step's start (queries from `num_tokens` on): never written.
+            kept = tables.first_kept_token(tables.num_tokens) // pool.block_size
+            first = max(self._resident_first, kept)
             try:
-                moved, cold = spill(pool, tables, tier, self._resident_first, stop, keep_resident, private)
+                moved, cold = spill(pool, tables, tier, first, stop, keep_resident, private)
             except SpillSpaceExhausted as err:
                 if not keep_resident:
                     raise
@@ -145,17 +143,21 @@ class DiskTieredCache(PagedCache):
     # ------------------------------------------------------------------ reading back
 
     def _take_spilled(self, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
-        """Read this layer's spilled blocks `handles` into `outs`, then start reading the next spilling layer's."""
+        """Read this layer's spilled blocks `handles` into `outs`, then start reading the next spilling layer's
+        (the next layer whose group has spilled blocks: a sliding group may have none)."""
         prefetcher = self._parts()[2]
         try:
             prefetcher.take(self.layout.position[layer], handles, outs)
         except SpillCorrupted as err:
             raise self._located(err) from err
-        following = self._next_spilling[layer]
-        if self._tables_of(following) is self._tables_of(layer):  # one group's layers read the same blocks
-            prefetcher.request(self.layout.position[following], handles)
-        elif (spilled := self._spilled_layout(following)) is not None:
-            prefetcher.request(self.layout.position[following], spilled.handles)
+        for step in range(1, self.num_layers + 1):  # the next layer (cyclically: the next step's) that reads some
+            following = (layer + step) % self.num_layers
+            if self._tables_of(following) is self._tables_of(layer):  # one group's layers read the same blocks
+                prefetcher.request(self.layout.position[following], handles)
+                return
+            if (spilled := self._spilled_layout(following)) is not None:
+                prefetcher.request(self.layout.position[following], spilled.handles)
+                return
 
     def _located(self, err: SpillCorrupted) -> SpillCorrupted:
         """The same error, naming the layer that reads the damaged segment and the tokens its block holds."""

@@ -198,7 +198,8 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
             return super()._contiguous_kv(layer)
         pool, (table, read, _) = self._quantized_pool, spilled
         i = layer.index
-        return gather_quantized(pool.keys[i], pool.values[i], table, layer.length, read, pool.geometry.dtype)
+        first = self._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
+        return gather_quantized(pool.keys[i], pool.values[i], table, layer.length - first, read, pool.geometry.dtype)
 
     def _hand_view_to_attention(
         self,

@@ -152,8 +152,7 @@ def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | 
     run = apply_h2o(private_run(setup, length, prefix, window), setup, length - prefix, window)
     if setup.eviction_slots:
         return _slot_bytes(setup, run.tokens, head_dim), 0
-    # A sliding layer of a cache that frees windows never spills: its blocks leave the window first.
-    hot, cold = (run, Run(0, False)) if setup.window_frees and window is not None else split_spill(run, setup)
+    hot, cold = split_spill(run, setup)  # a sliding layer's run is its window already: only its older part spills
     device = run_bytes(hot, setup, head_dim)
     if setup.h2o_budget is not None:
         # H2O keeps the attention mass and bookkeeping of every kept slot (spilled ones too) on the accelerator.

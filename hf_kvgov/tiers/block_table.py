@@ -8,8 +8,9 @@ References work the same in both tiers: forking a row takes one more reference o
 wherever they live, truncating or releasing drops them, so a spilled block shared by several
 beams is one handle with several references, and its disk slot is freed with the last one.
 
-A full-attention layer group's tables are tiered; a sliding group's are not: its blocks leave the window and
-are freed before they would be cold, so nothing of a sliding layer is ever written to disk.
+A sliding layer group's tables are tiered too: a block inside its window but older than the cache's hot window
+may spill, and a block that left the window is freed wherever it lives (its disk slot with it). With a hot
+window at least as long as the sliding window, nothing of a sliding layer is ever written.
 
 Only sealed blocks spill and writes only touch the tail, so a write never lands on a spilled block;
 the cache brings a block back into the pool before that could happen (after a crop).
@@ -39,9 +40,19 @@ class TieredBlockTable(BlockTable):
         self.ids = ids
 
     def fork(self) -> TieredBlockTable:
-        self.pool.incref([b for b in self.block_ids if not self.ids.is_spilled(b)])
-        self.tier.incref([self.ids.handle(b) for b in self.block_ids if self.ids.is_spilled(b)])
-        return TieredBlockTable(self.pool, self.tier, self.block_ids, self.ids)
+        live = self.live_ids
+        self.pool.incref([b for b in live if not self.ids.is_spilled(b)])
+        self.tier.incref([self.ids.handle(b) for b in live if self.ids.is_spilled(b)])
+        fork = TieredBlockTable(self.pool, self.tier, self.block_ids, self.ids)
+        fork.freed = self.freed
+        return fork
+
+    def free_before(self, index: int) -> None:
+        index = min(index, len(self.block_ids))
+        if index > self.freed:
+            dropped = self.block_ids[self.freed : index]
+            self.freed = index
+            self._drop(dropped)
 
     def write_plan(self, start: int, end: int, copied_away: dict[int, int]) -> tuple[list[int], int]:
         bs = self.pool.block_size
@@ -51,12 +62,13 @@ class TieredBlockTable(BlockTable):
 
     def truncate(self, num_tokens: int) -> None:
         keep = -(-num_tokens // self.pool.block_size)
-        dropped = self.block_ids[keep:]
+        dropped = self.block_ids[max(keep, self.freed) :]
         del self.block_ids[keep:]
+        self.freed = min(self.freed, keep)
         self._drop(dropped)
 
     def release(self) -> None:
-        dropped, self.block_ids = self.block_ids, []
+        dropped, self.block_ids, self.freed = self.live_ids, [], 0
         self._drop(dropped)
 
     def _drop(self, block_ids: Iterable[int]) -> None:
@@ -68,17 +80,13 @@ class TieredBlockTable(BlockTable):
 class TieredBlockTables(BlockTables):
     """`BlockTables` of `TieredBlockTable` rows, plus the two moves between tiers.
 
-    `group`: the full-attention layer group reading these tables (None: every layer of a pool without groups).
+    `group`: the layer group reading these tables (None: every layer of a pool without groups). The moves and
+    layouts cover the live blocks only (from `first_block`: a sliding group freed those before).
     """
 
     def __init__(
         self, pool: BlockPool, tier: DiskTier, ids: SpilledIds = RAW_SPILLED_IDS, group: LayerGroup | None = None
     ) -> None:
-        if group is not None and group.window is not None:
-            raise ValueError(
-                f"Layers {group.layers} slide over {group.window} tokens: their blocks are freed as they leave the "
-                "window, never spilled, so their tables cannot be tiered."
-            )
         super().__init__(pool, group)
         self.tier = tier
         self.ids = ids
@@ -98,29 +106,31 @@ class TieredBlockTables(BlockTables):
         """
         counts: dict[int, int] = {}
         for row in self.rows:
-            for block in row.block_ids[first:stop]:
+            for block in row.block_ids[max(first, row.freed) : stop]:
                 if self.ids.is_spilled(block) == spilled:
                     counts[block] = counts.get(block, 0) + 1
         return counts
 
     def replace(self, mapping: dict[int, int]) -> None:
-        """Swap entries in every row (a block moved between tiers); references are the caller's business."""
+        """Swap live entries in every row (a block moved between tiers); references are the caller's business."""
         for row in self.rows:
-            row.block_ids = [mapping.get(b, b) for b in row.block_ids]
+            row.block_ids[row.freed :] = [mapping.get(b, b) for b in row.live_ids]
         self._changed()
 
     def has_spilled(self) -> bool:
-        return any(self.ids.is_spilled(b) for row in self.rows for b in row.block_ids)
+        return any(self.ids.is_spilled(b) for row in self.rows for b in row.live_ids)
 
     def spilled_layout(self, device: torch.device) -> SpilledLayout | None:
-        """Where the batch's blocks live, with tensors on `device`; None when nothing has spilled.
+        """Where the batch's live blocks live (the table from `first_block`, as `live_tensor`), with tensors on
+        `device`; None when nothing has spilled.
 
         Cached per device until the tables change, so layers split over devices each index on their own.
         """
-        table = self.tensor(device)
+        table = self.tensor(device)  # the same object until the tables (or `first_block`) change
         cached = self._layouts.get(device)
         if cached is None or cached[0] is not table:
-            cached = (table, SpilledLayout.of(table, self.ids) if self.has_spilled() else None)
+            live = table[:, self.first_block :]
+            cached = (table, SpilledLayout.of(live, self.ids) if self.has_spilled() else None)
             self._layouts[device] = cached
         return cached[1]
 
@@ -128,7 +138,7 @@ class TieredBlockTables(BlockTables):
         """Token positions [start, stop) of spilled block `handle` in the first row holding it (None: no row)."""
         entry, block_size = self.ids.entry(handle), self.pool.block_size
         for row in self.rows:
-            if entry in row.block_ids:
-                index = row.block_ids.index(entry)
+            if entry in row.live_ids:
+                index = row.freed + row.live_ids.index(entry)
                 return index * block_size, (index + 1) * block_size
         return None

@@ -55,7 +55,8 @@ def test_disk_capacity_spills_only_the_full_layer(gemma3_and_tokenizer: tuple[An
     (row,) = run_capacity(model, tokenizer, config, model_name="tiny-gemma3", progress=False).rows
     # A decoding request of 64 tokens with a 16-token hot window: the full layer spilled block 1 ((63 - 16) // 16
     # - the sink block = 1) and holds blocks 0, 2 and 3; each sliding layer holds block 3 (48-63) and spills
-    # nothing; reading block 1 back takes one layer's block of read-ahead. 3 + 1 + 1 + 1 = 6 blocks (every layer
-    # spilling, as before layer groups: 3 blocks in each of 3 layers + the read-ahead = 10).
+    # nothing (its 8-token window is shorter than the hot window); reading block 1 back takes one layer's block of
+    # read-ahead. 3 + 1 + 1 + 1 = 6 blocks (every layer spilling, as before layer groups: 3 blocks in each of 3
+    # layers + the read-ahead = 10).
     assert row.bytes_per_sequence == 6 * LAYER_BLOCK
     assert row.predicted_bytes_per_sequence == 6 * LAYER_BLOCK and row.sequences == row.predicted_sequences == 6

@@ -29,7 +29,7 @@ MODEL = tiny_llama()
 def test_codec_suffix_builds_a_quantized_slot_cache(name: str, cls: type, codec: str | None) -> None:
     spec = get_cache_spec(name)
     assert spec.name == name and not spec.lossless and spec.needs_attention_context
-    cache = spec.build(MODEL)
+    cache = spec.build_for(MODEL, 37)  # fed to the model directly, so a fraction is of these 37 tokens
     assert isinstance(cache, cls) and cache.codec_name == codec and cache.stats().codec == codec
     with spec.attention(MODEL), torch.inference_mode():
         MODEL(torch.arange(3, 40)[None], cache=cache)

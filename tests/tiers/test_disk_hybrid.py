@@ -13,7 +13,6 @@ from transformers import DynamicCache
 
 from hf_kvgov import DiskOffloadCache, QuantizedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.errors import SpillCorrupted
-from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from tests.hf.test_paged_hybrid import BLOCK, MODELS, WINDOW, generate
 from tests.spill_damage import flip_byte
@@ -55,33 +54,53 @@ def test_quantized_disk_equals_quantized_cache(name: str, attention: str, tmp_pa
         assert cache.stats().spills > 0  # the comparison covered blocks read back from disk
 
 
-def test_only_full_attention_blocks_are_written(tmp_path: Path) -> None:
+def test_with_a_hot_window_as_long_as_the_window_only_full_attention_blocks_are_written(tmp_path: Path) -> None:
     model = MODELS["gemma3"]  # groups (0 1) and (3 4) slide over 24 tokens, (2 5) attend to everything
-    cache = DiskOffloadCache(model, tmp_path, hot_tokens=HOT, block_size=BLOCK)
+    cache = DiskOffloadCache(model, tmp_path, hot_tokens=WINDOW, block_size=BLOCK)
     generate(model, cache)  # 2 rows of 70 + 40 tokens; the last step starts with 108 tokens stored
+    assert all(isinstance(tables, TieredBlockTables) for tables in cache.all_tables)
     sliding, full = cache.all_tables[:2], cache.all_tables[2]
-    assert all(type(tables) is BlockTables for tables in sliding) and isinstance(full, TieredBlockTables)
-    assert cache.tiered_tables == [full]
-    # The full group spilled blocks 1 .. (108 - 16) // 8 - 1 = 10 of each row at the last step's start (block 0
-    # stays: every query reads it); rows differ from token 0 on, so 2 x 10 distinct blocks were written.
+    # The full group spilled blocks 1 .. (108 - 24) // 8 - 1 = 9 of each row (block 0 stays: every query reads
+    # it); rows differ from token 0 on, so 2 x 9 distinct blocks were written, and nothing of a sliding group.
     stats = cache.stats()
-    assert [sum(b < 0 for b in row.block_ids) for row in full.rows] == [10, 10]
-    assert stats.spills == stats.spilled_blocks == 20
+    assert [sum(b < 0 for b in row.block_ids) for row in full.rows] == [9, 9]
+    assert all(b >= 0 for tables in sliding for row in tables.rows for b in row.live_ids)
+    assert stats.spills == stats.spilled_blocks == 18
     # A block holds one layer per position of a group: 2 of the 6 layers, so a spilled block is 2 layers of K/V.
     assert cache.tier is not None and cache.tier.layout.layers == 2
-    assert stats.bytes_written == 20 * cache.tier.layout.slot_bytes == 20 * cache.pool.bytes_per_block  # type: ignore[union-attr]
-    # Resident, per row: each sliding group its window's 4 blocks (80..111), the full group block 0 and the hot
-    # blocks 11..13: 2 x 4 + 4 = 12 blocks, 24 for the batch.
-    assert stats.resident_blocks == 24
-    assert stats.resident_bytes == 24 * cache.pool.bytes_per_block + stats.read_buffer_bytes  # type: ignore[union-attr]
+    assert stats.bytes_written == 18 * cache.tier.layout.slot_bytes == 18 * cache.pool.bytes_per_block  # type: ignore[union-attr]
+    # Resident, per row: each sliding group its window's 4 blocks (80..111), the full group block 0 and blocks
+    # 10..13: 2 x 4 + 5 = 13 blocks, 26 for the batch.
+    assert stats.resident_blocks == 26
+    assert stats.resident_bytes == 26 * cache.pool.bytes_per_block + stats.read_buffer_bytes  # type: ignore[union-attr]
 
 
-def test_a_model_whose_layers_all_slide_never_writes(tmp_path: Path) -> None:
+def test_a_shorter_hot_window_spills_inside_the_window_and_frees_what_leaves_it(tmp_path: Path) -> None:
+    model = MODELS["gemma3"]
+    cache = DiskOffloadCache(model, tmp_path, hot_tokens=HOT, block_size=BLOCK)
+    generate(model, cache)
+    stats, tier = cache.stats(), cache.tier
+    assert tier is not None
+    # At the last step's start (108 tokens): the full group spilled blocks 1 .. (108 - 16) // 8 - 1 = 10 of each
+    # row; a sliding group keeps blocks 10 .. 13 (queries from 108 see 85 on) and spilled block 10, older than
+    # the 16-token hot window: 10 + 1 + 1 spilled per row, 24 on disk for the batch.
+    assert [[sum(b < 0 for b in row.live_ids) for row in t.rows] for t in cache.all_tables] == [
+        [1, 1],
+        [1, 1],
+        [10, 10],
+    ]
+    assert stats.spilled_blocks == tier.stats().slots_in_use == 24
+    # Every sliding block spilled earlier left the window since and gave its disk slot back: written once, freed.
+    assert stats.spills > stats.spilled_blocks
+    assert stats.resident_blocks == 20  # 6 fewer than with a 24-token hot window (the test above)
+
+
+def test_a_model_whose_layers_all_slide_writes_nothing_with_a_hot_window_as_long(tmp_path: Path) -> None:
     model = MODELS["mistral"]
-    cache = QuantizedDiskCache(model, tmp_path, hot_tokens=HOT, block_size=BLOCK)
+    cache = QuantizedDiskCache(model, tmp_path, hot_tokens=WINDOW, block_size=BLOCK)
     generate(model, cache)
     stats = cache.stats()
-    assert cache.tiered_tables == [] and stats.spills == 0 and stats.bytes_written == 0
+    assert stats.spills == 0 and stats.bytes_written == 0
     assert stats.spill_path is None  # the file is made when the first block spills: never
     assert [len(row.live_ids) for row in cache.tables.rows] == [4, 4]  # type: ignore[union-attr]  # blocks 10..13
 
@@ -113,17 +132,18 @@ def test_assisted_decoding_crops_into_spilled_blocks(kind: type, tmp_path: Path)
 
 def test_a_damaged_block_names_the_full_attention_layer_reading_it(tmp_path: Path) -> None:
     model = MODELS["gemma3"]
-    cache = DiskOffloadCache(model, tmp_path, hot_tokens=HOT, block_size=BLOCK, prefetch=False)
+    cache = DiskOffloadCache(model, tmp_path, hot_tokens=WINDOW, block_size=BLOCK, prefetch=False)
     ids = torch.randint(3, 96, (1, 48), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         model(ids[:, :40], cache=cache)
-        model(ids[:, 40:41], cache=cache)  # spills block 1 ((40 - 16) // 8 = 3: blocks 1, 2): handles 0, 1
-    assert cache.tier is not None and cache.tiered_tables[0].rows[0].block_ids[2] == -2  # tokens 16..23: handle 1
-    path, offset = cache.tier.location(1, 1)  # position 1 of the full group (2, 5): layer 5
+        model(ids[:, 40:41], cache=cache)  # spills block 1 ((40 - 24) // 8 = 2: blocks 1 only): handle 0
+    full = cache.all_tables[2]
+    assert cache.tier is not None and full.rows[0].block_ids[1] == -1  # tokens 8..15: handle 0
+    path, offset = cache.tier.location(0, 1)  # position 1 of the full group (2, 5): layer 5
     flip_byte(path, offset + 10)
-    with pytest.raises(SpillCorrupted, match=r"block 1 \(tokens \[16, 24\)\), layer 5") as info, torch.inference_mode():
+    with pytest.raises(SpillCorrupted, match=r"block 0 \(tokens \[8, 16\)\), layer 5") as info, torch.inference_mode():
         model(ids[:, 41:42], cache=cache)
-    assert (info.value.block, info.value.layer, info.value.tokens) == (1, 5, (16, 24))
+    assert (info.value.block, info.value.layer, info.value.tokens) == (0, 5, (8, 16))
 
 
 def test_the_memory_cap_counts_each_groups_need(tmp_path: Path) -> None:
