@@ -40,6 +40,8 @@ _EXPORTS = {
     "SinkCache": "hf_kvgov.hf.eviction",
     "PolicyCache": "hf_kvgov.hf.eviction",
     "EvictionStats": "hf_kvgov.hf.eviction",
+    "Recall": "hf_kvgov.tiers.recall_pages",
+    "RecallStats": "hf_kvgov.hf.eviction.recall",
     "eviction_attention": "hf_kvgov.hf.eviction",
     "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
     "DiskCacheStats": "hf_kvgov.hf.disk_cache",
@@ -86,6 +88,8 @@ __all__ = [
     "QuantizedCacheStats",
     "QuantizedDiskCache",
     "QuantizedDiskCacheStats",
+    "Recall",
+    "RecallStats",
     "RedisTier",
     "RemoteStats",
     "Sink",
@@ -117,6 +121,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+    from hf_kvgov.hf.eviction.recall import RecallStats
     from hf_kvgov.hf.governed import GovernedCache
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
     from hf_kvgov.hf.quant_config import QuantConfig
@@ -128,6 +133,7 @@ if TYPE_CHECKING:
     from hf_kvgov.storage.block_table import BlockTable, BlockTables
     from hf_kvgov.storage.pool import BlockPool, KVGeometry
     from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
+    from hf_kvgov.tiers.recall_pages import Recall
     from hf_kvgov.tiers.redis_tier import RedisTier
     from hf_kvgov.tiers.remote_stats import RemoteStats
 

@@ -7,6 +7,7 @@ line below.
 Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
 `sink@4+252` (sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`),
+H2O with what it evicts spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`),
 `int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
 (hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
 """
@@ -29,6 +30,9 @@ from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, SinkCache, evict
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
+from hf_kvgov.tiers.recall_pages import Recall
+
+RECALL_SUFFIX = "recall"
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 
@@ -148,8 +152,10 @@ def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> in
     return max(minimum, math.floor(budget * context_tokens + 1e-9))
 
 
-def _sized_h2o(budget: int | float, model: Any, context_tokens: int, codec: str | None = None) -> HeavyHitterCache:
-    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), codec=codec)
+def _sized_h2o(
+    budget: int | float, model: Any, context_tokens: int, codec: str | None = None, recall: Recall | None = None
+) -> HeavyHitterCache:
+    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), codec=codec, recall=recall)
 
 
 def _sized_sink(
@@ -178,16 +184,25 @@ def _stored_as(codec: str | None) -> str:
 
 def _parse_h2o(argument: str) -> CacheSpec:
     name = f"h2o@{argument}"
-    text, codec = _slot_codec(name, argument)
+    head, plus, tail = argument.rpartition("+")
+    if plus and tail != RECALL_SUFFIX:
+        raise _bad_argument(name, tail, f"the only suffix after '+' is {RECALL_SUFFIX!r} (h2o@0.2+recall)")
+    recall = Recall() if plus else None
+    text, codec = _slot_codec(name, head if plus else argument)
     budget = _budget(name, text)
     share = f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
+    recalled = "" if recall is None else (
+        f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query bounds "
+        "highest are recalled per (sequence, layer, KV head) at each step"
+    )  # fmt: skip
     return CacheSpec(
         name,
-        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters{_stored_as(codec)}",
-        functools.partial(HeavyHitterCache, budget=budget, codec=codec),
+        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters{_stored_as(codec)}"
+        + recalled,
+        functools.partial(HeavyHitterCache, budget=budget, codec=codec, recall=recall),
         False,
         eviction_attention,
-        functools.partial(_sized_h2o, budget, codec=codec),
+        functools.partial(_sized_h2o, budget, codec=codec, recall=recall),
     )
 
 
@@ -232,8 +247,9 @@ def _parse_disk(argument: str) -> CacheSpec:
 for _family in (
     CacheFamily(
         "h2o",
-        "h2o@<budget>[:<codec>], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept slots optionally "
-        f"quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)})",
+        "h2o@<budget>[:<codec>][+recall], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept slots "
+        f"optionally quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)}), evicted tokens optionally spilled "
+        "and recalled (h2o@0.2+recall)",
         _parse_h2o,
     ),
     CacheFamily("sink", "sink@<sinks>+<window>[:<codec>] in tokens (sink@4+252, sink@4+252:int8)", _parse_sink),

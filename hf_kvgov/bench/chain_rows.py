@@ -2,12 +2,14 @@
 
 Cumulative steps, then side rows that compose a disk tier with one link each::
 
-    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused: H2O + spill)
+    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill with recall
     side rows: paged + disk spill, int8 + disk spill, prefix sharing + disk spill, prefix + int8 + disk spill
 
 A disk row's numerics are another row's: spilled blocks come back bit for bit, so paged + disk and
 prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk what int8 does (the codes
 are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
+The eviction steps cannot take the pool or the tree (the rules' sentences are shown as notes): H2O and
+H2O with recall run on the int8 chain without them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hf_kvgov.bench.chain_steps import (
     h2o_parts,
     measured_bytes,
     pool_refused,
+    recall_parts,
     shared,
     shared_disk_parts,
     shared_pool_refused,
@@ -160,12 +163,15 @@ STEPS: tuple[ChainStep, ...] = (
         shares_document=True, numerics="int8@{block_size}",
     ),
     ChainStep(
-        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting, allocated_copies,
+        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting(h2o_parts), allocated_copies,
         "caches allocated until their summed stats().bytes_used would pass the budget",
         numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
     ),
     ChainStep(
-        "spill", "+ disk spill", written(lambda ctx: h2o_parts(ctx) | disk_parts(ctx)), measured_bytes, "-",
+        "spill", "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step)",
+        evicting(recall_parts, decode_step=True), measured_bytes,
+        "measured bytes (one sequence's stats().bytes_used: kept slots, pending page, key ranges, recall buffer)",
+        numerics="h2o@{h2o_budget}:int8+recall", refusals=_policy_with_other_links,
     ),
     ChainStep(
         "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(disk_parts),

@@ -230,16 +230,29 @@ def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}
     return probe
 
 
-def evicting(ctx: Context) -> Probe:
-    cache = ctx.build(**h2o_parts(ctx))
-    with eviction_attention(ctx.model):
-        forward(ctx.model, cache, ctx.ids(0)[:, :-1])
-    return Probe(cache, ctx.ids(0)[:, -1:], eviction_attention)
+def evicting(parts: Callable[[Context], Parts], decode_step: bool = False) -> Callable[[Context], Probe]:
+    """A probe of an eviction chain (`parts`) after the model has run request 0's tokens but the last, then,
+    with `decode_step`, the last one as a decode step (a recall tier holds its buffer from the first step on)."""
+
+    def probe(ctx: Context) -> Probe:
+        cache = ctx.build(**parts(ctx))
+        ids = ctx.ids(0)
+        with eviction_attention(ctx.model):
+            forward(ctx.model, cache, ids[:, :-1])
+            next_token = forward(ctx.model, cache, ids[:, -1:]) if decode_step else ids[:, -1:]
+        return Probe(cache, next_token, eviction_attention)
+
+    return probe
 
 
 def h2o_parts(ctx: Context) -> Parts:
     # Its prompt is all tokens but the last, fed to the model directly: the fraction is of those.
     return {"policy": HeavyHitter(ctx.config.h2o_budget, budget_of=ctx.config.length - 1), "codec": "int8"}
+
+
+def recall_parts(ctx: Context) -> Parts:
+    """H2O's parts, with what it evicts spilled to disk pages and recalled (the tier's default pages)."""
+    return h2o_parts(ctx) | {"spill": Disk(path=ctx.spill_dir)}
 
 
 def disk_parts(ctx: Context) -> Parts:

@@ -167,7 +167,13 @@ def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
         h2o_metadata_bytes=_SLOT_METADATA_BYTES,
         eviction_slots=True,
         **_slot_codec(cache),
+        **_recall(cache),
     )
+
+
+def _recall(cache: Any) -> dict[str, Any]:
+    recall = getattr(cache, "recall", None)
+    return {} if recall is None else {"recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens}
 
 
 def _slot_codec(cache: Any) -> dict[str, Any]:

@@ -147,6 +147,8 @@ def _eviction_arguments(policy: Policy, parts: ChainParts) -> dict[str, Any]:
         arguments["codec"] = parts.codec
     if parts.layer_budgets():
         arguments["layer_budgets"] = parts.layer_budgets()
+    if parts.spill is not None:
+        arguments["recall"] = parts.spill.recall()
     return arguments
 
 

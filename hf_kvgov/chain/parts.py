@@ -239,7 +239,10 @@ class ChainParts:
             steps.append(self.codec.describe())
         if self.policy is not None:
             steps.append(self.policy.describe())
-        if self.spill is not None:
+        if self.spill is not None and self.policy is not None:
+            spill = self.spill
+            steps.append(f"disk spill with recall ({spill.recall_pages} pages of {spill.page_tokens} tokens per step)")
+        elif self.spill is not None:
             steps.append(f"disk spill (hot {self.spill.hot_tokens} tokens)")
         budgets = self.layer_budgets()
         if budgets:

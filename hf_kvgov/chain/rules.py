@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_kvgov.chain.parts import ChainParts, Paging
+from hf_kvgov.chain.parts import ChainParts, Paging, Sink
 from hf_kvgov.storage.pool import BlockPool
 
 # (link, link) -> why the two cannot be combined.
@@ -29,12 +29,6 @@ REFUSED_PAIRS: dict[frozenset[str], str] = {
         "to keep of a prompt from all of it, including the part after the shared prefix, so two requests "
         "would keep different tokens of the same prefix; use one or the other"
     ),
-    frozenset({"policy", "spill"}): (
-        "the disk tier writes each full block once and reads it back unchanged, but an eviction policy "
-        "overwrites its slots in place (each new token takes an evicted token's slot, anywhere in the budget), "
-        "so no slot stays cold and unchanged and a spilled one would be rewritten at every step (SSD wear); "
-        "the policy's budget already bounds the memory, so drop spill="
-    ),
 }
 
 
@@ -48,7 +42,8 @@ class Mechanism:
 
 
 MECHANISMS: tuple[Mechanism, ...] = (
-    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec"})),
+    # With spill=, an eviction cache writes what it evicts to disk pages and recalls them (`Recall`).
+    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec", "spill"})),
     Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool", "prefix"})),
     Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
     Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
@@ -95,6 +90,7 @@ def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:
 
 def _check_pool(parts: ChainParts) -> None:
     _check_spill_with_prefix(parts)
+    _check_spill_with_policy(parts)
     own_pool = parts.spill is not None and parts.prefix is None  # a disk tier with a tree draws from the tree's pool
     if own_pool and isinstance(parts.pool, Paging) and parts.pool.capped:
         raise ChainRefused(
@@ -125,6 +121,32 @@ def _check_pool(parts: ChainParts) -> None:
             f"Paging(block_size={parts.pool.block_size}) differs from the prefix tree's "
             f"{parts.prefix.block_size}-token blocks; the cache draws its blocks from the tree's pool, so give the "
             "same block size."
+        )
+
+
+def _check_spill_with_policy(parts: ChainParts) -> None:
+    spill = parts.spill
+    if spill is None:
+        return
+    if parts.policy is None:
+        if spill.recall_fields_changed():
+            raise ChainRefused(
+                f"Disk({', '.join(f'{n}=...' for n in spill.recall_fields_changed())}) sets how evicted tokens are "
+                "recalled, but the chain has no eviction policy; a disk tier without one spills whole cold blocks. "
+                "Add policy= or drop those fields."
+            )
+        return
+    if isinstance(parts.policy, Sink):
+        raise ChainRefused(
+            "Sink(...) re-rotates the keys it keeps to cache positions, so pages of evicted keys, stored as they "
+            "were rotated, could not be attended beside them; recall works with HeavyHitter(...). Drop spill= "
+            "or use HeavyHitter."
+        )
+    if spill.block_fields_changed():
+        raise ChainRefused(
+            f"With an eviction policy the disk tier holds evicted tokens in pages, so Disk("
+            f"{', '.join(f'{n}=...' for n in spill.block_fields_changed())}) has no meaning there; give path=, "
+            "max_write_bytes=, recall_pages= and page_tokens= only."
         )
 
 

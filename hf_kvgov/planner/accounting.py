@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.setup import CacheSetup
+from hf_kvgov.planner.units import KV_DTYPE_BYTES
 from hf_kvgov.storage.layer_groups import LayerGroup
 
 # 0.2 * 2045 is 408.99999999999994 in floating point; the caches add the same epsilon before rounding down.
@@ -149,9 +150,16 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
 
 def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int) -> tuple[int, int]:
     """(accelerator, disk) bytes that one layer and KV head hold for this sequence alone."""
-    run = apply_h2o(private_run(setup, length, prefix, window), setup, length - prefix, window)
+    visible = private_run(setup, length, prefix, window)
+    run = apply_h2o(visible, setup, length - prefix, window)
     if setup.eviction_slots:
-        return _slot_bytes(setup, run.tokens, head_dim), 0
+        kept = _slot_bytes(setup, run.tokens, head_dim)
+        if setup.recall_pages is None:
+            return kept, 0
+        # What the policy evicted of what later queries can see (a sliding layer's window - 1 at most).
+        seen = visible.tokens if window is None else min(visible.tokens, window - 1)
+        resident, disk = recall_bytes(setup, seen - run.tokens, head_dim)
+        return kept + resident, disk
     hot, cold = split_spill(run, setup)  # a sliding layer's run is its window already: only its older part spills
     device = run_bytes(hot, setup, head_dim)
     if setup.h2o_budget is not None:
@@ -159,6 +167,33 @@ def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | 
         per_slot = setup.h2o_score_bytes + setup.h2o_metadata_bytes
         device += math.ceil(run.tokens / setup.block_size) * setup.block_size * per_slot
     return device, run_bytes(cold, setup, head_dim)
+
+
+# The recall tier's page table keeps this many spare entries (`hf_kvgov.hf.eviction.recall.GROWTH_PAGES`).
+_RECALL_SPARE_PAGES = 16
+_INDEX_BYTES = 8  # int64 positions, handles and counts
+
+
+def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, int]:
+    """(resident, disk) bytes of one layer and KV head's recall tier once ``evicted`` tokens were evicted.
+
+    As the cache holds them after a decode step: nothing before the first eviction; then one pending page
+    (K/V in the model's dtype, positions, its count), one key range (min and max: a token's K/V bytes),
+    handle and newest position per written page, spare table entries, and the recall buffer of up to
+    ``recall_pages`` written pages (K/V and positions). On disk: each written page's K/V and positions.
+    """
+    assert setup.recall_pages is not None
+    if evicted <= 0:
+        return 0, 0
+    size = setup.recall_page_tokens
+    token = 2 * head_dim * KV_DTYPE_BYTES[setup.kv_dtype] + _INDEX_BYTES  # K, V and position of one token
+    written = evicted // size
+    pending = size * token + _INDEX_BYTES
+    table = _INDEX_BYTES
+    if written:
+        table += (written + _RECALL_SPARE_PAGES) * (token - _INDEX_BYTES + 2 * _INDEX_BYTES)
+    buffer = min(setup.recall_pages, written) * size * token
+    return pending + table + buffer, written * size * token
 
 
 def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:

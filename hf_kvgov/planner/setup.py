@@ -44,7 +44,12 @@ class CacheSetup:
             the RoPE position, int64, and a validity flag, bool: 9).
         eviction_slots: H2O keeps dense per-head slots rather than blocks (hf_kvgov's eviction caches): each
             kept token of each KV head costs `slot_format`'s bytes, a codec encoding every slot on its own.
-            Such a cache cannot share prefixes nor spill (the chain's rules refuse both).
+            Such a cache cannot share prefixes nor spill blocks (the chain's rules refuse both).
+        recall_pages: with eviction slots, what the policy evicts goes to disk pages of
+            ``recall_page_tokens`` tokens and ``recall_pages`` of them are recalled per step (None: evicted
+            tokens are dropped). Resident per layer and KV head besides the kept slots: one pending page,
+            the recalled pages, and one key range (min and max) per written page with its table entry
+            (`hf_kvgov.hf.eviction.recall`); on disk: every evicted token in a full page.
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
@@ -70,6 +75,8 @@ class CacheSetup:
     h2o_score_bytes: int = 4
     h2o_metadata_bytes: int = 0
     eviction_slots: bool = False
+    recall_pages: int | None = None
+    recall_page_tokens: int = 16
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0
@@ -120,6 +127,14 @@ class CacheSetup:
                 "eviction_slots describes an eviction cache's per-head slots: it needs h2o_budget, and such a cache "
                 "neither shares prefixes nor spills (shared_fraction 0, spill_hot_tokens None)."
             )
+        if self.recall_pages is not None:
+            pages, size = self.recall_pages, self.recall_page_tokens
+            if isinstance(pages, bool) or not isinstance(pages, int) or pages < 0:
+                raise ValueError(f"CacheSetup.recall_pages must be an int >= 0 or None; got {pages!r}.")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"CacheSetup.recall_page_tokens must be a positive int; got {size!r}.")
+            if not self.eviction_slots:
+                raise ValueError("recall_pages recalls what an eviction cache evicts: it needs eviction_slots=True.")
         if self.scale_bytes not in (2, 4):
             raise ValueError(f"Quantization scales are fp16 (scale_bytes=2) or fp32 (4); got {self.scale_bytes!r}.")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
+from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_RECALL_PAGES, Recall
 
 ON_FULL: tuple[str, ...] = ("raise", "keep_resident")
 DEFAULT_HOT_TOKENS = 512
@@ -18,7 +19,14 @@ DEFAULT_READ_BUFFER_BYTES = 16 * 2**20
 
 @dataclass(frozen=True)
 class DiskCacheConfig:
-    """What `DiskOffloadCache` keeps in memory and may write (its docstring describes each field)."""
+    """What `DiskOffloadCache` keeps in memory and may write (its docstring describes each field).
+
+    In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
+    (`hf_kvgov.hf.eviction.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
+    recalled per (sequence, layer, KV head) at each step and a page holds ``page_tokens`` tokens; the block
+    fields (``hot_tokens``, ``max_resident_bytes``, ``read_buffer_bytes``, ``prefetch``, ``on_full``,
+    ``extent_blocks``) have no meaning there and must stay at their defaults.
+    """
 
     path: str | None = None
     hot_tokens: int = DEFAULT_HOT_TOKENS
@@ -28,12 +36,16 @@ class DiskCacheConfig:
     prefetch: bool = True
     on_full: str = "raise"
     extent_blocks: int = DEFAULT_EXTENT_SLOTS
+    recall_pages: int = DEFAULT_RECALL_PAGES
+    page_tokens: int = DEFAULT_PAGE_TOKENS
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
             raise ValueError(f"path must be a directory for the spill file; {self.path!r} is not one.")
         _check_int("hot_tokens", self.hot_tokens, minimum=0)
         _check_int("extent_blocks", self.extent_blocks, minimum=1)
+        _check_int("recall_pages", self.recall_pages, minimum=0)
+        _check_int("page_tokens", self.page_tokens, minimum=1)
         for name in ("max_resident_bytes", "max_write_bytes", "read_buffer_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1 if name != "read_buffer_bytes" else 0)
@@ -44,6 +56,29 @@ class DiskCacheConfig:
                 f"read_buffer_bytes={self.buffer_bytes} leaves nothing of max_resident_bytes="
                 f"{self.max_resident_bytes} for the pool; give the buffers a smaller share."
             )
+
+    def recall(self) -> Recall:
+        """The recall tier an eviction chain builds from this spill part."""
+        return Recall(self.path, self.recall_pages, self.page_tokens, self.max_write_bytes)
+
+    @classmethod
+    def of_recall(cls, recall: Recall) -> DiskCacheConfig:
+        """The spill part of an eviction cache built with ``recall=``."""
+        return cls(
+            path=recall.path, max_write_bytes=recall.max_write_bytes, recall_pages=recall.pages,
+            page_tokens=recall.page_tokens,
+        )  # fmt: skip
+
+    def block_fields_changed(self) -> list[str]:
+        """The block-spill fields set away from their defaults (meaningless in an eviction chain)."""
+        default = DiskCacheConfig()
+        fields = ("hot_tokens", "max_resident_bytes", "read_buffer_bytes", "prefetch", "on_full", "extent_blocks")
+        return [name for name in fields if getattr(self, name) != getattr(default, name)]
+
+    def recall_fields_changed(self) -> list[str]:
+        """The recall fields set away from their defaults (meaningless without an eviction policy)."""
+        default = DiskCacheConfig()
+        return [name for name in ("recall_pages", "page_tokens") if getattr(self, name) != getattr(default, name)]
 
     @property
     def buffer_bytes(self) -> int:

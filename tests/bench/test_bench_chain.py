@@ -58,19 +58,18 @@ def test_every_step_is_present_in_the_chain_order(report: ChainReport) -> None:
 
 
 def test_refused_steps_carry_the_rules_sentence(report: ChainReport) -> None:
-    spill = report.row("spill")
-    assert spill.refused == (
-        "A chain cannot have both policy= and spill=: " + REFUSED_PAIRS[frozenset({"policy", "spill"})] + "."
-    )
-    assert (spill.sequences, spill.kv_bytes_per_token, spill.perplexity) == (None, None, None)
-    h2o = report.row("h2o")
-    assert h2o.refused is None
-    assert h2o.notes == (
-        "A chain cannot have both policy= and pool=: " + REFUSED_PAIRS[frozenset({"policy", "pool"})] + ".",
-        "A chain cannot have both policy= and prefix=: " + REFUSED_PAIRS[frozenset({"policy", "prefix"})] + ".",
+    h2o, spill = report.row("h2o"), report.row("spill")
+    assert h2o.refused is None and spill.refused is None
+    assert (
+        h2o.notes
+        == spill.notes
+        == (
+            "A chain cannot have both policy= and pool=: " + REFUSED_PAIRS[frozenset({"policy", "pool"})] + ".",
+            "A chain cannot have both policy= and prefix=: " + REFUSED_PAIRS[frozenset({"policy", "prefix"})] + ".",
+        )
     )
     table = chain_markdown(report)
-    assert f"refused: {spill.refused}" in table and f"refused: {h2o.notes[1]}" in table
+    assert f"refused: {h2o.notes[1]}" in table
 
 
 def test_paged_capacity_is_the_sequences_whose_blocks_fit(report: ChainReport) -> None:
@@ -107,7 +106,7 @@ def test_int8_with_prefix_counts_full_precision_and_sealed_bytes(report: ChainRe
 
 
 def test_measured_capacity_is_within_ten_percent_of_the_planner(report: ChainReport) -> None:
-    for step in ("paged", "prefix", "int8", "h2o", "disk", "int8_disk", "prefix_disk", "prefix_int8_disk"):
+    for step in ("paged", "prefix", "int8", "h2o", "spill", "disk", "int8_disk", "prefix_disk", "prefix_int8_disk"):
         row = report.row(step)
         assert row.measured_vs_predicted is not None, step
         assert abs(row.measured_vs_predicted - 1) <= 0.10, (step, row.sequences, row.predicted_sequences)
@@ -124,6 +123,20 @@ def test_h2o_caches_are_allocated_until_their_bytes_pass_the_budget(report: Chai
     assert row.sequences == BUDGET // per_sequence == 81
     assert row.held_bytes == 81 * per_sequence
     assert row.predicted_sequences == 81
+
+
+def test_recall_row_counts_the_kept_slots_and_the_recall_tier(report: ChainReport) -> None:
+    row = report.row("spill")
+    assert (row.chain or "").startswith("HeavyHitterCache") and row.numerics == "h2o@0.2:int8+recall"
+    # After the 95-token prompt and one decode step, each layer and KV head keeps 19 int8 slots (as the H2O row)
+    # and has evicted 96 - 19 = 77 tokens: 4 pages of 16 written, 13 pending. Resident besides the slots: the
+    # pending page (16 x (K, V fp32 + int64 position) + its count), the page table (4 written + 16 spare entries
+    # of min, max and two int64) with its count, and the 4 pages recalled by the decode step.
+    token = 2 * 16 * 4 + 8
+    recall = 16 * token + 8 + 8 + (4 + 16) * (2 * 16 * 4 + 16) + 4 * 16 * token
+    per_sequence = 2 * 2 * (19 * (2 * 16 + 2 * 4 + 4 + 9) + recall)
+    assert row.kv_bytes_per_token == per_sequence / LENGTH
+    assert row.sequences == row.predicted_sequences == BUDGET // per_sequence == 5
 
 
 def test_disk_side_row_counts_resident_blocks_and_read_ahead(report: ChainReport) -> None:

@@ -25,7 +25,7 @@ def a_part(link: str, block_size: int = 16) -> dict[str, object]:
         return {"codec": "int8"}
     if link == "policy":
         return {"policy": HeavyHitter(0.2)}
-    return {"spill": Disk(hot_tokens=64)}
+    return {"spill": Disk()}  # defaults: a block tier without a policy, a recall tier with one
 
 
 def parts_of(*links: str) -> ChainParts:
@@ -55,6 +55,8 @@ EXPECTED_MECHANISM = {
     ("pool", "prefix", "spill"): "disk",
     ("policy",): "eviction",
     ("codec", "policy"): "eviction",
+    ("policy", "spill"): "eviction",  # what the policy evicts goes to disk pages and is recalled
+    ("codec", "policy", "spill"): "eviction",
 }
 
 

@@ -29,6 +29,7 @@ from hf_kvgov import (
 )
 from hf_kvgov.chain import Disk, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.hf.eviction import EvictionCache
+from hf_kvgov.tiers.recall_pages import Recall
 from tests.conftest import tiny_llama
 
 MODEL = tiny_llama()
@@ -55,6 +56,7 @@ PRESETS: dict[str, Build] = {
     "sink": lambda m: SinkCache(m, n_sink=2, window=10),
     "h2o, int8 slots, layer 0 budget": lambda m: HeavyHitterCache(m, budget=12, codec="int8", layer_budgets={0: 16}),
     "sink, fp8 slots": lambda m: SinkCache(m, n_sink=2, window=10, codec="fp8"),
+    "h2o, int8 slots, recall": lambda m: HeavyHitterCache(m, budget=12, codec="int8", recall=Recall(pages=2)),
 }
 
 # The same caches as a user composes them from parts.
@@ -89,6 +91,12 @@ COMPOSED: dict[str, tuple[Build, Build]] = {
     "int8 + H2O with a layer budget": (
         lambda m: HeavyHitterCache(m, budget=12, recent=4, codec="int8", layer_budgets={1: 20}),
         lambda m: GovernedCache(m, policy=HeavyHitter(12, recent=4), codec="int8", layers={1: Layer(budget=20)}),
+    ),
+    "int8 + H2O + disk spill with recall": (
+        lambda m: HeavyHitterCache(m, budget=12, recent=4, codec="int8", recall=Recall(pages=2, page_tokens=4)),
+        lambda m: GovernedCache(
+            m, policy=HeavyHitter(12, recent=4), codec="int8", spill=Disk(recall_pages=2, page_tokens=4)
+        ),
     ),
 }
 

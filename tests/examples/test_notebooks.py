@@ -59,7 +59,8 @@ EXPECTED_TEXT: dict[str, tuple[str, ...]] = {
         "does NOT hold",
         "| int8 |",
         "| + H2O 20% | HeavyHitterCache: int8 -> H2O 20% |",
-        "refused: A chain cannot have both policy= and spill=",
+        "| + disk spill | HeavyHitterCache: int8 -> H2O 20% -> disk spill with recall (8 pages of 16 tokens per "
+        "step) |",
     ),
 }
 

@@ -39,6 +39,7 @@ from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, frac
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
+from hf_kvgov.hf.eviction.recall import LayerRecall, Recall, RecallCounters, RecallStats, recall_stats
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.hf.eviction.slot_steps import (
@@ -89,6 +90,10 @@ class EvictionCache(GovernedCache):
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later steps append, as a cache compressed once at prefill and then decoded in full).
             Sliding-window layers still drop what leaves their window, as `DynamicCache` does.
+        recall: a `Recall` (spill path, pages recalled per step, page size): evicted tokens are written once
+            to disk pages and the pages the queries bound highest are attended beside the kept slots at each
+            step (see ``recall``); None: evicted tokens are dropped. Needs keys attended as stored (not a
+            cache that re-rotates them, such as `SinkCache`).
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class EvictionCache(GovernedCache):
         decode_policy: EvictionPolicy | None = None,
         budget_of: int | None = None,
         compress: str = "always",
+        recall: Recall | None = None,
     ) -> None:
         name = type(self).__name__
         if compress not in COMPRESS_MODES:
@@ -136,8 +142,32 @@ class EvictionCache(GovernedCache):
         self._user_defined = False
         pairs = enumerate(zip(windows, formats, strict=True))
         super().__init__(layers=[EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs])
+        self.recall = recall
+        self._recall_counters = RecallCounters()
+        self._page_tier = None if recall is None else self._recall_tier(name, recall, model, read_keys)
+        for layer in self._eviction_layers:
+            if self._page_tier is not None and recall is not None:
+                layer.recall = LayerRecall(self._page_tier, layer.index, recall.pages, self._recall_counters)
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
+
+    def _recall_tier(self, name: str, recall: Recall, model: Any, read_keys: KeyReader | None) -> Any:
+        if not isinstance(recall, Recall):
+            raise TypeError(f"{name}: recall must be a hf_kvgov Recall(...) or None; got {type(recall).__name__}.")
+        if read_keys is not None:
+            raise ValueError(
+                f"{name} re-rotates the keys it keeps before attention reads them, so pages of evicted keys could "
+                "not be attended beside them; recall works with caches that attend keys as stored "
+                "(HeavyHitterCache, PolicyCache)."
+            )
+        dtype = getattr(model, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}: recall needs the model itself (its dtype sizes the pages), not its config.")
+        return recall.tier(self.head_dim, dtype)
+
+    @property
+    def _eviction_layers(self) -> list[EvictionLayer]:
+        return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
 
     # generate sets this on a cache the caller passes in, before its prefill: the mark `BudgetBasis` reads.
     @property
@@ -178,10 +208,16 @@ class EvictionCache(GovernedCache):
             commit=functools.partial(self._commit, layer, q_len, policy, needs.key_norm),
             chunk=self.query_chunk,
             window=layer.window,
+            recall=None if layer.recall is None else functools.partial(self._recalled, layer),
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
         return key_states, value_states
+
+    @staticmethod
+    def _recalled(layer: EvictionLayer, query: Tensor, first_query: Tensor) -> Any:
+        assert layer.recall is not None
+        return layer.recall.recalled(query, first_query, layer.window)
 
     def _step_policy(self, layer: EvictionLayer, q_len: int) -> tuple[EvictionPolicy, FactNeeds]:
         """The policy that evicts after this step, and the facts to compute for it.
@@ -227,6 +263,9 @@ class EvictionCache(GovernedCache):
         if store.count > budget:
             norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
             keep = select(SlotFacts(mass=scores, recent_attention=recent, key_norm=norms), positions, valid, budget)
+            if layer.recall is not None:  # what is evicted inside what later queries can see goes to disk
+                kept = torch.zeros_like(valid).scatter_(-1, keep, True)
+                layer.recall.spill(keys, values, positions, valid & ~kept)
             store = store.gather(keep)
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
             scores = None if scores is None else gather_kept(scores, keep)
@@ -268,6 +307,7 @@ class EvictionCache(GovernedCache):
     def reset(self) -> None:
         """Forget every token; a fraction of generate's prompt is resolved again on the next prompt."""
         super().reset()
+        self._recall_counters.reset()
         self._awaiting_attention = None
         self._budgets.reset()
         self._basis.reset()
@@ -279,9 +319,24 @@ class EvictionCache(GovernedCache):
     # ------------------------------------------------------------------ accounting
 
     def stats(self) -> EvictionStats:
-        """Tokens seen, tokens kept per layer and KV head, bytes held, codec and each layer's budget."""
-        layers = [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
-        return layer_stats(layers, self.budget, self.num_kv_heads, self.codec_name, self._layer_caps(layers))
+        """Tokens seen, tokens kept per layer and KV head, bytes held (recall's included), codec, each layer's
+        budget and, with recall, what it wrote and read."""
+        layers = self._eviction_layers
+        recall = self.recall_stats()
+        return layer_stats(layers, self.budget, self.num_kv_heads, self.codec_name, self._layer_caps(layers), recall)
+
+    def recall_stats(self) -> RecallStats | None:
+        """What the recall tier wrote, read and holds (None without recall)."""
+        if self._page_tier is None or self.recall is None:
+            return None
+        tables = [layer.recall for layer in self._eviction_layers if layer.recall is not None]
+        return recall_stats(self._page_tier, self._recall_counters, self.recall.pages, tables)
+
+    def release(self) -> None:
+        """Forget every token and delete the recall tier's spill file (a later step starts a new one)."""
+        self.reset()
+        if self._page_tier is not None:
+            self._page_tier.close()
 
     def _layer_caps(self, layers: list[EvictionLayer]) -> tuple[int | None, ...]:
         """The most slots each layer keeps between steps: its budget, capped at ``window - 1`` in window layers."""

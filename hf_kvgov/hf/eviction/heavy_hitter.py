@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from hf_kvgov.chain.parts import ChainParts, budget_overrides
+from hf_kvgov.chain.parts import ChainParts, Disk, budget_overrides
 from hf_kvgov.chain.parts import HeavyHitter as HeavyHitterPart
 from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import HeavyHitter
@@ -46,6 +47,8 @@ class HeavyHitterCache(EvictionCache):
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later tokens are appended, as after a one-time compression of the prompt).
+        recall: a `Recall`: evicted tokens go to disk pages and the pages the queries need are attended
+            again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class HeavyHitterCache(EvictionCache):
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
         budget_of: int | None = None,
         compress: str = "always",
+        recall: Recall | None = None,
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         check_budget_spec(_NAME, "recent", recent, allow_zero=True)
@@ -83,9 +87,11 @@ class HeavyHitterCache(EvictionCache):
             layer_budgets=layer_budgets,
             budget_of=budget_of,
             compress=compress,
+            recall=recall,
         )
         policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
-        self.parts = ChainParts.of(policy=policy, codec=self.quant, layers=budget_overrides(layer_budgets))
+        spill = None if recall is None else Disk.of_recall(recall)
+        self.parts = ChainParts.of(policy=policy, codec=self.quant, spill=spill, layers=budget_overrides(layer_budgets))
 
     def _policy(self, budget: int) -> HeavyHitter:
         """The H2O policy for a resolved budget; raises if the recent and heavy parts do not fit in it."""

@@ -22,6 +22,7 @@ from hf_kvgov.hf.eviction.slot_store import DenseFormat, SlotFormat, SlotStore
 
 if TYPE_CHECKING:
     from hf_kvgov.hf.eviction.cache import EvictionCache
+    from hf_kvgov.hf.eviction.recall import LayerRecall
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -51,6 +52,7 @@ class EvictionLayer(CacheLayerMixin):
         self.valid: Tensor | None = None
         self.scores: Tensor | None = None
         self.seen = 0
+        self.recall: LayerRecall | None = None  # the pages of evicted tokens, when the cache recalls them
 
     # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
     # they are views of the store, and only None (no slots) may be assigned.
@@ -104,7 +106,15 @@ class EvictionLayer(CacheLayerMixin):
         """Bytes of K/V the layer holds (codes and scales when it stores them quantized)."""
         return 0 if self.store is None else self.store.nbytes
 
+    @property
+    def recall_bytes(self) -> int:
+        """Bytes its recall holds in memory: pending pages, key ranges, page table, recall buffer."""
+        return 0 if self.recall is None else self.recall.nbytes
+
     def reset(self) -> None:
+        recall = getattr(self, "recall", None)  # transformers' layer init may reset before it is set
+        if recall is not None:
+            recall.reset()
         self.store = None
         self.positions = self.valid = self.scores = None
         self.seen = 0
@@ -138,3 +148,5 @@ class EvictionLayer(CacheLayerMixin):
         self.positions = self.positions.index_select(0, rows)
         self.valid = self.valid.index_select(0, rows) if self.valid is not None else None
         self.scores = self.scores.index_select(0, rows) if self.scores is not None else None
+        if self.recall is not None:
+            self.recall.select_rows(rows)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import EvictionPolicy, make_policy
@@ -41,6 +42,8 @@ class PolicyCache(EvictionCache):
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later tokens are appended, as after a one-time compression of the prompt).
+        recall: a `Recall`: evicted tokens go to disk pages and the pages the queries need are attended
+            again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
 
     The policies' budget-independent configuration is fixed here, so H2O's parts are given as ints or as
     fractions of the budget inside `HeavyHitter` (use `HeavyHitterCache` for H2O's own defaults). Sinks
@@ -59,6 +62,7 @@ class PolicyCache(EvictionCache):
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
         budget_of: int | None = None,
         compress: str = "always",
+        recall: Recall | None = None,
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         prefill = _built(policy, "policy")
@@ -79,6 +83,7 @@ class PolicyCache(EvictionCache):
             layer_budgets=layer_budgets,
             budget_of=budget_of,
             compress=compress,
+            recall=recall,
             decode_policy=decode,
         )
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.eviction.recall import RecallStats
 
 
 class _Layer(Protocol):
@@ -21,17 +24,22 @@ class _Layer(Protocol):
     @property
     def kv_bytes(self) -> int: ...
 
+    @property
+    def recall_bytes(self) -> int: ...
+
 
 @dataclass(frozen=True)
 class EvictionStats:
     """A snapshot of an eviction cache.
 
-    ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
-    keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
-    fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a
-cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
-    ``bytes_used`` is everything the cache holds: ``kv_bytes`` (keys and values as stored: codes and scales
-    when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass).
+        ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
+        keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
+        fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a
+    cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
+        ``bytes_used`` is everything the cache holds in memory: ``kv_bytes`` (keys and values as stored: codes
+        and scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass) plus
+        ``recall_bytes`` (with recall: pending pages, page key ranges and tables, the recall buffer); what
+        recall wrote to and read from disk is in ``recall``.
     """
 
     sequences: int
@@ -47,6 +55,8 @@ cache built with ``compress="prefill"``, which keeps the budget after the prompt
     # Per layer, the most slots it keeps between steps: its budget (``budget`` unless ``layer_budgets`` named
     # it), at most window - 1 in a sliding-window layer; None until a fraction is resolved.
     layer_budgets: tuple[int | None, ...] = ()
+    recall_bytes: int = 0
+    recall: RecallStats | None = None
 
 
 def layer_stats(
@@ -55,10 +65,13 @@ def layer_stats(
     kv_heads: int,
     codec: str | None = None,
     layer_budgets: tuple[int | None, ...] = (),
+    recall: RecallStats | None = None,
 ) -> EvictionStats:
     """Build `EvictionStats` from the layers of one cache."""
     kv_bytes = sum(layer.kv_bytes for layer in layers)
     metadata = sum(_nbytes(layer.positions) + _nbytes(layer.valid) + _nbytes(layer.scores) for layer in layers)
+    recall_bytes = sum(layer.recall_bytes for layer in layers)
+    held = kv_bytes + metadata + recall_bytes
     kept = tuple(_kept(layer.valid, kv_heads) for layer in layers)
     sequences = max((int(layer.valid.shape[0]) for layer in layers if layer.valid is not None), default=0)
     seen = layers[0].seen if layers else 0
@@ -72,10 +85,12 @@ def layer_stats(
         kept=kept,
         kv_bytes=kv_bytes,
         metadata_bytes=metadata,
-        bytes_used=kv_bytes + metadata,
-        bytes_per_token=(kv_bytes + metadata) / tokens if tokens else 0.0,
+        bytes_used=held,
+        bytes_per_token=held / tokens if tokens else 0.0,
         codec=codec,
         layer_budgets=layer_budgets,
+        recall_bytes=recall_bytes,
+        recall=recall,
     )
 
 

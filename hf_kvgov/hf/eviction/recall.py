@@ -1,0 +1,343 @@
+"""Recall: what an eviction policy evicts goes to disk pages, and the pages a query needs come back.
+
+An eviction cache built with ``recall=Recall(...)`` keeps its budget of slots as before, but an evicted
+token is not dropped: it joins its (sequence, layer, KV head)'s pending page, and a full page is written
+once to the disk tier (`hf_kvgov.tiers.recall_pages`). Each written page leaves a small resident summary,
+the per-channel min and max of its keys. At every step, before attention, the layer ranks its pages by
+Quest's bound on the attention the step's queries can pay them (`hf_kvgov.policies.page_bounds`) and
+attends, beside its kept slots, to::
+
+    the pending page          < page_tokens evicted tokens not yet written (always resident)
+    the recalled pages        the ``pages`` pages with the highest bound, per (sequence, KV head)
+
+Recalled pages live in a bounded buffer: a page chosen at the previous step is not read again, so a run of
+decode steps asking about the same passage reads it once. Reads per layer step are therefore at most
+``pages`` per (sequence, KV head), and the stats report how many were read. What is resident per
+(sequence, layer, KV head) is the budget, one pending page, ``pages`` recalled pages and one key range per
+written page (``2 x head_dim`` values per ``page_tokens`` tokens). Recalled slots are attended, never
+kept: the policy's choice of kept slots is the same as without recall, and their attention mass is not
+counted. With every page recalled (``pages`` >= pages written) attention reads every token the sequence
+ever had, which the tests use to check recall exactly against a full cache.
+
+A sliding-window layer spills only the tokens it evicts inside its window (those that leave the window
+are invisible to every later query, as in `DynamicCache`), and never recalls a page wholly older than the
+window. Left padding is never spilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.policies import gather_kept
+from hf_kvgov.policies.page_bounds import page_upper_bounds
+from hf_kvgov.tiers.recall_pages import PageTier, Recall
+
+GROWTH_PAGES = 16
+
+__all__ = ["LayerRecall", "Recall", "RecallStats", "RecalledSlots", "recall_stats"]
+
+
+@dataclass(frozen=True)
+class RecalledSlots:
+    """Slots attended beside the kept ones for one step: ``[batch, kv_heads, slots, ...]``."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    valid: Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.keys.shape[2])
+
+
+@dataclass(frozen=True)
+class RecallStats:
+    """What the recall tier wrote and read.
+
+    ``write_amplification`` is bytes written over the bytes of the tokens spilled (1.0: each evicted token
+    written once, nothing rewritten). ``pages_read`` counts reads from disk; ``pages_recalled`` the pages
+    attended (read, or reused from the buffer); ``max_pages_read_per_step`` the most one layer step read.
+    ``resident_bytes`` is what recall holds in memory: pending pages, key ranges, page tables, the buffer.
+    """
+
+    path: str | None
+    page_tokens: int
+    pages: int
+    tokens_spilled: int
+    pages_written: int
+    bytes_written: int
+    write_amplification: float
+    layer_steps: int
+    pages_read: int
+    bytes_read: int
+    pages_recalled: int
+    max_pages_read_per_step: int
+    resident_bytes: int
+
+
+class RecallCounters:
+    """The counts every layer's recall adds to (one per cache)."""
+
+    def __init__(self) -> None:
+        self.tokens_spilled = self.layer_steps = self.pages_read = self.pages_recalled = 0
+        self.max_pages_read_per_step = 0
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]
+
+
+class LayerRecall:
+    """One layer's pending pages, page table with key ranges, and recall buffer (see the module docstring)."""
+
+    def __init__(self, tier: PageTier, layer: int, pages: int, counters: RecallCounters) -> None:
+        self.tier = tier
+        self.layer = layer
+        self.pages = pages
+        self.counters = counters
+        self.page_tokens = tier.page_tokens
+        self._clear()
+
+    def _clear(self) -> None:
+        self.pending_keys: Tensor | None = None  # [b, hk, page_tokens, d]
+        self.pending_values: Tensor | None = None
+        self.pending_positions: Tensor | None = None  # long [b, hk, page_tokens]
+        self.pending_count: Tensor | None = None  # long [b, hk]
+        self.handles = torch.empty(0, 0, 0, dtype=torch.long)  # long [b, hk, pages], -1: empty (CPU)
+        self.page_min: Tensor | None = None  # [b, hk, pages, d]
+        self.page_max: Tensor | None = None
+        self.page_last: Tensor | None = None  # long [b, hk, pages]: each page's newest position
+        self.page_count: Tensor | None = None  # long [b, hk]
+        self.buffer: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    # ------------------------------------------------------------------ spilling
+
+    def spill(self, keys: Tensor, values: Tensor, positions: Tensor, evicted: Tensor) -> None:
+        """Add the ``evicted`` slots (bool ``[b, hk, slots]``) of a step's attended slots to the pages.
+
+        ``keys``/``values`` ``[b, hk, slots, d]``, ``positions`` ``[b, hk, slots]``. Evicted tokens join the
+        pending page in position order; every page that fills is written (all or nothing: on a full disk
+        or write budget the tier raises `SpillSpaceExhausted` and the pages stay as they were).
+        """
+        batch, heads, _, head_dim = keys.shape
+        counts = evicted.sum(dim=-1)
+        most = int(counts.max()) if counts.numel() else 0
+        if most == 0:  # a layer that never evicts what a later query can see holds no recall state at all
+            return
+        if self.pending_count is None:
+            self._start(batch, heads, head_dim, keys)
+        assert self.pending_keys is not None and self.pending_values is not None
+        assert self.pending_positions is not None and self.pending_count is not None
+        latest = torch.iinfo(torch.long).max
+        order = torch.where(evicted, positions, latest).argsort(dim=-1, stable=True)[..., :most]
+        size = self.page_tokens
+        stream_valid = torch.cat((_first(self.pending_count, size), _first(counts, most)), dim=-1)
+        # Pending tokens, then this step's evicted ones, compacted to the front of each (row, head).
+        compact = (~stream_valid).to(torch.int8).argsort(dim=-1, stable=True)
+        stream_keys = gather_kept(torch.cat((self.pending_keys, gather_kept(keys, order)), dim=2), compact)
+        stream_values = gather_kept(torch.cat((self.pending_values, gather_kept(values, order)), dim=2), compact)
+        stream_positions = gather_kept(torch.cat((self.pending_positions, gather_kept(positions, order)), -1), compact)
+        total = self.pending_count + counts
+        full = total // size  # pages that fill, per (row, head)
+        slots = stream_keys.shape[2]
+        padded = -(-slots // size) * size
+        stream_keys, stream_values = _pad(stream_keys, padded), _pad(stream_values, padded)
+        stream_positions = _pad(stream_positions, padded)
+        if int(full.max()) > 0:
+            self._write_pages(stream_keys, stream_values, stream_positions, full)
+        rest = (full[..., None] * size + torch.arange(size, device=full.device)).clamp(max=padded - 1)
+        self.pending_keys = gather_kept(stream_keys, rest)
+        self.pending_values = gather_kept(stream_values, rest)
+        self.pending_positions = gather_kept(stream_positions, rest)
+        self.pending_count = total - full * size
+        self.counters.tokens_spilled += int(full.sum()) * size
+
+    def _start(self, batch: int, heads: int, head_dim: int, like: Tensor) -> None:
+        size, device = self.page_tokens, like.device
+        self.pending_keys = like.new_zeros(batch, heads, size, head_dim)
+        self.pending_values = like.new_zeros(batch, heads, size, head_dim)
+        self.pending_positions = torch.zeros(batch, heads, size, dtype=torch.long, device=device)
+        self.pending_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
+        self.handles = torch.full((batch, heads, 0), -1, dtype=torch.long)
+        self.page_min = like.new_zeros(batch, heads, 0, head_dim)
+        self.page_max = like.new_zeros(batch, heads, 0, head_dim)
+        self.page_last = torch.zeros(batch, heads, 0, dtype=torch.long, device=device)
+        self.page_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
+
+    def _write_pages(self, keys: Tensor, values: Tensor, positions: Tensor, full: Tensor) -> None:
+        """Write the first ``full[b, h]`` pages of each (row, head) of the compacted stream; record them."""
+        assert self.page_count is not None and self.page_min is not None and self.page_max is not None
+        assert self.page_last is not None
+        batch, heads, slots, head_dim = keys.shape
+        size = self.page_tokens
+        per_row = slots // size
+        is_full = torch.arange(per_row, device=full.device) < full[..., None]  # [b, hk, pages of the stream]
+        page_keys = keys.reshape(batch, heads, per_row, size, head_dim)[is_full]
+        page_values = values.reshape(batch, heads, per_row, size, head_dim)[is_full]
+        page_positions = positions.reshape(batch, heads, per_row, size)[is_full]
+        handles = self.tier.write(page_keys, page_values, page_positions)  # raises before anything changes
+        rows, head_index, rank = is_full.nonzero(as_tuple=True)
+        slot = self.page_count[rows, head_index] + rank
+        self._grow(int((self.page_count + full).max()))
+        self.handles[rows.cpu(), head_index.cpu(), slot.cpu()] = torch.tensor(handles, dtype=torch.long)
+        self.page_min[rows, head_index, slot] = page_keys.amin(dim=1)
+        self.page_max[rows, head_index, slot] = page_keys.amax(dim=1)
+        self.page_last[rows, head_index, slot] = page_positions.amax(dim=1)
+        self.page_count = self.page_count + full
+
+    def _grow(self, needed: int) -> None:
+        """Widen the page table to ``needed`` pages per (row, head) and ``GROWTH_PAGES`` more: growth is rare
+        (a decode step fills a page every ``page_tokens`` steps) and the spare key ranges stay small."""
+        assert self.page_min is not None and self.page_max is not None and self.page_last is not None
+        have = self.handles.shape[-1]
+        if needed <= have:
+            return
+        extra = needed + GROWTH_PAGES - have
+        self.handles = torch.cat((self.handles, self.handles.new_full((*self.handles.shape[:2], extra), -1)), -1)
+        self.page_min = _widen(self.page_min, extra)
+        self.page_max = _widen(self.page_max, extra)
+        self.page_last = torch.cat((self.page_last, self.page_last.new_zeros(*self.page_last.shape[:2], extra)), -1)
+
+    # ------------------------------------------------------------------ recalling
+
+    def recalled(self, query: Tensor, first_query: Tensor, window: int | None) -> RecalledSlots | None:
+        """The slots attended beside the kept ones for ``query`` ``[b, q_heads, q_len, d]``: the pending page,
+        then the best ``pages`` pages by their bound. ``first_query`` long ``[b]`` is the position of each
+        row's first query (a window layer never recalls a page wholly older than its window from it)."""
+        if self.pending_count is None:
+            return None
+        assert self.pending_keys is not None and self.pending_values is not None
+        assert self.pending_positions is not None
+        pending_valid = _first(self.pending_count, self.page_tokens)
+        parts = [(self.pending_keys, self.pending_values, self.pending_positions, pending_valid)]
+        pages = self._best_pages(query, first_query, window)
+        if pages is not None:
+            parts.insert(0, pages)
+        keys, values, positions, valid = (torch.cat(tensors, dim=2) for tensors in zip(*parts, strict=True))
+        return RecalledSlots(keys.to(query.dtype), values.to(query.dtype), positions, valid)
+
+    def _best_pages(
+        self, query: Tensor, first_query: Tensor, window: int | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        assert self.page_count is not None and self.page_min is not None and self.page_max is not None
+        assert self.page_last is not None
+        table = self.handles.shape[-1]
+        if self.pages == 0 or table == 0 or int(self.page_count.max()) == 0:
+            return None
+        written = torch.arange(table, device=self.page_count.device) < self.page_count[..., None]
+        if window is not None:
+            written = written & (self.page_last > first_query[:, None, None] - window)
+        bounds = page_upper_bounds(query, self.page_min, self.page_max, written)
+        best, index = bounds.topk(min(self.pages, table), dim=-1)  # [b, hk, k]
+        chosen = self.handles.gather(-1, index.cpu())
+        chosen = chosen.masked_fill(~torch.isfinite(best).cpu(), -1)
+        keys, values, positions = self._fetch(chosen)
+        batch, heads, count = chosen.shape
+        valid = (chosen >= 0).to(query.device)[..., None].expand(batch, heads, count, self.page_tokens)
+        flat = (batch, heads, count * self.page_tokens)
+        device = query.device
+        return (
+            keys.to(device).reshape(*flat, -1),
+            values.to(device).reshape(*flat, -1),
+            positions.to(device).reshape(flat),
+            valid.reshape(flat),
+        )
+
+    def _fetch(self, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys, values ``[b, hk, k, page_tokens, d]`` and positions of the ``chosen`` handles (-1: none):
+        from the buffer when the previous step recalled them, else read (and verified) from disk."""
+        wanted = sorted({int(h) for h in chosen.flatten().tolist() if h >= 0})
+        missing = [handle for handle in wanted if handle not in self.buffer]
+        if missing:
+            keys, values, positions = self.tier.read(missing, self.layer)
+            fresh = {h: (keys[i], values[i], positions[i]) for i, h in enumerate(missing)}
+        else:
+            fresh = {}
+        self.buffer = {handle: self.buffer.get(handle) or fresh[handle] for handle in wanted}
+        counters = self.counters
+        counters.layer_steps += 1
+        counters.pages_read += len(missing)
+        counters.pages_recalled += len(wanted)
+        counters.max_pages_read_per_step = max(counters.max_pages_read_per_step, len(missing))
+        slot_of = {handle: i + 1 for i, handle in enumerate(wanted)}  # 0: the zero page of an empty choice
+        index = torch.tensor([slot_of.get(int(h), 0) for h in chosen.flatten().tolist()]).reshape(chosen.shape)
+        zero_keys = torch.zeros(self.page_tokens, self.tier.head_dim, dtype=self.tier.dtype)
+        stacked = [
+            torch.stack([zero_keys, *(self.buffer[h][0] for h in wanted)]),
+            torch.stack([zero_keys, *(self.buffer[h][1] for h in wanted)]),
+            torch.stack([torch.zeros(self.page_tokens, dtype=torch.long), *(self.buffer[h][2] for h in wanted)]),
+        ]
+        return stacked[0][index], stacked[1][index], stacked[2][index]
+
+    # ------------------------------------------------------------------ rows, reset, accounting
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Beam search and batch expansion: row i becomes old row ``rows[i]``; shared pages share handles."""
+        if self.pending_count is None:
+            return
+        old = self.handles
+        self.handles = old.index_select(0, rows.cpu())
+        self.tier.incref(self.handles[self.handles >= 0].tolist())
+        self.tier.decref(old[old >= 0].tolist())
+        for name in ("pending_keys", "pending_values", "pending_positions", "pending_count", "page_min", "page_max",
+                     "page_last", "page_count"):  # fmt: skip
+            tensor = getattr(self, name)
+            setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
+
+    def reset(self) -> None:
+        """Forget every page (their file slots are freed for reuse)."""
+        held = self.handles[self.handles >= 0].tolist()
+        if held:
+            self.tier.decref(held)
+        self._clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in memory: pending pages, key ranges, page table and the recall buffer."""
+        tensors = [
+            self.pending_keys, self.pending_values, self.pending_positions, self.pending_count, self.handles,
+            self.page_min, self.page_max, self.page_last, self.page_count,
+        ]  # fmt: skip
+        buffered = [tensor for page in self.buffer.values() for tensor in page]
+        return sum(t.numel() * t.element_size() for t in (*tensors, *buffered) if t is not None)
+
+
+def recall_stats(tier: PageTier, counters: RecallCounters, pages: int, layers: list[LayerRecall]) -> RecallStats:
+    tier_stats = tier.stats()
+    token_bytes = tier.page_bytes // tier.page_tokens
+    spilled_bytes = counters.tokens_spilled * token_bytes
+    return RecallStats(
+        path=tier_stats.path,
+        page_tokens=tier.page_tokens,
+        pages=pages,
+        tokens_spilled=counters.tokens_spilled,
+        pages_written=tier_stats.blocks_written,
+        bytes_written=tier_stats.bytes_written,
+        write_amplification=tier_stats.bytes_written / spilled_bytes if spilled_bytes else 0.0,
+        layer_steps=counters.layer_steps,
+        pages_read=counters.pages_read,
+        bytes_read=tier_stats.bytes_read,
+        pages_recalled=counters.pages_recalled,
+        max_pages_read_per_step=counters.max_pages_read_per_step,
+        resident_bytes=sum(layer.nbytes for layer in layers),
+    )
+
+
+def _first(counts: Tensor, size: int) -> Tensor:
+    """Bool ``[..., size]``: True for the first ``counts[...]`` entries."""
+    return torch.arange(size, device=counts.device) < counts[..., None]
+
+
+def _pad(tensor: Tensor, slots: int) -> Tensor:
+    """``tensor`` ``[b, hk, s, ...]`` zero-padded to ``slots`` along dim 2."""
+    missing = slots - tensor.shape[2]
+    if missing == 0:
+        return tensor
+    return torch.cat((tensor, tensor.new_zeros(*tensor.shape[:2], missing, *tensor.shape[3:])), dim=2)
+
+
+def _widen(tensor: Tensor, extra: int) -> Tensor:
+    return torch.cat((tensor, tensor.new_zeros(*tensor.shape[:2], extra, *tensor.shape[3:])), dim=2)

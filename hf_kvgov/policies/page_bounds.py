@@ -1,0 +1,50 @@
+"""Quest's page bound: how much a query can attend to a page of keys, from the page's per-channel min/max.
+
+For a query ``q`` and a page whose keys lie in the box ``min <= k <= max`` (per channel), no key of the
+page can score more than::
+
+    bound(q, page) = sum_d max(q_d * min_d, q_d * max_d) = q+ . max + q- . min      (q+ = max(q, 0), q- = min(q, 0))
+
+(Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). The bound is
+two matrix products, so ranking thousands of pages per step is cheap, and it is exact for a page of one
+key. The recall tier reads back the pages with the highest bound (`hf_kvgov.hf.eviction.recall`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QUERY_ROWS = 1024  # query rows (query heads x queries) bounded at a time: memory O(rows x pages)
+
+
+def page_upper_bounds(query: Tensor, page_min: Tensor, page_max: Tensor, valid: Tensor) -> Tensor:
+    """The most any query of a KV head's group can score on each of its pages (before scaling).
+
+    Args:
+        query: ``[batch, q_heads, q_len, head_dim]`` after RoPE; query head ``i`` reads KV head
+            ``i // (q_heads // kv_heads)`` (transformers' ``repeat_kv`` layout).
+        page_min, page_max: ``[batch, kv_heads, pages, head_dim]``: each page's per-channel key range.
+        valid: bool ``[batch, kv_heads, pages]``: pages that may be recalled (False: empty table slots).
+
+    Returns:
+        float ``[batch, kv_heads, pages]``: the largest ``bound(q, page)`` over the group's query heads and
+        the step's queries; ``-inf`` where ``valid`` is False.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, pages = page_min.shape[1], page_min.shape[2]
+    if page_min.shape != page_max.shape or page_min.shape[-1] != head_dim or q_heads % kv_heads:
+        raise ValueError(
+            f"page bounds need query [batch, q_heads, q_len, head_dim] and page ranges [batch, kv_heads, pages, "
+            f"head_dim] with q_heads a multiple of kv_heads; got query {tuple(query.shape)}, min "
+            f"{tuple(page_min.shape)}, max {tuple(page_max.shape)}."
+        )
+    work = torch.promote_types(query.dtype, torch.float32)
+    rows = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim).to(work)
+    low, high = page_min.to(work).transpose(-1, -2), page_max.to(work).transpose(-1, -2)  # [b, hk, d, pages]
+    best = torch.full((batch, kv_heads, pages), float("-inf"), dtype=work, device=query.device)
+    for start in range(0, rows.shape[2], QUERY_ROWS):
+        chunk = rows[:, :, start : start + QUERY_ROWS]
+        bound = chunk.clamp(min=0) @ high + chunk.clamp(max=0) @ low  # [b, hk, rows, pages]
+        best = torch.maximum(best, bound.amax(dim=2))
+    return best.masked_fill(~valid, float("-inf"))
