@@ -51,6 +51,7 @@ def main() -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=16, help="interleaved decode rounds")
     parser.add_argument("--text", type=Path, default=TEXT, help="text the requests and perplexity are cut from")
+    parser.add_argument("--steps", help="comma-separated steps to run (default: all), e.g. paged,h2o,spill")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--plots", type=Path, metavar="DIR", help="write the PNG plots into DIR")
     args = parser.parse_args()
@@ -66,6 +67,7 @@ def main() -> None:
         passkey_samples=args.passkey_samples,
         passkey_length=args.passkey_length,
         passkey_new_tokens=args.passkey_new_tokens,
+        steps=None if args.steps is None else tuple(args.steps.split(",")),
     )
     text = args.text.read_text(encoding="utf-8")
     model, tokenizer = load_model(args.model)

@@ -182,6 +182,7 @@ def _with_numerics(rows: list[StepRow], config: ChainBenchConfig, quality: dict[
 def run_chain(model: Any, tokenizer: Any, config: ChainBenchConfig, text: str, model_name: str = "",
               progress: bool = True) -> ChainReport:  # fmt: skip
     """Measure every step of `STEPS` on `model`; requests and perplexity are cut from `text`."""
+    selected = selected_steps(config)
     stream = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     requests = shared_document(tokenizer, stream, config.shared_tokens, config.length)
     geometry = planner_geometry(model, model_name)
@@ -192,7 +193,7 @@ def run_chain(model: Any, tokenizer: Any, config: ChainBenchConfig, text: str, m
         ids = torch.tensor([requests.tokens(0)], device=next(model.parameters()).device)
         ctx = Context(model, config, requests, alloc.reference_kv(model, ids), spill_dir, progress)
         try:
-            for step in tqdm(STEPS, desc="chain steps", disable=not progress):
+            for step in tqdm(selected, desc="chain steps", disable=not progress):
                 try:
                     row, probes[step.name] = _measure(ctx, step, geometry, dtype)
                 except ChainRefused as refused:
@@ -202,16 +203,32 @@ def run_chain(model: Any, tokenizer: Any, config: ChainBenchConfig, text: str, m
         finally:
             for probe in probes.values():
                 probe.release()
-    first = rates.get(STEPS[0].name)
+    first = rates.get(STEPS[0].name)  # None when the first step is not run: no ratios
     rows = [
         r if r.step not in rates else dataclasses.replace(
             r, decode_tokens_per_s=rates[r.step], decode_vs_first=rates[r.step] / first if first else None
         )
         for r in rows
     ]  # fmt: skip
-    names = [s.numerics.format(**asdict(config)) for s in STEPS if s.numerics and s.name in probes]
+    names = [s.numerics.format(**asdict(config)) for s in selected if s.numerics and s.name in probes]
     rows = _with_numerics(rows, config, _quality(model, tokenizer, config, text, names))
     return ChainReport(model_name, machine_description(), config, tuple(rows))
+
+
+def selected_steps(config: ChainBenchConfig) -> tuple[ChainStep, ...]:
+    """The steps `config.steps` names, in the chain's order (all when None); a step whose numerics are another
+    step's needs that step too."""
+    if config.steps is None:
+        return STEPS
+    known = {step.name: step for step in STEPS}
+    unknown = [name for name in config.steps if name not in known]
+    if unknown or not config.steps:
+        raise ValueError(f"Unknown chain bench step(s) {unknown}; the steps are {', '.join(known)}.")
+    for name in config.steps:
+        source = known[name].reuses
+        if source is not None and source not in config.steps:
+            raise ValueError(f"Step {name!r} reuses the numerics of {source!r}; run {source!r} too.")
+    return tuple(step for step in STEPS if step.name in config.steps)
 
 
 def _cell(value: float | int | None, spec: str) -> str:

@@ -63,6 +63,7 @@ class ChainBenchConfig:
     passkey_samples: int = 0
     passkey_length: int = 4096
     passkey_new_tokens: int | None = None  # caps the task's answer budget (None: RULER's)
+    steps: tuple[str, ...] | None = None  # the steps to run, by name (None: all); `run_chain` checks the names
 
     def __post_init__(self) -> None:
         positive: tuple[str, ...] = (

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from hf_kvgov.bench.chain import STEPS, ChainBenchConfig, ChainReport, chain_markdown, run_chain, write_chain_plots
+from hf_kvgov.bench.chain import (
+    STEPS,
+    ChainBenchConfig,
+    ChainReport,
+    chain_markdown,
+    run_chain,
+    selected_steps,
+    write_chain_plots,
+)
 from hf_kvgov.bench.chain_steps import shared_document
 from hf_kvgov.chain.rules import REFUSED_PAIRS
 from hf_kvgov.data_text import demo_text
@@ -247,3 +255,23 @@ def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="spill_hot_tokens_shared=32 keeps every full block of a request's own 48"):
         ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, spill_hot_tokens_shared=32)
     ChainBenchConfig(budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, spill_hot_tokens_shared=31)
+
+
+def test_a_chosen_subset_of_steps_runs_alone(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    config = ChainBenchConfig(
+        budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, decode_steps=1, ppl_tokens=0,
+        spill_hot_tokens_shared=8, steps=("spill", "paged"),
+    )  # fmt: skip
+    report = run_chain(model, tokenizer, config, demo_text(), model_name="tiny", progress=False)
+    assert [r.step for r in report.rows] == ["paged", "spill"]  # in the chain's order
+    assert report.row("spill").sequences == 5  # as in the full run
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"), [(("paged", "nope"), r"Unknown chain bench step\(s\) \['nope'\]"), (("prefix",), "reuses")]
+)
+def test_bad_step_subsets_are_refused(steps: tuple[str, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config = ChainBenchConfig(BUDGET, SHARED, length=LENGTH, spill_hot_tokens_shared=8, steps=steps)
+        selected_steps(config)
