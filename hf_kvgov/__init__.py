@@ -41,6 +41,7 @@ _EXPORTS = {
     "PolicyCache": "hf_kvgov.hf.eviction",
     "EvictionStats": "hf_kvgov.hf.eviction",
     "Recall": "hf_kvgov.tiers.recall_pages",
+    "eviction_pool": "hf_kvgov.hf.eviction.pooled_slots",
     "RecallStats": "hf_kvgov.hf.eviction.recall",
     "eviction_attention": "hf_kvgov.hf.eviction",
     "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
@@ -100,6 +101,7 @@ __all__ = [
     "SpillSpaceExhausted",
     "check_quantization",
     "eviction_attention",
+    "eviction_pool",
     "load_model",
     "paged_attention",
     "prefix_tree",
@@ -121,6 +123,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+    from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
     from hf_kvgov.hf.eviction.recall import RecallStats
     from hf_kvgov.hf.governed import GovernedCache
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache

@@ -14,14 +14,10 @@ Three ways of filling (each allocates real K/V; none divides a budget by a size)
   grows), so this fill also refuses a request once `pool_bytes_used` (full-precision + sealed blocks in
   use) exceeds the budget: the bench's own accounting, checked after each chunk a request writes. Memory a
   request holds outside the pool (a disk cache's read-ahead rows) is added to that sum when asked.
-- `fill_by_copies`: for caches with no pool (eviction caches keep dense per-head slots): real caches
-  allocated one after another, each a copy of one that the model filled, until their summed
-  `stats().bytes_used` would exceed the budget.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -287,28 +283,6 @@ def fill_shared(
             cache.release()
         prefix.clear()
     raise AssertionError("a capped pool always refuses eventually: every request holds at least one block")
-
-
-def fill_by_copies(first: Any, length: int, budget_bytes: int, progress: Any = None) -> Fit:
-    """Caches allocated one after another, `first` then copies of it, while their `kv_bytes` sum fits.
-
-    `first` holds one sequence of `length` tokens as the model left it; each copy is a real cache holding
-    its own tensors, counted by its own accounting.
-    """
-    held: list[Any] = []
-    used = 0
-    with torch.inference_mode():
-        while True:
-            cache = first if not held else copy.deepcopy(first)
-            size = kv_bytes(cache)
-            if size <= 0:
-                raise ValueError(f"A cache holding {length} tokens reports {size} bytes; it cannot be counted.")
-            if used + size > budget_bytes:
-                return len(held), used, length
-            held.append(cache)
-            used += size
-            if progress is not None:
-                progress.update(1)
 
 
 def run_sequence(model: Any, spec: CacheSpec, ids: torch.Tensor) -> Any:

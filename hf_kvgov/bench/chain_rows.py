@@ -8,8 +8,8 @@ Cumulative steps, then side rows that compose a disk tier with one link each::
 A disk row's numerics are another row's: spilled blocks come back bit for bit, so paged + disk and
 prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk what int8 does (the codes
 are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
-The eviction steps cannot take the pool or the tree (the rules' sentences are shown as notes): H2O and
-H2O with recall run on the int8 chain without them.
+The eviction steps keep their int8 slots in an eviction pool's blocks but cannot take the tree (the
+rules' sentence is shown as a note): H2O and H2O with recall run on paged int8 without prefix sharing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from hf_kvgov.bench.chain_steps import (
     Context,
     Parts,
     Probe,
-    allocated_copies,
     disk_parts,
     evicting,
     h2o_parts,
@@ -141,7 +140,8 @@ class ChainStep:
 
 def _policy_with_other_links(ctx: Context) -> list[Parts]:
     prefix = prefix_tree(ctx.model, pool=Paging(ctx.config.block_size))
-    return [h2o_parts(ctx) | {"pool": Paging(ctx.config.block_size)}, h2o_parts(ctx) | {"prefix": prefix}]
+    parts = {name: part for name, part in h2o_parts(ctx).items() if name != "pool"}  # the tree brings its pool
+    return [parts | {"prefix": prefix}]
 
 
 def _int8_disk(ctx: Context) -> Parts:
@@ -163,8 +163,8 @@ STEPS: tuple[ChainStep, ...] = (
         shares_document=True, numerics="int8@{block_size}",
     ),
     ChainStep(
-        "h2o", "+ H2O {h2o_budget:.0%} (slots as int8 codes)", evicting(h2o_parts), allocated_copies,
-        "caches allocated until their summed stats().bytes_used would pass the budget",
+        "h2o", "+ H2O {h2o_budget:.0%} (int8 slots in pool blocks)", evicting(h2o_parts), measured_bytes,
+        "measured bytes (one sequence's stats().bytes_used: its pool blocks of slot rows + per-slot metadata)",
         numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
     ),
     ChainStep(

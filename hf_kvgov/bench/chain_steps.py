@@ -247,8 +247,10 @@ def evicting(parts: Callable[[Context], Parts], decode_step: bool = False) -> Ca
 
 
 def h2o_parts(ctx: Context) -> Parts:
-    # Its prompt is all tokens but the last, fed to the model directly: the fraction is of those.
-    return {"policy": HeavyHitter(ctx.config.h2o_budget, budget_of=ctx.config.length - 1), "codec": "int8"}
+    """int8 slots kept by H2O in an eviction pool's blocks. Its prompt is all tokens but the last, fed to the
+    model directly: the fraction is of those."""
+    policy = HeavyHitter(ctx.config.h2o_budget, budget_of=ctx.config.length - 1)
+    return {"pool": Paging(ctx.config.block_size), "policy": policy, "codec": "int8"}
 
 
 def recall_parts(ctx: Context) -> Parts:
@@ -294,11 +296,6 @@ def shared_pool_refused(codec: str | None) -> Capacity:
             prefix.close()
 
     return capacity
-
-
-def allocated_copies(ctx: Context, probe: Probe) -> alloc.Fit:
-    with ctx.counter("caches allocated") as bar:
-        return alloc.fill_by_copies(probe.cache, ctx.config.length, ctx.config.budget_bytes, bar)
 
 
 def measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:

@@ -156,10 +156,11 @@ def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
     fraction = _fractional_budget(cache)
     if fraction is None:
         return None
-    # Per-head slots (block size 1), each with an fp32 attention mass, as codes when a codec is set.
+    # Per-head slots (block size 1, or the eviction pool's blocks), each with an fp32 attention mass, as codes
+    # when a codec is set.
     return CacheSetup(
         paged=True,
-        block_size=1,
+        block_size=_slot_block(cache),
         kv_dtype=kv_dtype,
         h2o_budget=fraction,
         h2o_recent=cache._min_budget,
@@ -169,6 +170,11 @@ def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
         **_slot_codec(cache),
         **_recall(cache),
     )
+
+
+def _slot_block(cache: Any) -> int:
+    pool = getattr(cache, "pool", None)
+    return 1 if pool is None else int(pool.block_size)
 
 
 def _recall(cache: Any) -> dict[str, Any]:
@@ -192,7 +198,7 @@ def _sink(cache: SinkCache, kv_dtype: str) -> CacheSetup | None:
     recent = cache.n_sink + cache.window
     return CacheSetup(
         paged=True,
-        block_size=1,
+        block_size=_slot_block(cache),
         kv_dtype=kv_dtype,
         h2o_budget=fraction,
         h2o_recent=recent,

@@ -10,6 +10,7 @@ from hf_kvgov.chain.rules import mechanism_for
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
+from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quant_config import QuantConfig
@@ -139,7 +140,7 @@ def _eviction(model: Any, parts: ChainParts) -> GovernedCache:
     return _POLICY_BUILDERS[type(policy)](model, policy, parts)
 
 
-def _eviction_arguments(policy: Policy, parts: ChainParts) -> dict[str, Any]:
+def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[str, Any]:
     arguments: dict[str, Any] = {} if policy.query_chunk is None else {"query_chunk": policy.query_chunk}
     if policy.budget_of is not None:
         arguments["budget_of"] = policy.budget_of
@@ -149,19 +150,26 @@ def _eviction_arguments(policy: Policy, parts: ChainParts) -> dict[str, Any]:
         arguments["layer_budgets"] = parts.layer_budgets()
     if parts.spill is not None:
         arguments["recall"] = parts.spill.recall()
+    if isinstance(parts.pool, BlockPool):
+        arguments["pool"] = parts.pool  # shared with other eviction caches; the cache checks its layout
+    elif parts.pool is not None:
+        p = parts.pool
+        arguments["pool"] = eviction_pool(
+            model, parts.codec, p.block_size, max_tokens=p.max_tokens, max_bytes=p.max_bytes
+        )
     return arguments
 
 
 def _heavy_hitter(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
 
     h: HeavyHitter = policy
-    return HeavyHitterCache(model, h.budget, h.recent, h.heavy, **_eviction_arguments(h, parts))
+    return HeavyHitterCache(model, h.budget, h.recent, h.heavy, **_eviction_arguments(model, h, parts))
 
 
 def _sink(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
 
     s: Sink = policy
-    return SinkCache(model, s.n_sink, s.window, s.budget, **_eviction_arguments(s, parts))
+    return SinkCache(model, s.n_sink, s.window, s.budget, **_eviction_arguments(model, s, parts))
 
 
 _POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCache]] = {

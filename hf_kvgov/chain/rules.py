@@ -2,8 +2,8 @@
 
 A chain is checked in two passes, both tables rather than branches:
 
-1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (a policy keeps different tokens
-   per KV head, so it cannot sit on blocks shared by all heads, and so on);
+1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (a policy chooses what to keep of
+   a prompt from all of it, so it cannot keep a shared prefix as computed);
 2. `MECHANISMS` lists what each cache implementation can take; the chain goes to the first whose
    required links it has and whose accepted links cover it.
 
@@ -19,11 +19,6 @@ from hf_kvgov.storage.pool import BlockPool
 
 # (link, link) -> why the two cannot be combined.
 REFUSED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"policy", "pool"}): (
-        "an eviction policy keeps a different set of tokens in each KV head, while a block holds every KV head "
-        "of its tokens, so eviction caches store per-head slots, not pool blocks; drop pool= (the policy's "
-        "budget already bounds the memory)"
-    ),
     frozenset({"policy", "prefix"}): (
         "prefix sharing reuses a prefix's K/V exactly as it was computed, but an eviction policy chooses what "
         "to keep of a prompt from all of it, including the part after the shared prefix, so two requests "
@@ -43,7 +38,8 @@ class Mechanism:
 
 MECHANISMS: tuple[Mechanism, ...] = (
     # With spill=, an eviction cache writes what it evicts to disk pages and recalls them (`Recall`).
-    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "codec", "spill"})),
+    # With pool=, its kept slots live in a shared pool's blocks (`eviction_pool`).
+    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "pool", "codec", "spill"})),
     Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool", "prefix"})),
     Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
     Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
@@ -91,7 +87,9 @@ def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:
 def _check_pool(parts: ChainParts) -> None:
     _check_spill_with_prefix(parts)
     _check_spill_with_policy(parts)
-    own_pool = parts.spill is not None and parts.prefix is None  # a disk tier with a tree draws from the tree's pool
+    # A block-spilling disk tier creates its own pool (with a tree it draws from the tree's); an eviction
+    # policy's recall tier does not touch the pool.
+    own_pool = parts.spill is not None and parts.prefix is None and parts.policy is None
     if own_pool and isinstance(parts.pool, Paging) and parts.pool.capped:
         raise ChainRefused(
             "With a disk tier the pool's cap is what stays in memory: give it as Disk(max_resident_bytes=...), "

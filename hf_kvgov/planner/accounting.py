@@ -197,9 +197,12 @@ def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, i
 
 
 def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:
-    """Bytes of ``kept`` eviction slots of one layer and KV head: K/V as stored, then mass and bookkeeping."""
-    per_slot = setup.slot_format.slot_bytes(head_dim) + setup.h2o_score_bytes + setup.h2o_metadata_bytes
-    return kept * per_slot
+    """Bytes of ``kept`` eviction slots of one layer and KV head: K/V as stored, then mass and bookkeeping.
+
+    In a pool (``block_size`` > 1) the K/V take whole blocks of slot rows; mass and bookkeeping are per slot.
+    """
+    rows = math.ceil(kept / setup.block_size) * setup.block_size
+    return rows * setup.slot_format.slot_bytes(head_dim) + kept * (setup.h2o_score_bytes + setup.h2o_metadata_bytes)
 
 
 def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) -> int:

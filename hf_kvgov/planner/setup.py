@@ -44,6 +44,7 @@ class CacheSetup:
             the RoPE position, int64, and a validity flag, bool: 9).
         eviction_slots: H2O keeps dense per-head slots rather than blocks (hf_kvgov's eviction caches): each
             kept token of each KV head costs `slot_format`'s bytes, a codec encoding every slot on its own.
+            With ``block_size`` > 1 the slots live in an eviction pool's blocks of slot rows (whole blocks).
             Such a cache cannot share prefixes nor spill blocks (the chain's rules refuse both).
         recall_pages: with eviction slots, what the policy evicts goes to disk pages of
             ``recall_page_tokens`` tokens and ``recall_pages`` of them are recalled per step (None: evicted

@@ -177,6 +177,11 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The pool's lock: held by writers whose tensors another thread's allocation may grow meanwhile."""
+        return self._lock
+
     def add_reclaimer(self, reclaimer: Reclaimer) -> None:
         """Register a callback asked to free blocks before the pool reports exhaustion."""
         with self._lock:

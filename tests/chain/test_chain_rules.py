@@ -57,6 +57,10 @@ EXPECTED_MECHANISM = {
     ("codec", "policy"): "eviction",
     ("policy", "spill"): "eviction",  # what the policy evicts goes to disk pages and is recalled
     ("codec", "policy", "spill"): "eviction",
+    ("pool", "policy"): "eviction",  # the kept slots live in the pool's blocks
+    ("pool", "codec", "policy"): "eviction",
+    ("pool", "policy", "spill"): "eviction",
+    ("pool", "codec", "policy", "spill"): "eviction",
 }
 
 

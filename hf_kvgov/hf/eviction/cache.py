@@ -39,6 +39,7 @@ from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, frac
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
+from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome, SlotRecords, check_eviction_pool
 from hf_kvgov.hf.eviction.recall import LayerRecall, Recall, RecallCounters, RecallStats, recall_stats
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
@@ -54,6 +55,7 @@ from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
+from hf_kvgov.storage.pool import BlockPool
 
 PolicyFactory = Callable[[int], EvictionPolicy]
 COMPRESS_MODES = ("always", "prefill")
@@ -90,6 +92,10 @@ class EvictionCache(GovernedCache):
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later steps append, as a cache compressed once at prefill and then decoded in full).
             Sliding-window layers still drop what leaves their window, as `DynamicCache` does.
+        pool: a `BlockPool` from `eviction_pool(model, codec=...)`, shared with other eviction caches: the
+            kept slots live in its blocks between steps (see ``pooled_slots``), a full pool raises
+            `PoolExhausted`, and ``release()`` gives the blocks back; None: the slots are this cache's own
+            tensors.
         recall: a `Recall` (spill path, pages recalled per step, page size): evicted tokens are written once
             to disk pages and the pages the queries bound highest are attended beside the kept slots at each
             step (see ``recall``); None: evicted tokens are dropped. Needs keys attended as stored (not a
@@ -111,6 +117,7 @@ class EvictionCache(GovernedCache):
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         name = type(self).__name__
         if compress not in COMPRESS_MODES:
@@ -148,6 +155,9 @@ class EvictionCache(GovernedCache):
         for layer in self._eviction_layers:
             if self._page_tier is not None and recall is not None:
                 layer.recall = LayerRecall(self._page_tier, layer.index, recall.pages, self._recall_counters)
+        self.pool = pool
+        if pool is not None:
+            self._home_in(pool, model, windows, formats, name)
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
 
@@ -164,6 +174,18 @@ class EvictionCache(GovernedCache):
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{name}: recall needs the model itself (its dtype sizes the pages), not its config.")
         return recall.tier(self.head_dim, dtype)
+
+    def _home_in(self, pool: BlockPool, model: Any, windows: list[int | None], formats: list[Any], name: str) -> None:
+        """Keep every layer's slots in ``pool``'s blocks between steps (see ``pooled_slots``)."""
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"{name}: pool must be a BlockPool from hf_kvgov.eviction_pool(model); got {pool!r}.")
+        dtype = getattr(model, "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{name}: a pool needs the model itself (its dtype sizes the slots), not its config.")
+        records = [SlotRecords(fmt, self.head_dim, dtype) for fmt in formats]
+        check_eviction_pool(pool, windows, self.num_kv_heads, [r.width for r in records], dtype, name)
+        for layer, layer_records in zip(self._eviction_layers, records, strict=True):
+            layer.home = PooledSlotHome(pool, layer.index, layer_records)
 
     @property
     def _eviction_layers(self) -> list[EvictionLayer]:

@@ -13,6 +13,7 @@ from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import HeavyHitter
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
+from hf_kvgov.storage.pool import BlockPool
 
 _NAME = "HeavyHitterCache"
 
@@ -49,6 +50,8 @@ class HeavyHitterCache(EvictionCache):
             evicted; later tokens are appended, as after a one-time compression of the prompt).
         recall: a `Recall`: evicted tokens go to disk pages and the pages the queries need are attended
             again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
+        pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
+            the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
     """
 
     def __init__(
@@ -64,6 +67,7 @@ class HeavyHitterCache(EvictionCache):
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         check_budget_spec(_NAME, "recent", recent, allow_zero=True)
@@ -88,10 +92,13 @@ class HeavyHitterCache(EvictionCache):
             budget_of=budget_of,
             compress=compress,
             recall=recall,
+            pool=pool,
         )
         policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
         spill = None if recall is None else Disk.of_recall(recall)
-        self.parts = ChainParts.of(policy=policy, codec=self.quant, spill=spill, layers=budget_overrides(layer_budgets))
+        self.parts = ChainParts.of(
+            policy=policy, pool=pool, codec=self.quant, spill=spill, layers=budget_overrides(layer_budgets)
+        )
 
     def _policy(self, budget: int) -> HeavyHitter:
         """The H2O policy for a resolved budget; raises if the recent and heavy parts do not fit in it."""

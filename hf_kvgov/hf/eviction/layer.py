@@ -22,6 +22,7 @@ from hf_kvgov.hf.eviction.slot_store import DenseFormat, SlotFormat, SlotStore
 
 if TYPE_CHECKING:
     from hf_kvgov.hf.eviction.cache import EvictionCache
+    from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome
     from hf_kvgov.hf.eviction.recall import LayerRecall
 
 
@@ -40,7 +41,8 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(
         self, owner: EvictionCache, index: int, window: int | None = None, slot_format: SlotFormat | None = None
     ) -> None:
-        self.store: SlotStore | None = None
+        self.home: PooledSlotHome | None = None  # with a pool: the blocks the slots live in between steps
+        self._store: SlotStore | None = None
         super().__init__()
         self.owner = owner
         self.index = index
@@ -53,6 +55,25 @@ class EvictionLayer(CacheLayerMixin):
         self.scores: Tensor | None = None
         self.seen = 0
         self.recall: LayerRecall | None = None  # the pages of evicted tokens, when the cache recalls them
+
+    @property
+    def store(self) -> SlotStore | None:
+        """The kept slots as the step's working store (read from the pool's blocks when the layer has a pool)."""
+        return self._store if self.home is None else self.home.get()
+
+    @store.setter
+    def store(self, value: SlotStore | None) -> None:
+        if self.home is None:
+            self._store = value
+        else:
+            self.home.put(value)  # writes the kept slots into the layer's blocks, or frees them (None)
+
+    @property
+    def batch(self) -> int:
+        """Sequences the layer holds slots for (0 before the first step)."""
+        if self.home is not None:
+            return self.home.batch
+        return 0 if self._store is None else self._store.batch
 
     # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
     # they are views of the store, and only None (no slots) may be assigned.
@@ -99,12 +120,16 @@ class EvictionLayer(CacheLayerMixin):
 
     @property
     def slots(self) -> int:
-        return 0 if self.store is None else self.store.count
+        if self.home is not None:
+            return self.home.count
+        return 0 if self._store is None else self._store.count
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of K/V the layer holds (codes and scales when it stores them quantized)."""
-        return 0 if self.store is None else self.store.nbytes
+        """Bytes of K/V the layer holds (codes and scales when it stores them quantized; whole pool blocks)."""
+        if self.home is not None:
+            return self.home.nbytes
+        return 0 if self._store is None else self._store.nbytes
 
     @property
     def recall_bytes(self) -> int:
@@ -125,8 +150,8 @@ class EvictionLayer(CacheLayerMixin):
         self._select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.store is not None and self.positions is not None:
-            rows = torch.arange(self.store.batch, device=self.positions.device)
+        if self.batch and self.positions is not None:
+            rows = torch.arange(self.batch, device=self.positions.device)
             self._select_rows(rows.repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: Tensor) -> None:

@@ -11,6 +11,7 @@ from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import EvictionPolicy, make_policy
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.storage.pool import BlockPool
 
 PolicySpec = EvictionPolicy | str
 
@@ -44,6 +45,8 @@ class PolicyCache(EvictionCache):
             evicted; later tokens are appended, as after a one-time compression of the prompt).
         recall: a `Recall`: evicted tokens go to disk pages and the pages the queries need are attended
             again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
+        pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
+            the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
 
     The policies' budget-independent configuration is fixed here, so H2O's parts are given as ints or as
     fractions of the budget inside `HeavyHitter` (use `HeavyHitterCache` for H2O's own defaults). Sinks
@@ -63,6 +66,7 @@ class PolicyCache(EvictionCache):
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         prefill = _built(policy, "policy")
@@ -84,6 +88,7 @@ class PolicyCache(EvictionCache):
             budget_of=budget_of,
             compress=compress,
             recall=recall,
+            pool=pool,
             decode_policy=decode,
         )
 

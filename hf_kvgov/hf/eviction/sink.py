@@ -32,6 +32,7 @@ from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.storage.pool import BlockPool
 
 _NAME = "SinkCache"
 # RoPE variants whose frequencies change with the sequence length: a key rotated earlier could not be
@@ -65,6 +66,8 @@ class SinkCache(EvictionCache):
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later tokens are appended, as after a one-time compression of the prompt).
+        pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
+            the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class SinkCache(EvictionCache):
         layer_budgets: Mapping[int, BudgetSpec] | None = None,
         budget_of: int | None = None,
         compress: str = "always",
+        pool: BlockPool | None = None,
     ) -> None:
         policy = SinkWindow(n_sink=n_sink, window=window)
         budget = policy.min_budget if budget is None else budget
@@ -102,10 +106,11 @@ class SinkCache(EvictionCache):
             layer_budgets=layer_budgets,
             budget_of=budget_of,
             compress=compress,
+            pool=pool,
         )
         # A name of its own: the policy factory above closes over `policy`, the SinkWindow.
         part = Sink(n_sink, window, None if budget == n_sink + window else budget, query_chunk)
-        self.parts = ChainParts.of(policy=part, codec=self.quant, layers=budget_overrides(layer_budgets))
+        self.parts = ChainParts.of(policy=part, pool=pool, codec=self.quant, layers=budget_overrides(layer_budgets))
 
     def _read_keys(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
         """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""

@@ -45,9 +45,9 @@ def check_shapes(name: str, layer: EvictionLayer, key_states: Tensor, kv_heads: 
             f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built for "
             f"{kv_heads} KV heads of dim {expected_dim}."
         )
-    if layer.store is not None and layer.store.batch != batch:
+    if layer.batch and layer.batch != batch:
         raise ValueError(
-            f"{name} holds a batch of {layer.store.batch} sequences but got a batch of {batch}; "
+            f"{name} holds a batch of {layer.batch} sequences but got a batch of {batch}; "
             "call reset() before starting another batch."
         )
 
