@@ -150,6 +150,8 @@ def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[s
         arguments["layer_budgets"] = parts.layer_budgets()
     if parts.spill is not None:
         arguments["recall"] = parts.spill.recall()
+    if parts.prefix is not None:
+        arguments |= {"prefix": parts.prefix, "namespace": parts.namespace}
     if isinstance(parts.pool, BlockPool):
         arguments["pool"] = parts.pool  # shared with other eviction caches; the cache checks its layout
     elif parts.pool is not None:

@@ -2,8 +2,7 @@
 
 A chain is checked in two passes, both tables rather than branches:
 
-1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (a policy chooses what to keep of
-   a prompt from all of it, so it cannot keep a shared prefix as computed);
+1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (none today: every pair is built);
 2. `MECHANISMS` lists what each cache implementation can take; the chain goes to the first whose
    required links it has and whose accepted links cover it.
 
@@ -17,14 +16,10 @@ from dataclasses import dataclass
 from hf_kvgov.chain.parts import ChainParts, Paging, Sink
 from hf_kvgov.storage.pool import BlockPool
 
-# (link, link) -> why the two cannot be combined.
-REFUSED_PAIRS: dict[frozenset[str], str] = {
-    frozenset({"policy", "prefix"}): (
-        "prefix sharing reuses a prefix's K/V exactly as it was computed, but an eviction policy chooses what "
-        "to keep of a prompt from all of it, including the part after the shared prefix, so two requests "
-        "would keep different tokens of the same prefix; use one or the other"
-    ),
-}
+# (link, link) -> why the two cannot be combined. Every pair is built today (an eviction policy keeps its
+# slots in a pool's blocks, reads a shared prefix as computed and recalls what it spills); the table stays for
+# the links to come.
+REFUSED_PAIRS: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -39,7 +34,7 @@ class Mechanism:
 MECHANISMS: tuple[Mechanism, ...] = (
     # With spill=, an eviction cache writes what it evicts to disk pages and recalls them (`Recall`).
     # With pool=, its kept slots live in a shared pool's blocks (`eviction_pool`).
-    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "pool", "codec", "spill"})),
+    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "pool", "prefix", "codec", "spill"})),
     Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool", "prefix"})),
     Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
     Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
@@ -107,6 +102,9 @@ def _check_pool(parts: ChainParts) -> None:
         )
     if parts.prefix is None:
         return
+    if parts.policy is not None:  # the policy's slots live apart from the tree's blocks, which it only reads
+        _check_prefix_with_policy(parts)
+        return
     if isinstance(parts.pool, BlockPool) and parts.pool is not parts.prefix.pool:
         raise ChainRefused("prefix= brings its own pool; pass that same pool as pool=, or Paging(...), or no pool.")
     if isinstance(parts.pool, Paging) and parts.pool.capped:
@@ -119,6 +117,15 @@ def _check_pool(parts: ChainParts) -> None:
             f"Paging(block_size={parts.pool.block_size}) differs from the prefix tree's "
             f"{parts.prefix.block_size}-token blocks; the cache draws its blocks from the tree's pool, so give the "
             "same block size."
+        )
+
+
+def _check_prefix_with_policy(parts: ChainParts) -> None:
+    if isinstance(parts.policy, Sink):
+        raise ChainRefused(
+            "Sink(...) keeps a sequence's first tokens as attention sinks, and with prefix= those are the shared "
+            "prefix's, which every step already reads in full; use HeavyHitter(...) with a prefix tree, or Sink "
+            "without one."
         )
 
 

@@ -65,14 +65,10 @@ def test_every_step_is_present_in_the_chain_order(report: ChainReport) -> None:
     assert [r.side for r in report.rows] == [False] * 5 + [True] * 4
 
 
-def test_refused_steps_carry_the_rules_sentence(report: ChainReport) -> None:
-    h2o, spill = report.row("h2o"), report.row("spill")
-    assert h2o.refused is None and spill.refused is None
-    assert h2o.notes == spill.notes == (
-        "A chain cannot have both policy= and prefix=: " + REFUSED_PAIRS[frozenset({"policy", "prefix"})] + ".",
-    )
-    table = chain_markdown(report)
-    assert f"refused: {h2o.notes[0]}" in table
+def test_every_step_is_built(report: ChainReport) -> None:
+    assert all(row.refused is None and not row.notes for row in report.rows)
+    assert REFUSED_PAIRS == {}  # every pair of links is built
+    assert "refused: " not in chain_markdown(report)
 
 
 def test_paged_capacity_is_the_sequences_whose_blocks_fit(report: ChainReport) -> None:

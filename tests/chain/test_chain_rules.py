@@ -53,14 +53,13 @@ EXPECTED_MECHANISM = {
     ("pool", "prefix", "codec", "spill"): "quantized_disk",
     ("prefix", "spill"): "disk",
     ("pool", "prefix", "spill"): "disk",
-    ("policy",): "eviction",
-    ("codec", "policy"): "eviction",
-    ("policy", "spill"): "eviction",  # what the policy evicts goes to disk pages and is recalled
-    ("codec", "policy", "spill"): "eviction",
-    ("pool", "policy"): "eviction",  # the kept slots live in the pool's blocks
-    ("pool", "codec", "policy"): "eviction",
-    ("pool", "policy", "spill"): "eviction",
-    ("pool", "codec", "policy", "spill"): "eviction",
+    # Every chain with a policy is an eviction cache: its slots in the pool's blocks, a shared prefix read as
+    # computed, what it evicts spilled and recalled.
+    **{
+        tuple(link for link in LINKS if link in {"policy", *others}): "eviction"
+        for size in range(len(LINKS))
+        for others in itertools.combinations(("pool", "prefix", "codec", "spill"), size)
+    },
 }
 
 

@@ -151,13 +151,12 @@ def test_parts_written_by_hand_build_the_preset(name: str) -> None:
     assert_identical(generate(MODEL, preset), generate(MODEL, composed))
 
 
-def test_the_whole_chain_builds_without_the_tree_and_is_refused_with_it(tmp_path: Any) -> None:
+def test_the_whole_chain_builds(tmp_path: Any) -> None:
     from hf_kvgov import prefix_tree
-    from hf_kvgov.chain import ChainRefused
 
     parts = {"codec": "int8", "policy": HeavyHitter(12, recent=4), "spill": Disk(path=str(tmp_path))}
-    cache = GovernedCache(MODEL, pool=Paging(16), **parts)
+    tree = prefix_tree(MODEL, pool=Paging(16))  # the shared prefix is read as computed: a full-precision tree
+    cache = GovernedCache(MODEL, pool=Paging(16), prefix=tree, **parts)
     assert isinstance(cache, HeavyHitterCache) and cache.pool is not None and cache.recall is not None
+    assert cache.prefix is tree
     generate(MODEL, cache)
-    with pytest.raises(ChainRefused, match="two requests would keep different tokens of the same prefix"):
-        GovernedCache(MODEL, pool=Paging(16), prefix=prefix_tree(MODEL, pool=Paging(16), codec="int8"), **parts)

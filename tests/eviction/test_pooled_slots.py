@@ -7,6 +7,7 @@ refuses, and run threads on one pool.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -40,9 +41,13 @@ def batch(model: Any, rows: int = 2, length: int = 30, seed: int = 3) -> tuple[t
     return ids, mask
 
 
-def generate(model: Any, cache: Any, rows: int = 2, seed: int = 3, new: int = 10, **kwargs: Any) -> Any:
+def generate(
+    model: Any, cache: Any, rows: int = 2, seed: int = 3, new: int = 10, switch: bool = True, **kwargs: Any
+) -> Any:
+    """Greedy tokens and logits; ``switch=False`` when the model already attends with the eviction attention
+    (threads share one model, so they must not switch it back and forth)."""
     ids, mask = batch(model, rows, seed=seed)
-    with eviction_attention(model), torch.inference_mode():
+    with eviction_attention(model) if switch else contextlib.nullcontext(), torch.inference_mode():
         return model.generate(
             input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=new, min_new_tokens=new,
             do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs,
@@ -138,16 +143,17 @@ def test_threads_on_one_pool_get_their_own_results() -> None:
         try:
             for seed in mine:
                 cache = HeavyHitterCache(model, budget=10, pool=pool)
-                results[seed] = generate(model, cache, seed=seed).sequences
+                results[seed] = generate(model, cache, seed=seed, switch=False).sequences
                 cache.release()
         except BaseException as error:  # reported below: a thread's exception must fail the test
             errors.append(error)
 
     threads = [threading.Thread(target=worker, args=(seeds[i::4],)) for i in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    with eviction_attention(model):  # once for every thread
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     assert not errors
     assert all(torch.equal(results[seed], expected[seed]) for seed in seeds)
     assert pool.num_used == 0

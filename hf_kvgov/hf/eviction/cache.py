@@ -40,7 +40,15 @@ from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome, SlotRecords, check_eviction_pool
-from hf_kvgov.hf.eviction.recall import LayerRecall, Recall, RecallCounters, RecallStats, recall_stats
+from hf_kvgov.hf.eviction.recall import (
+    LayerRecall,
+    Recall,
+    RecallCounters,
+    RecalledSlots,
+    RecallStats,
+    recall_stats,
+)
+from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_rows
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.hf.eviction.slot_steps import (
@@ -55,6 +63,7 @@ from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
 PolicyFactory = Callable[[int], EvictionPolicy]
@@ -96,6 +105,10 @@ class EvictionCache(GovernedCache):
             kept slots live in its blocks between steps (see ``pooled_slots``), a full pool raises
             `PoolExhausted`, and ``release()`` gives the blocks back; None: the slots are this cache's own
             tensors.
+        prefix: a `PrefixCache` over a full-precision pool (`prefix_tree(model)`): `match` takes each row's
+            longest cached prefix, which every step attends in full and never evicts, and the budget governs
+            the tokens after it (see ``shared_prefix``); None: no sharing.
+        namespace: the tree namespace `match` looks in (a tenant salt).
         recall: a `Recall` (spill path, pages recalled per step, page size): evicted tokens are written once
             to disk pages and the pages the queries bound highest are attended beside the kept slots at each
             step (see ``recall``); None: evicted tokens are dropped. Needs keys attended as stored (not a
@@ -118,6 +131,8 @@ class EvictionCache(GovernedCache):
         compress: str = "always",
         recall: Recall | None = None,
         pool: BlockPool | None = None,
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         name = type(self).__name__
         if compress not in COMPRESS_MODES:
@@ -158,6 +173,13 @@ class EvictionCache(GovernedCache):
         self.pool = pool
         if pool is not None:
             self._home_in(pool, model, windows, formats, name)
+        self.prefix = None if prefix is None else check_prefix(prefix, name)
+        if self.prefix is not None:
+            check_prefix_geometry(self.prefix, len(windows), self.num_kv_heads, self.head_dim, name)
+        if not isinstance(namespace, str):
+            raise TypeError(f"{name}: namespace must be a str (a tenant salt); got {namespace!r}.")
+        self.namespace = namespace
+        self._shared: SharedPrefix | None = None  # the tree's blocks this request matched
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
 
@@ -213,6 +235,8 @@ class EvictionCache(GovernedCache):
         batch, _, q_len, _ = key_states.shape
         if layer.index == 0:
             self._check_basis(q_len)
+            if self._shared is not None:
+                self._shared.expand_to(batch, type(self).__name__)
         new_positions = new_token_positions(
             attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
         )
@@ -230,16 +254,51 @@ class EvictionCache(GovernedCache):
             commit=functools.partial(self._commit, layer, q_len, policy, needs.key_norm),
             chunk=self.query_chunk,
             window=layer.window,
-            recall=None if layer.recall is None else functools.partial(self._recalled, layer),
+            extra_slots=self._extra_slots_of(layer),
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
         return key_states, value_states
 
-    @staticmethod
-    def _recalled(layer: EvictionLayer, query: Tensor, first_query: Tensor) -> Any:
-        assert layer.recall is not None
-        return layer.recall.recalled(query, first_query, layer.window)
+    def _extra_slots_of(self, layer: EvictionLayer) -> Any:
+        """The view's hook for slots attended beside the kept ones: the shared prefix, recalled pages; or None."""
+        if self._shared is None and layer.recall is None:
+            return None
+        return functools.partial(self._extra_slots, layer)
+
+    def _extra_slots(self, layer: EvictionLayer, query: Tensor, first_query: Tensor) -> RecalledSlots | None:
+        parts = [] if self._shared is None or not self._shared.longest else [self._shared.slots(layer.index)]
+        if layer.recall is not None:
+            recalled = layer.recall.recalled(query, first_query, layer.window)
+            parts += [] if recalled is None else [recalled]
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        fields = [(p.keys, p.values, p.positions, p.valid) for p in parts]
+        return RecalledSlots(*(torch.cat(tensors, dim=2) for tensors in zip(*fields, strict=True)))
+
+    def _started(self, layer: EvictionLayer) -> bool:
+        """Whether the layer has stored a chunk of its own (the tokens after a matched prefix)."""
+        return layer.seen > (0 if self._shared is None else self._shared.longest)
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def match(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, pad_token_id: int = 0
+    ) -> dict[str, Tensor]:
+        """Take each row's longest cached prefix from the tree (kept as computed, never evicted); return
+        generate's inputs (``input_ids``, ``attention_mask``) laid out around the hits.
+
+        Needs an empty cache built with ``prefix=``; the budget then governs the tokens after the prefix.
+        """
+        name = type(self).__name__
+        if self.prefix is None:
+            raise ValueError(f"{name}.match needs a prefix cache: build it with prefix=prefix_tree(model).")
+        if self.get_seq_length() or self._shared is not None:
+            raise ValueError(f"{name}.match needs an empty cache; call it before generate, or reset() first.")
+        self._shared, inputs = match_rows(self.prefix, input_ids, attention_mask, self.namespace, pad_token_id)
+        for layer in self._eviction_layers:
+            layer.seen = self._shared.longest
+        return inputs
 
     def _step_policy(self, layer: EvictionLayer, q_len: int) -> tuple[EvictionPolicy, FactNeeds]:
         """The policy that evicts after this step, and the facts to compute for it.
@@ -252,7 +311,7 @@ class EvictionCache(GovernedCache):
         if self._appends_only(layer):  # nothing will be evicted again: no fact is needed any more
             return policy, FactNeeds()
         mass = policy.needs.mass or (self.decode_policy is not None and self.decode_policy.needs.mass)
-        if layer.seen and self.decode_policy is not None:
+        if self._started(layer) and self.decode_policy is not None:
             policy = self.decode_policy
         if layer.slots + q_len <= budget:
             return policy, FactNeeds(mass=mass)
@@ -296,7 +355,7 @@ class EvictionCache(GovernedCache):
         self._awaiting_attention = None
 
     def _appends_only(self, layer: EvictionLayer) -> bool:
-        return self.compress == "prefill" and layer.seen > 0
+        return self.compress == "prefill" and self._started(layer)
 
     def _check_basis(self, q_len: int) -> None:
         """Resolve fractional budgets on a fresh cache's first forward; refuse a basis that is wrong."""
@@ -329,6 +388,9 @@ class EvictionCache(GovernedCache):
     def reset(self) -> None:
         """Forget every token; a fraction of generate's prompt is resolved again on the next prompt."""
         super().reset()
+        if self._shared is not None:
+            self._shared.release()
+            self._shared = None
         self._recall_counters.reset()
         self._awaiting_attention = None
         self._budgets.reset()

@@ -13,6 +13,7 @@ from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import HeavyHitter
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
 _NAME = "HeavyHitterCache"
@@ -52,6 +53,8 @@ class HeavyHitterCache(EvictionCache):
             again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
         pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
             the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
+        prefix, namespace: a `PrefixCache` over a full-precision pool and the namespace `match` looks in: a
+            matched prefix is attended as computed and never evicted, the budget governs the tokens after it.
     """
 
     def __init__(
@@ -68,6 +71,8 @@ class HeavyHitterCache(EvictionCache):
         compress: str = "always",
         recall: Recall | None = None,
         pool: BlockPool | None = None,
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         check_budget_spec(_NAME, "recent", recent, allow_zero=True)
@@ -93,11 +98,14 @@ class HeavyHitterCache(EvictionCache):
             compress=compress,
             recall=recall,
             pool=pool,
+            prefix=prefix,
+            namespace=namespace,
         )
         policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
         spill = None if recall is None else Disk.of_recall(recall)
         self.parts = ChainParts.of(
-            policy=policy, pool=pool, codec=self.quant, spill=spill, layers=budget_overrides(layer_budgets)
+            policy=policy, pool=pool, prefix=prefix, namespace=namespace, codec=self.quant, spill=spill,
+            layers=budget_overrides(layer_budgets),
         )
 
     def _policy(self, budget: int) -> HeavyHitter:

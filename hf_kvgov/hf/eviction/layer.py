@@ -175,3 +175,6 @@ class EvictionLayer(CacheLayerMixin):
         self.scores = self.scores.index_select(0, rows) if self.scores is not None else None
         if self.recall is not None:
             self.recall.select_rows(rows)
+        shared = self.owner._shared
+        if self.index == 0 and shared is not None:  # the matched prefix is the cache's, reindexed once
+            shared.select_rows(rows)

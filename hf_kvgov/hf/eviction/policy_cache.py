@@ -11,6 +11,7 @@ from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import EvictionPolicy, make_policy
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
 PolicySpec = EvictionPolicy | str
@@ -47,6 +48,8 @@ class PolicyCache(EvictionCache):
             again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
         pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
             the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
+        prefix, namespace: a `PrefixCache` over a full-precision pool and the namespace `match` looks in: a
+            matched prefix is attended as computed and never evicted, the budget governs the tokens after it.
 
     The policies' budget-independent configuration is fixed here, so H2O's parts are given as ints or as
     fractions of the budget inside `HeavyHitter` (use `HeavyHitterCache` for H2O's own defaults). Sinks
@@ -67,6 +70,8 @@ class PolicyCache(EvictionCache):
         compress: str = "always",
         recall: Recall | None = None,
         pool: BlockPool | None = None,
+        prefix: PrefixCache | None = None,
+        namespace: str = "",
     ) -> None:
         check_budget_spec(_NAME, "budget", budget)
         prefill = _built(policy, "policy")
@@ -89,6 +94,8 @@ class PolicyCache(EvictionCache):
             compress=compress,
             recall=recall,
             pool=pool,
+            prefix=prefix,
+            namespace=namespace,
             decode_policy=decode,
         )
 

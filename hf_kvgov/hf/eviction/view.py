@@ -30,9 +30,9 @@ VIEW_KEY = "kvgov_eviction_view"
 Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
 # read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
 KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
-# recall(query, first_query_positions) -> slots attended beside the kept ones this step (a recall tier's
-# pending and recalled pages), or None.
-Recaller = Callable[[Tensor, Tensor], "RecalledSlots | None"]
+# extra_slots(query, first_query_positions) -> slots attended beside the kept ones this step (a shared
+# prefix, a recall tier's pending and recalled pages), or None.
+ExtraSlots = Callable[[Tensor, Tensor], "RecalledSlots | None"]
 
 
 @dataclass
@@ -44,8 +44,8 @@ class EvictionView:
     bool ``[batch, kv_heads, kept]``; ``scores`` the kept slots' mass or None; ``needs`` the attention
     facts to compute (the mass, and the attention of the last ``recent_queries`` queries); ``read_keys`` an
     optional hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the
-    layer's sliding window (None: the layer reads every kept slot); ``recall`` the layer's recall tier, whose
-    slots are attended before the kept ones and never committed (None: no recall).
+    layer's sliding window (None: the layer reads every kept slot); ``extra_slots`` gives slots attended
+    before the kept ones and never committed: a shared prefix, recalled pages (None: none).
     """
 
     keys: Tensor
@@ -58,7 +58,7 @@ class EvictionView:
     commit: Commit
     chunk: int = DEFAULT_QUERY_CHUNK
     window: int | None = None  # a sliding-window layer's window: kept slots older than it are not read
-    recall: Recaller | None = None
+    extra_slots: ExtraSlots | None = None
     consumed: bool = False
 
     def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -77,8 +77,9 @@ class EvictionView:
         valid = torch.cat((self.kept_valid, new_valid[:, None, :].expand(batch, kv_heads, q_len)), dim=-1)
         keys = self.keys if self.read_keys is None else self.read_keys(self.keys, self.positions, valid)
         values, positions, kept_valid, scores = self.values, self.positions, self.kept_valid, self.scores
-        extra = None if self.recall is None else self.recall(query, self.positions[:, 0, -q_len:].amin(dim=-1))
-        if extra is not None:  # recalled slots go first, so the new ones stay last as attend_slots expects
+        first_query = self.positions[:, 0, -q_len:].amin(dim=-1)
+        extra = None if self.extra_slots is None else self.extra_slots(query, first_query)
+        if extra is not None:  # extra slots go first, so the new ones stay last as attend_slots expects
             keys, values = torch.cat((extra.keys, keys), dim=2), torch.cat((extra.values, values), dim=2)
             positions = torch.cat((extra.positions, positions), dim=2)
             kept_valid = torch.cat((extra.valid, kept_valid), dim=2)
@@ -97,7 +98,7 @@ class EvictionView:
             chunk=self.chunk,
             window=None if self.window is None else (self.window, positions),
         )
-        if extra is not None:  # recalled slots are attended, not kept: their facts go
+        if extra is not None:  # extra slots are attended, not kept: their facts go
             scores = None if scores is None else scores[..., extra.count :]
             recent = None if recent is None else recent[..., extra.count :]
         self.commit(self.keys, self.values, self.positions, valid, scores, recent)

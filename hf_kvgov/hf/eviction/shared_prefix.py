@@ -1,0 +1,135 @@
+"""A shared prefix under an eviction cache: the tree's blocks kept as computed, the budget for the rest.
+
+The rule: blocks a request takes from a prefix tree (`match`) are attended in full at every step and
+never evicted; they are shared, so their cost is paid once for every request that reads them, and they are
+not counted in the request's bytes. The eviction policy's budget governs the request's own tokens, those
+after the prefix (a fraction of generate's prompt is a fraction of them). Eviction caches read the tree;
+the document is published by a block cache on the same tree (`PagedCache(model, prefix=tree)`), since what
+a policy keeps is no longer the prefix as computed.
+
+Rows that hit different lengths are laid out as a prefix-sharing `PagedCache` lays them out
+(`hf_kvgov.hf.prefix_layout`): slots 0..M-1 hold each row's hit, then masked padding up to the longest hit
+M, and the row's own tokens follow, so positions (from the attention mask) are each row's own. The tree's
+blocks stay locked and referenced until `release()` or `reset()`; beams index the matched rows, so a row
+duplicated by beam search shares them without new references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.hf.eviction.recall import RecalledSlots
+from hf_kvgov.hf.prefix_layout import layouts, middle_padded, real_tokens
+from hf_kvgov.prefix.sharing import PrefixCache
+
+
+class SharedPrefix:
+    """The blocks each matched row took from ``prefix`` (``hits[i]``: pool ids), read in full by every layer."""
+
+    def __init__(self, prefix: PrefixCache, hits: list[list[int]]) -> None:
+        self.prefix = prefix
+        self.hits = hits
+        self.rows = list(range(len(hits)))  # batch row -> matched row (beam search reorders and repeats)
+        self.longest = max((len(hit) for hit in hits), default=0) * prefix.block_size
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens each batch row reads from the tree."""
+        return [len(self.hits[row]) * self.prefix.block_size for row in self.rows]
+
+    def slots(self, layer: int) -> RecalledSlots:
+        """The prefix as attention reads it: ``[batch, kv_heads, M, head_dim]``, masked past each row's hit.
+
+        Gathered from the tree's blocks at every step and dropped after it: a copy kept per request would
+        undo the sharing.
+        """
+        pool = self.prefix.pool
+        keys, values = pool.keys[layer], pool.values[layer]
+        size, longest = pool.block_size, self.longest
+        rows_k, rows_v, valid = [], [], []
+        for row in self.rows:
+            blocks = self.hits[row]
+            index = torch.tensor(blocks, dtype=torch.long, device=keys.device)
+            k = keys[index].reshape(len(blocks) * size, *keys.shape[2:])  # [tokens, hk, d]
+            v = values[index].reshape(len(blocks) * size, *values.shape[2:])
+            missing = longest - k.shape[0]
+            rows_k.append(torch.cat((k, k.new_zeros(missing, *k.shape[1:]))))
+            rows_v.append(torch.cat((v, v.new_zeros(missing, *v.shape[1:]))))
+            valid.append(torch.arange(longest, device=keys.device) < k.shape[0])
+        batch, heads = len(self.rows), keys.shape[2]
+        positions = torch.arange(longest, device=keys.device).expand(batch, heads, longest)
+        mask = torch.stack(valid)[:, None, :].expand(batch, heads, longest)
+        return RecalledSlots(torch.stack(rows_k).transpose(1, 2), torch.stack(rows_v).transpose(1, 2), positions, mask)
+
+    def expand_to(self, batch: int, owner: str) -> None:
+        """Follow generate's expansion of the matched rows (beams, several sequences per prompt), which it does
+        before the first forward, while the cache holds no slot to expand yet."""
+        if batch == len(self.rows):
+            return
+        if batch % len(self.rows):
+            raise ValueError(
+                f"{owner} matched {len(self.rows)} rows but got a batch of {batch}; match the inputs you generate from."
+            )
+        repeats = batch // len(self.rows)
+        self.rows = [row for row in self.rows for _ in range(repeats)]
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.rows = [self.rows[int(r)] for r in rows.tolist()]
+
+    def release(self) -> None:
+        """Give the tree's blocks back: one pool reference and one tree lock per matched block."""
+        held = [block for hit in self.hits for block in hit]
+        self.hits, self.rows = [], []
+        if held:
+            self.prefix.pool.decref(held)
+            self.prefix.unlock(held)
+
+
+def check_prefix(prefix: Any, owner: str) -> PrefixCache:
+    """``prefix`` if an eviction cache can read it, else an error naming why."""
+    from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
+
+    if not isinstance(prefix, PrefixCache):
+        raise TypeError(f"{owner}: prefix must be a PrefixCache (hf_kvgov.prefix_tree(model)); got {prefix!r}.")
+    if prefix.grouped is not None:
+        raise ValueError(
+            f"{owner}: this prefix tree's pool has layer groups (a model with sliding-window layers), whose "
+            "entries an eviction cache does not read; eviction caches share prefixes on models whose layers "
+            "all keep the same tokens."
+        )
+    if isinstance(prefix.pool, QuantizedBlockPool):
+        raise ValueError(
+            f"{owner}: this prefix tree keeps sealed blocks as codes; an eviction cache attends the shared "
+            "prefix as computed, so give it a tree over a full-precision pool (prefix_tree(model) without codec)."
+        )
+    return prefix
+
+
+def check_prefix_geometry(prefix: PrefixCache, layers: int, heads: int, head_dim: int, owner: str) -> None:
+    """Refuse a tree whose blocks are not this model's K/V."""
+    geometry = prefix.pool.geometry
+    if (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) != (layers, heads, head_dim):
+        raise ValueError(
+            f"{owner}: the prefix tree's pool holds {geometry.num_layers} layers x {geometry.num_kv_heads} KV heads "
+            f"x {geometry.head_dim}, but the model has {layers} x {heads} x {head_dim}; build the tree with "
+            "prefix_tree(model) for this model."
+        )
+
+
+def match_rows(
+    prefix: PrefixCache, input_ids: Tensor, attention_mask: Tensor | None, namespace: str, pad_token_id: int
+) -> tuple[SharedPrefix, dict[str, Tensor]]:
+    """Each row's longest cached prefix (whole blocks, at least one token left to compute) and generate's
+    inputs laid out around the hits (the inputs unchanged when no row hits)."""
+    rows = real_tokens(input_ids, attention_mask)
+    hits = [prefix.match(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
+    shared = SharedPrefix(prefix, hits)
+    if not shared.longest:
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return shared, {"input_ids": input_ids, "attention_mask": mask}
+    plan = layouts(rows, [len(hit) * prefix.block_size for hit in hits])
+    ids, mask = middle_padded(plan, pad_token_id)
+    return shared, {"input_ids": ids.to(input_ids.device), "attention_mask": mask.to(input_ids.device)}
