@@ -113,14 +113,14 @@ def _measure(ctx: Context, step: ChainStep, geometry: ModelGeometry | None, dtyp
     count, held, _ = step.capacity(ctx, probe)
     row = StepRow(
         step.name, step.label.format(**asdict(c)), step.side, notes=_refusals(ctx, step),
-        chain=_describe(probe.cache), kv_bytes_per_token=kv_bytes(probe.cache) / c.length,
+        chain=_describe(probe.cache), kv_bytes_per_token=(kv_bytes(probe.cache) + probe.shared_bytes) / c.length,
         capacity_method=step.method, sequences=count, held_bytes=held,
         held_bytes_per_token=held / (count * c.length) if count else None,
     )  # fmt: skip
     setup = planner_setup(probe.cache, dtype) if dtype is not None else None
     if setup is None or geometry is None:
         return row, probe
-    if step.shares_document:
+    if step.shares_document and probe.reads_document:
         setup = with_shared_prefix(setup, c.shared_tokens, c.length)
     plan = predict(geometry, setup, fixed(c.length), c.budget_bytes)
     ratio = count / plan.concurrent if plan.concurrent else None

@@ -8,8 +8,10 @@ Cumulative steps, then side rows that compose a disk tier with one link each::
 A disk row's numerics are another row's: spilled blocks come back bit for bit, so paged + disk and
 prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk what int8 does (the codes
 are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
-The eviction steps keep their int8 slots in an eviction pool's blocks but cannot take the tree (the
-rules' sentence is shown as a note): H2O and H2O with recall run on paged int8 without prefix sharing.
+The eviction steps are the whole chain: request 1 reads the document from the tree as computed, and H2O's
+budget governs its own tokens, whose int8 slots live in an eviction pool's blocks (on a model whose tree has
+layer groups the rules refuse the tree, and the steps run without it, the sentence shown as a note). Their
+numerics are the registry cache's on one sequence (no document to share).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hf_kvgov.bench.chain_steps import (
     recall_parts,
     shared,
     shared_disk_parts,
+    shared_eviction_bytes,
     shared_pool_refused,
     written,
 )
@@ -138,10 +141,17 @@ class ChainStep:
     side: bool = False
 
 
-def _policy_with_other_links(ctx: Context) -> list[Parts]:
-    prefix = prefix_tree(ctx.model, pool=Paging(ctx.config.block_size))
-    parts = {name: part for name, part in h2o_parts(ctx).items() if name != "pool"}  # the tree brings its pool
-    return [parts | {"prefix": prefix}]
+def _policy_with_a_tree(ctx: Context) -> list[Parts]:
+    """H2O on the document's tree: refused with its reason where the tree has layer groups (the probe then
+    runs without it), built elsewhere (the probe reads the tree)."""
+    own = ctx.config.length - ctx.config.shared_tokens - 1
+    return [h2o_parts(ctx, own) | {"prefix": prefix_tree(ctx.model, pool=Paging(ctx.config.block_size))}]
+
+
+_SHARED_EVICTION = (
+    "measured bytes: (budget - the document's tree blocks) / one request's own bytes (stats().bytes_used: pool "
+    "blocks of slot rows + per-slot metadata{recall})"
+)
 
 
 def _int8_disk(ctx: Context) -> Parts:
@@ -163,15 +173,15 @@ STEPS: tuple[ChainStep, ...] = (
         shares_document=True, numerics="int8@{block_size}",
     ),
     ChainStep(
-        "h2o", "+ H2O {h2o_budget:.0%} (int8 slots in pool blocks)", evicting(h2o_parts), measured_bytes,
-        "measured bytes (one sequence's stats().bytes_used: its pool blocks of slot rows + per-slot metadata)",
-        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_other_links,
+        "h2o", "+ H2O {h2o_budget:.0%} of own tokens (int8 slots in pool blocks)", evicting(h2o_parts),
+        shared_eviction_bytes, _SHARED_EVICTION.format(recall=""), shares_document=True,
+        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_a_tree,
     ),
     ChainStep(
         "spill", "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step)",
-        evicting(recall_parts, decode_step=True), measured_bytes,
-        "measured bytes (one sequence's stats().bytes_used: kept slots, pending page, key ranges, recall buffer)",
-        numerics="h2o@{h2o_budget}:int8+recall", refusals=_policy_with_other_links,
+        evicting(recall_parts), shared_eviction_bytes,
+        _SHARED_EVICTION.format(recall=", pending page, key ranges, recall buffer"), shares_document=True,
+        numerics="h2o@{h2o_budget}:int8+recall", refusals=_policy_with_a_tree,
     ),
     ChainStep(
         "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(disk_parts),

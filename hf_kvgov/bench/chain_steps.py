@@ -156,6 +156,8 @@ class Probe:
     attention: AttentionContext = _plain
     companions: tuple[Any, ...] = ()  # caches it shares blocks with (the request that published them)
     matched: frozenset[int] = frozenset()  # the blocks its `match` took from the tree (the shared document)
+    shared_bytes: int = 0  # the tree's blocks it reads that its own stats leave out (an eviction cache's prefix)
+    reads_document: bool = True  # False: a sharing step that ran without its tree (the rules refused it)
 
     def step(self, model: Any) -> float:
         """One decode step; returns its seconds."""
@@ -231,31 +233,46 @@ def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}
     return probe
 
 
-def evicting(parts: Callable[[Context], Parts], decode_step: bool = False) -> Callable[[Context], Probe]:
-    """A probe of an eviction chain (`parts`) after the model has run request 0's tokens but the last, then,
-    with `decode_step`, the last one as a decode step (a recall tier holds its buffer from the first step on)."""
+def evicting(parts: Callable[[Context, int], Parts]) -> Callable[[Context], Probe]:
+    """Request 1 of the shared document through an eviction chain (`parts(ctx, own_tokens)`) that reads the
+    document from a full-precision tree, once a PagedCache stored and published request 0 there. A tree over
+    layer groups is not read by eviction caches (the rules refuse it): the probe then holds request 0's
+    tokens but the last in the eviction cache alone."""
 
     def probe(ctx: Context) -> Probe:
-        cache = ctx.build(**parts(ctx))
-        ids = ctx.ids(0)
+        c = ctx.config
+        prefix = prefix_tree(ctx.model, pool=Paging(c.block_size))
+        if prefix.grouped is not None:
+            prefix.close()
+            cache, ids = ctx.build(**parts(ctx, c.length - 1)), ctx.ids(0)
+            with eviction_attention(ctx.model):
+                forward(ctx.model, cache, ids[:, :-1])
+            return Probe(cache, ids[:, -1:], eviction_attention, reads_document=False)
+        first = ctx.sharing(None, "paged")(prefix)  # stored through `update` only: no gather needed
+        alloc.write_tokens(first, ctx.kv, 0, c.length)
+        first.publish(ctx.ids(0))
+        ids = ctx.ids(1)
+        # Its own prompt is what follows the document but the last token, fed to the model directly.
+        cache = ctx.build(**parts(ctx, c.length - c.shared_tokens - 1), prefix=prefix)
+        cache.match(ids)
         with eviction_attention(ctx.model):
-            forward(ctx.model, cache, ids[:, :-1])
-            next_token = forward(ctx.model, cache, ids[:, -1:]) if decode_step else ids[:, -1:]
-        return Probe(cache, next_token, eviction_attention)
+            forward(ctx.model, cache, ids[:, cache.get_seq_length() : -1])
+        document = cache.shared_prefix_tokens[0] // c.block_size * prefix.pool.bytes_per_block
+        return Probe(cache, ids[:, -1:], eviction_attention, companions=(first,), shared_bytes=document)
 
     return probe
 
 
-def h2o_parts(ctx: Context) -> Parts:
-    """int8 slots kept by H2O in an eviction pool's blocks. Its prompt is all tokens but the last, fed to the
-    model directly: the fraction is of those."""
-    policy = HeavyHitter(ctx.config.h2o_budget, budget_of=ctx.config.length - 1)
+def h2o_parts(ctx: Context, own_tokens: int) -> Parts:
+    """int8 slots kept by H2O in an eviction pool's blocks; its fraction is of the `own_tokens` fed to the
+    model directly (a prompt under generate would say so itself)."""
+    policy = HeavyHitter(ctx.config.h2o_budget, budget_of=own_tokens)
     return {"pool": Paging(ctx.config.block_size), "policy": policy, "codec": "int8"}
 
 
-def recall_parts(ctx: Context) -> Parts:
+def recall_parts(ctx: Context, own_tokens: int) -> Parts:
     """H2O's parts, with what it evicts spilled to disk pages and recalled (the tier's default pages)."""
-    return h2o_parts(ctx) | {"spill": Disk(path=ctx.spill_dir)}
+    return h2o_parts(ctx, own_tokens) | {"spill": Disk(path=ctx.spill_dir)}
 
 
 def disk_parts(ctx: Context) -> Parts:
@@ -296,6 +313,13 @@ def shared_pool_refused(codec: str | None) -> Capacity:
             prefix.close()
 
     return capacity
+
+
+def shared_eviction_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
+    """(budget - the document's tree blocks) // one request's own bytes (its stats leave the prefix out)."""
+    own = kv_bytes(probe.cache)
+    count = max(0, (ctx.config.budget_bytes - probe.shared_bytes) // own)
+    return count, probe.shared_bytes + count * own, ctx.config.length
 
 
 def measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:

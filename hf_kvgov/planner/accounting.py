@@ -12,6 +12,7 @@ Every run's blocks are full except its last (the tail). With a codec, the sequen
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -216,6 +217,8 @@ def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) 
     for count, kind_window in layer_kinds(geometry):
         window = held_window(setup, kind_window)
         tokens = prefix if window is None else min(prefix, (math.ceil(window / bs) + 1) * bs)
-        per_head = run_bytes(Run(tokens, at_sink=True), setup, geometry.head_dim)
+        # An eviction cache reads a tree of full-precision blocks (the prefix as computed), whatever its slots.
+        stored = dataclasses.replace(setup, codec=None) if setup.eviction_slots else setup
+        per_head = run_bytes(Run(tokens, at_sink=True), stored, geometry.head_dim)
         total += count * geometry.num_kv_heads * per_head
     return total

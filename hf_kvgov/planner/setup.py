@@ -45,7 +45,8 @@ class CacheSetup:
         eviction_slots: H2O keeps dense per-head slots rather than blocks (hf_kvgov's eviction caches): each
             kept token of each KV head costs `slot_format`'s bytes, a codec encoding every slot on its own.
             With ``block_size`` > 1 the slots live in an eviction pool's blocks of slot rows (whole blocks).
-            Such a cache cannot share prefixes nor spill blocks (the chain's rules refuse both).
+            It spills no blocks; with ``shared_fraction`` its shared prefix is stored once in full-precision
+            blocks (a tree an eviction cache reads as computed) and the budget applies to its own tokens.
         recall_pages: with eviction slots, what the policy evicts goes to disk pages of
             ``recall_page_tokens`` tokens and ``recall_pages`` of them are recalled per step (None: evicted
             tokens are dropped). Resident per layer and KV head besides the kept slots: one pending page,
@@ -123,10 +124,10 @@ class CacheSetup:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CacheSetup.{name} must be a bool; got {getattr(self, name)!r}.")
         spills = self.spill_hot_tokens is not None
-        if self.eviction_slots and (self.h2o_budget is None or self.shared_fraction or spills):
+        if self.eviction_slots and (self.h2o_budget is None or spills):
             raise ValueError(
                 "eviction_slots describes an eviction cache's per-head slots: it needs h2o_budget, and such a cache "
-                "neither shares prefixes nor spills (shared_fraction 0, spill_hot_tokens None)."
+                "spills no blocks (spill_hot_tokens None; what it evicts is recalled: recall_pages)."
             )
         if self.recall_pages is not None:
             pages, size = self.recall_pages, self.recall_page_tokens

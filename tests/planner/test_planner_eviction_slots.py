@@ -17,7 +17,7 @@ import torch
 from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
 from hf_kvgov.planner import CacheSetup, ModelGeometry
-from hf_kvgov.planner.accounting import sequence_bytes
+from hf_kvgov.planner.accounting import sequence_bytes, shared_store_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS
 from tests.conftest import tiny_gemma3, tiny_llama
 
@@ -61,11 +61,23 @@ def test_eviction_budget_comes_from_the_sequence_and_windows_cap_it() -> None:
     assert sequence_bytes(geometry, setup, 300).device == 2 * 60 * 2 * 8 * 4
 
 
-def test_eviction_slots_refuse_sharing_and_spill() -> None:
+def test_eviction_slots_refuse_block_spill() -> None:
     with pytest.raises(ValueError, match="eviction_slots describes an eviction cache's per-head slots"):
         CacheSetup(block_size=1, eviction_slots=True)
-    with pytest.raises(ValueError, match="neither shares prefixes nor spills"):
-        CacheSetup(block_size=1, h2o_budget=0.2, shared_fraction=0.5, eviction_slots=True)
+    with pytest.raises(ValueError, match="spills no blocks"):
+        CacheSetup(block_size=1, h2o_budget=0.2, spill_hot_tokens=64, eviction_slots=True)
+
+
+def test_a_shared_prefix_is_stored_once_in_full_precision_and_the_budget_is_of_the_own_tokens() -> None:
+    geometry = ModelGeometry("g", 2, 1, 8, 4096)  # 2 layers, 1 KV head of dim 8
+    setup = CacheSetup(
+        block_size=16, kv_dtype="fp32", codec="int8", h2o_budget=0.2, h2o_recent=1, eviction_slots=True,
+        shared_fraction=0.5, h2o_score_bytes=0,
+    )  # fmt: skip
+    # 320 tokens: 160 shared (10 blocks), 160 own, of which H2O keeps 32: two blocks of slot rows of int8 records
+    # (8 codes + fp16 scale and zero: 12 bytes, K and V).
+    assert sequence_bytes(geometry, setup, 320).device == 2 * 2 * 16 * 2 * 12
+    assert shared_store_bytes(geometry, setup, 160) == 2 * 10 * 16 * 2 * 8 * 4  # the tree's fp32 blocks
 
 
 def test_a_cache_that_keeps_every_token_ignores_the_window() -> None:

@@ -276,6 +276,11 @@ class EvictionCache(GovernedCache):
         fields = [(p.keys, p.values, p.positions, p.valid) for p in parts]
         return RecalledSlots(*(torch.cat(tensors, dim=2) for tensors in zip(*fields, strict=True)))
 
+    @property
+    def shared_prefix_tokens(self) -> list[int]:
+        """Tokens each row reads from the prefix tree (empty before `match`)."""
+        return [] if self._shared is None else self._shared.tokens
+
     def _started(self, layer: EvictionLayer) -> bool:
         """Whether the layer has stored a chunk of its own (the tokens after a matched prefix)."""
         return layer.seen > (0 if self._shared is None else self._shared.longest)
