@@ -54,7 +54,15 @@ def eviction_cache(model: Any, config: str, tokens: int, recall: Recall, keep: f
 
 
 def passkey_rows(
-    model: Any, tokenizer: Any, name: str, lengths: list[int], samples: int, recall: Recall, keep: float, new: int
+    model: Any,
+    tokenizer: Any,
+    name: str,
+    lengths: list[int],
+    samples: int,
+    recall: Recall,
+    keep: float,
+    new: int,
+    configs: tuple[str, ...] = CONFIGS,
 ) -> list[dict[str, Any]]:
     options = SyntheticOptions(("dynamic",), ("passkey",), tuple(lengths), samples, max_new_tokens=new)
     task = get_synthetic_task("passkey")
@@ -64,7 +72,7 @@ def passkey_rows(
         text, wrapped = prompt_text(sample, tokenizer, True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=not wrapped)["input_ids"]
         budget = min(sample.max_new_tokens, new)
-        for config in CONFIGS:
+        for config in configs:
             began = time.perf_counter()
             answer, cache = _generate(model, tokenizer, ids, config, recall, keep, budget)
             rows.append(
@@ -142,8 +150,9 @@ def passkey_table(rows: list[dict[str, Any]]) -> str:
     keys = sorted({(r["model"], r["length"]) for r in rows if r["task"] == "passkey"})
     for model, length in keys:
         group = [r for r in rows if r["task"] == "passkey" and r["model"] == model and r["length"] == length]
-        full_bytes = _mean([r["kv_bytes"] for r in group if r["config"] == "full"])
-        for config in CONFIGS:
+        full = [r["kv_bytes"] for r in group if r["config"] == "full"]
+        full_bytes = _mean(full) if full else float("nan")
+        for config in [c for c in CONFIGS if any(r["config"] == c for r in group)]:
             mine = [r for r in group if r["config"] == config]
             recalled = "pages_read_per_layer_step" in mine[0]
             reads = f"{_mean([r['pages_read_per_layer_step'] for r in mine]):.2f}" if recalled else ""
@@ -179,6 +188,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=8, help="pages recalled per (sequence, layer, KV head) per step")
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"passkey configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     recall = Recall(pages=args.pages, page_tokens=args.page_tokens)
@@ -188,7 +198,10 @@ def main() -> None:
         model, tokenizer = load_model(name)
         if "passkey" in tasks:
             lengths = [int(x) for x in args.lengths.split(",")]
-            rows += passkey_rows(model, tokenizer, name, lengths, args.samples, recall, args.keep, args.new_tokens)
+            configs = tuple(args.configs.split(","))
+            rows += passkey_rows(
+                model, tokenizer, name, lengths, args.samples, recall, args.keep, args.new_tokens, configs
+            )
         if "stream" in tasks:
             rows += stream_rows(model, tokenizer, name, recall, args.keep)
     print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}), "
