@@ -39,16 +39,17 @@ from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, frac
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
-from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome, SlotRecords, check_eviction_pool
+from hf_kvgov.hf.eviction.pooled_slots import pooled_homes
 from hf_kvgov.hf.eviction.recall import (
     LayerRecall,
     Recall,
     RecallCounters,
     RecalledSlots,
     RecallStats,
+    page_tier_for,
     recall_stats,
 )
-from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_rows
+from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_empty
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.hf.eviction.slot_steps import (
@@ -166,13 +167,15 @@ class EvictionCache(GovernedCache):
         super().__init__(layers=[EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs])
         self.recall = recall
         self._recall_counters = RecallCounters()
-        self._page_tier = None if recall is None else self._recall_tier(name, recall, model, read_keys)
+        self._page_tier = None if recall is None else page_tier_for(recall, model, self.head_dim, read_keys, name)
         for layer in self._eviction_layers:
             if self._page_tier is not None and recall is not None:
                 layer.recall = LayerRecall(self._page_tier, layer.index, recall.pages, self._recall_counters)
         self.pool = pool
-        if pool is not None:
-            self._home_in(pool, model, windows, formats, name)
+        if pool is not None:  # every layer's slots live in the pool's blocks between steps
+            homes = pooled_homes(pool, model, windows, formats, self.num_kv_heads, self.head_dim, name)
+            for layer, home in zip(self._eviction_layers, homes, strict=True):
+                layer.home = home
         self.prefix = None if prefix is None else check_prefix(prefix, name)
         if self.prefix is not None:
             check_prefix_geometry(self.prefix, len(windows), self.num_kv_heads, self.head_dim, name)
@@ -182,32 +185,6 @@ class EvictionCache(GovernedCache):
         self._shared: SharedPrefix | None = None  # the tree's blocks this request matched
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
-
-    def _recall_tier(self, name: str, recall: Recall, model: Any, read_keys: KeyReader | None) -> Any:
-        if not isinstance(recall, Recall):
-            raise TypeError(f"{name}: recall must be a hf_kvgov Recall(...) or None; got {type(recall).__name__}.")
-        if read_keys is not None:
-            raise ValueError(
-                f"{name} re-rotates the keys it keeps before attention reads them, so pages of evicted keys could "
-                "not be attended beside them; recall works with caches that attend keys as stored "
-                "(HeavyHitterCache, PolicyCache)."
-            )
-        dtype = getattr(model, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: recall needs the model itself (its dtype sizes the pages), not its config.")
-        return recall.tier(self.head_dim, dtype)
-
-    def _home_in(self, pool: BlockPool, model: Any, windows: list[int | None], formats: list[Any], name: str) -> None:
-        """Keep every layer's slots in ``pool``'s blocks between steps (see ``pooled_slots``)."""
-        if not isinstance(pool, BlockPool):
-            raise TypeError(f"{name}: pool must be a BlockPool from hf_kvgov.eviction_pool(model); got {pool!r}.")
-        dtype = getattr(model, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{name}: a pool needs the model itself (its dtype sizes the slots), not its config.")
-        records = [SlotRecords(fmt, self.head_dim, dtype) for fmt in formats]
-        check_eviction_pool(pool, windows, self.num_kv_heads, [r.width for r in records], dtype, name)
-        for layer, layer_records in zip(self._eviction_layers, records, strict=True):
-            layer.home = PooledSlotHome(pool, layer.index, layer_records)
 
     @property
     def _eviction_layers(self) -> list[EvictionLayer]:
@@ -267,14 +244,9 @@ class EvictionCache(GovernedCache):
         return functools.partial(self._extra_slots, layer)
 
     def _extra_slots(self, layer: EvictionLayer, query: Tensor, first_query: Tensor) -> RecalledSlots | None:
-        parts = [] if self._shared is None or not self._shared.longest else [self._shared.slots(layer.index)]
-        if layer.recall is not None:
-            recalled = layer.recall.recalled(query, first_query, layer.window)
-            parts += [] if recalled is None else [recalled]
-        if len(parts) < 2:
-            return parts[0] if parts else None
-        fields = [(p.keys, p.values, p.positions, p.valid) for p in parts]
-        return RecalledSlots(*(torch.cat(tensors, dim=2) for tensors in zip(*fields, strict=True)))
+        shared = [] if self._shared is None or not self._shared.longest else [self._shared.slots(layer.index)]
+        recalled = None if layer.recall is None else layer.recall.recalled(query, first_query, layer.window)
+        return RecalledSlots.join([*shared, *([] if recalled is None else [recalled])])
 
     @property
     def shared_prefix_tokens(self) -> list[int]:
@@ -295,12 +267,7 @@ class EvictionCache(GovernedCache):
 
         Needs an empty cache built with ``prefix=``; the budget then governs the tokens after the prefix.
         """
-        name = type(self).__name__
-        if self.prefix is None:
-            raise ValueError(f"{name}.match needs a prefix cache: build it with prefix=prefix_tree(model).")
-        if self.get_seq_length() or self._shared is not None:
-            raise ValueError(f"{name}.match needs an empty cache; call it before generate, or reset() first.")
-        self._shared, inputs = match_rows(self.prefix, input_ids, attention_mask, self.namespace, pad_token_id)
+        self._shared, inputs = match_empty(self, self.prefix, input_ids, attention_mask, pad_token_id)
         for layer in self._eviction_layers:
             layer.seen = self._shared.longest
         return inputs

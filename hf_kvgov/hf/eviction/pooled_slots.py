@@ -202,6 +202,26 @@ class PooledSlotHome:
         return self.records.from_records(parts[0], parts[1])
 
 
+def pooled_homes(
+    pool: BlockPool,
+    model: Any,
+    windows: Sequence[int | None],
+    formats: Sequence[SlotFormat],
+    heads: int,
+    head_dim: int,
+    owner: str,
+) -> list[PooledSlotHome]:
+    """One home per layer in ``pool``, after checking the pool is laid out for these slots."""
+    if not isinstance(pool, BlockPool):
+        raise TypeError(f"{owner}: pool must be a BlockPool from hf_kvgov.eviction_pool(model); got {pool!r}.")
+    dtype = getattr(model, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{owner}: a pool needs the model itself (its dtype sizes the slots), not its config.")
+    records = [SlotRecords(fmt, head_dim, dtype) for fmt in formats]
+    check_eviction_pool(pool, windows, heads, [r.width for r in records], dtype, owner)
+    return [PooledSlotHome(pool, layer, layer_records) for layer, layer_records in enumerate(records)]
+
+
 def check_eviction_pool(pool: BlockPool, windows: Sequence[int | None], heads: int, widths: Sequence[int],
                         dtype: torch.dtype, owner: str) -> None:  # fmt: skip
     """Refuse a pool not laid out for these eviction slots, naming what differs and how to build one."""

@@ -27,6 +27,7 @@ window. Left padding is never spilled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,6 +53,14 @@ class RecalledSlots:
     @property
     def count(self) -> int:
         return int(self.keys.shape[2])
+
+    @staticmethod
+    def join(parts: list[RecalledSlots]) -> RecalledSlots | None:
+        """``parts`` one after another along the slot axis (None when there are none)."""
+        if len(parts) < 2:
+            return parts[0] if parts else None
+        fields = [(p.keys, p.values, p.positions, p.valid) for p in parts]
+        return RecalledSlots(*(torch.cat(tensors, dim=2) for tensors in zip(*fields, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -303,6 +312,22 @@ class LayerRecall:
         ]  # fmt: skip
         buffered = [tensor for page in self.buffer.values() for tensor in page]
         return sum(t.numel() * t.element_size() for t in (*tensors, *buffered) if t is not None)
+
+
+def page_tier_for(recall: Recall, model: Any, head_dim: int, read_keys: object, owner: str) -> PageTier:
+    """The page tier of one eviction cache, after refusing what recall cannot serve."""
+    if not isinstance(recall, Recall):
+        raise TypeError(f"{owner}: recall must be a hf_kvgov Recall(...) or None; got {type(recall).__name__}.")
+    if read_keys is not None:
+        raise ValueError(
+            f"{owner} re-rotates the keys it keeps before attention reads them, so pages of evicted keys could "
+            "not be attended beside them; recall works with caches that attend keys as stored "
+            "(HeavyHitterCache, PolicyCache)."
+        )
+    dtype = getattr(model, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{owner}: recall needs the model itself (its dtype sizes the pages), not its config.")
+    return recall.tier(head_dim, dtype)
 
 
 def recall_stats(tier: PageTier, counters: RecallCounters, pages: int, layers: list[LayerRecall]) -> RecallStats:

@@ -119,6 +119,18 @@ def check_prefix_geometry(prefix: PrefixCache, layers: int, heads: int, head_dim
         )
 
 
+def match_empty(
+    cache: Any, prefix: PrefixCache | None, input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int
+) -> tuple[SharedPrefix, dict[str, Tensor]]:
+    """`match_rows` for an eviction cache's `match`, after refusing a cache without a tree or not empty."""
+    name = type(cache).__name__
+    if prefix is None:
+        raise ValueError(f"{name}.match needs a prefix cache: build it with prefix=prefix_tree(model).")
+    if cache.get_seq_length() or cache.shared_prefix_tokens:
+        raise ValueError(f"{name}.match needs an empty cache; call it before generate, or reset() first.")
+    return match_rows(prefix, input_ids, attention_mask, cache.namespace, pad_token_id)
+
+
 def match_rows(
     prefix: PrefixCache, input_ids: Tensor, attention_mask: Tensor | None, namespace: str, pad_token_id: int
 ) -> tuple[SharedPrefix, dict[str, Tensor]]:
