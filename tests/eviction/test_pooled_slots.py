@@ -176,3 +176,53 @@ def test_the_chain_puts_a_policy_on_a_capped_pool() -> None:
     again = GovernedCache(model, **cache.parts.kwargs())  # the same pool: the two share it
     assert again.pool is cache.pool
     assert_identical(generate(model, cache), generate(model, HeavyHitterCache(model, budget=10, codec="int8")))
+
+
+def test_threads_on_one_pool_and_one_tree_stay_consistent() -> None:
+    from hf_kvgov import PagedCache, prefix_tree
+
+    model = tiny_llama()
+    tree = prefix_tree(model, pool=Paging(BLOCK))
+    document = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(1))
+    publisher = PagedCache(model, prefix=tree)
+    out = model.generate(**publisher.match(document), cache=publisher, max_new_tokens=1, do_sample=False)
+    publisher.publish(out)
+    publisher.release()
+    pool = eviction_pool(model, block_size=BLOCK, max_tokens=200 * BLOCK, preallocate=True)
+    prompts = {
+        seed: torch.cat((document, torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(seed))), 1)
+        for seed in range(20, 28)
+    }
+
+    def answer(prompt: torch.Tensor, pooled: bool) -> torch.Tensor:
+        cache = HeavyHitterCache(model, budget=6, pool=pool if pooled else None, prefix=tree)
+        inputs = cache.match(prompt)
+        with torch.inference_mode():
+            tokens = model.generate(**inputs, cache=cache, max_new_tokens=6, do_sample=False)[:, -6:]
+        assert cache.shared_prefix_tokens == [20 // BLOCK * BLOCK]
+        cache.release()
+        return tokens
+
+    with eviction_attention(model):
+        expected = {seed: answer(prompt, pooled=False) for seed, prompt in prompts.items()}
+        results: dict[int, torch.Tensor] = {}
+        errors: list[BaseException] = []
+
+        def worker(mine: list[int]) -> None:
+            try:
+                for seed in mine:
+                    results[seed] = answer(prompts[seed], pooled=True)
+            except BaseException as error:  # reported below: a thread's exception must fail the test
+                errors.append(error)
+
+        threads = [threading.Thread(target=worker, args=(list(prompts)[i::4],)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors
+    assert all(torch.equal(results[seed], expected[seed]) for seed in prompts)
+    assert pool.num_used == 0
+    tree.tree.check_invariants()
+    tree.clear()
+    assert tree.pool.num_used == 0  # every lock and reference the threads took went back
