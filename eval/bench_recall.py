@@ -20,6 +20,7 @@ Prints Markdown tables; ``--json`` writes every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -93,7 +94,7 @@ def _generate(model: Any, tokenizer: Any, ids: torch.Tensor, config: str, recall
     cache = (
         DynamicCache(config=model.config) if config == "full" else eviction_cache(model, config, tokens, recall, keep)
     )
-    context = eviction_attention(model) if config != "full" else torch.inference_mode()
+    context = eviction_attention(model) if config != "full" else contextlib.nullcontext()
     with context, torch.inference_mode():
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new, do_sample=False,

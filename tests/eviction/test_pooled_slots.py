@@ -54,6 +54,27 @@ def generate(
         )  # fmt: skip
 
 
+def in_threads(work: Any, items: list[int], threads: int = 4) -> dict[int, Any]:
+    """``work(item)`` for every item, the items dealt to ``threads`` threads; a thread's exception fails the test."""
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def worker(mine: list[int]) -> None:
+        try:
+            for item in mine:
+                results[item] = work(item)
+        except BaseException as error:  # reported below: a thread's exception must fail the test
+            errors.append(error)
+
+    running = [threading.Thread(target=worker, args=(items[i::threads],)) for i in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
 def assert_identical(first: Any, second: Any) -> None:
     assert torch.equal(first.sequences, second.sequences)
     for a, b in zip(first.logits, second.logits, strict=True):
@@ -136,25 +157,15 @@ def test_threads_on_one_pool_get_their_own_results() -> None:
     pool = eviction_pool(model, block_size=BLOCK, max_tokens=200 * BLOCK, preallocate=True)
     seeds = list(range(10, 18))
     expected = {seed: generate(model, HeavyHitterCache(model, budget=10), seed=seed).sequences for seed in seeds}
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
-    def worker(mine: list[int]) -> None:
-        try:
-            for seed in mine:
-                cache = HeavyHitterCache(model, budget=10, pool=pool)
-                results[seed] = generate(model, cache, seed=seed, switch=False).sequences
-                cache.release()
-        except BaseException as error:  # reported below: a thread's exception must fail the test
-            errors.append(error)
+    def run(seed: int) -> torch.Tensor:
+        cache = HeavyHitterCache(model, budget=10, pool=pool)
+        tokens = generate(model, cache, seed=seed, switch=False).sequences
+        cache.release()
+        return tokens
 
-    threads = [threading.Thread(target=worker, args=(seeds[i::4],)) for i in range(4)]
     with eviction_attention(model):  # once for every thread
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors
+        results = in_threads(run, seeds)
     assert all(torch.equal(results[seed], expected[seed]) for seed in seeds)
     assert pool.num_used == 0
 
@@ -205,22 +216,7 @@ def test_threads_on_one_pool_and_one_tree_stay_consistent() -> None:
 
     with eviction_attention(model):
         expected = {seed: answer(prompt, pooled=False) for seed, prompt in prompts.items()}
-        results: dict[int, torch.Tensor] = {}
-        errors: list[BaseException] = []
-
-        def worker(mine: list[int]) -> None:
-            try:
-                for seed in mine:
-                    results[seed] = answer(prompts[seed], pooled=True)
-            except BaseException as error:  # reported below: a thread's exception must fail the test
-                errors.append(error)
-
-        threads = [threading.Thread(target=worker, args=(list(prompts)[i::4],)) for i in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors
+        results = in_threads(lambda seed: answer(prompts[seed], pooled=True), list(prompts))
     assert all(torch.equal(results[seed], expected[seed]) for seed in prompts)
     assert pool.num_used == 0
     tree.tree.check_invariants()

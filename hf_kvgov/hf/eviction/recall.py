@@ -92,11 +92,11 @@ class RecallCounters:
     """The counts every layer's recall adds to (one per cache)."""
 
     def __init__(self) -> None:
-        self.tokens_spilled = self.layer_steps = self.pages_read = self.pages_recalled = 0
-        self.max_pages_read_per_step = 0
+        self.reset()
 
     def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        self.tokens_spilled = self.layer_steps = self.pages_read = self.pages_recalled = 0
+        self.max_pages_read_per_step = 0
 
 
 class LayerRecall:
