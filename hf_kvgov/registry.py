@@ -7,8 +7,10 @@ line below.
 Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
 `sink@4+252` (sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`),
-H2O with what it evicts spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`),
-`int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
+H2O with what it evicts spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`) or
+its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`),
+any registered policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`,
+through `PolicyCache`), `int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
 (hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
 """
 
@@ -26,13 +28,16 @@ from transformers import DynamicCache
 
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, SinkCache, eviction_attention
+from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
+from hf_kvgov.policies import make_policy
+from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.tiers.recall_pages import Recall
 
 RECALL_SUFFIX = "recall"
+PYRAMID_SUFFIX = "pyramid"
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 
@@ -152,10 +157,8 @@ def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> in
     return max(minimum, math.floor(budget * context_tokens + 1e-9))
 
 
-def _sized_h2o(
-    budget: int | float, model: Any, context_tokens: int, codec: str | None = None, recall: Recall | None = None
-) -> HeavyHitterCache:
-    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), codec=codec, recall=recall)
+def _sized_h2o(budget: int | float, model: Any, context_tokens: int, **options: Any) -> HeavyHitterCache:
+    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), **options)
 
 
 def _sized_sink(
@@ -182,27 +185,76 @@ def _stored_as(codec: str | None) -> str:
     return f"; kept slots stored as {codec} codes with scales per slot (keys and values)"
 
 
+SUFFIXES = (RECALL_SUFFIX, PYRAMID_SUFFIX)
+
+
+def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str, Any]]:
+    """`0.2:int8+recall+pyramid` -> (0.2, the cache's codec / recall / layer_budgets keywords)."""
+    head, *suffixes = argument.split("+")
+    family = name.partition("@")[0]
+    for suffix in suffixes:
+        if suffix not in SUFFIXES or suffixes.count(suffix) > 1:
+            accepted = f"the suffixes after '+' are {' and '.join(map(repr, SUFFIXES))}, each at most once"
+            raise _bad_argument(name, suffix, f"{accepted} ({family}@0.2+recall, {family}@0.2+pyramid)")
+    text, codec = _slot_codec(name, head)
+    options: dict[str, Any] = {"codec": codec, "recall": Recall() if RECALL_SUFFIX in suffixes else None}
+    if PYRAMID_SUFFIX in suffixes:
+        options["layer_budgets"] = Pyramid()
+    return _budget(name, text), options
+
+
+def _options_described(options: dict[str, Any]) -> str:
+    """What an eviction cache's description says about its codec, recall tier and layer allocation."""
+    text = _stored_as(options["codec"])
+    recall: Recall | None = options["recall"]
+    if recall is not None:
+        text += (
+            f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query "
+            "bounds highest are recalled per (sequence, layer, KV head) at each step"
+        )
+    if "layer_budgets" in options:
+        text += "; the budget split over the evicting layers as a pyramid (PyramidKV: more below, same total)"
+    return text
+
+
+def _share(budget: int | float) -> str:
+    return f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
+
+
 def _parse_h2o(argument: str) -> CacheSpec:
     name = f"h2o@{argument}"
-    head, plus, tail = argument.rpartition("+")
-    if plus and tail != RECALL_SUFFIX:
-        raise _bad_argument(name, tail, f"the only suffix after '+' is {RECALL_SUFFIX!r} (h2o@0.2+recall)")
-    recall = Recall() if plus else None
-    text, codec = _slot_codec(name, head if plus else argument)
-    budget = _budget(name, text)
-    share = f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
-    recalled = "" if recall is None else (
-        f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query bounds "
-        "highest are recalled per (sequence, layer, KV head) at each step"
-    )  # fmt: skip
+    budget, options = _eviction_argument(name, argument)
     return CacheSpec(
         name,
-        f"HeavyHitterCache (H2O): {share} per KV head, half recent window, half heavy hitters{_stored_as(codec)}"
-        + recalled,
-        functools.partial(HeavyHitterCache, budget=budget, codec=codec, recall=recall),
+        f"HeavyHitterCache (H2O): {_share(budget)} per KV head, half recent window, half heavy hitters"
+        + _options_described(options),
+        functools.partial(HeavyHitterCache, budget=budget, **options),
         False,
         eviction_attention,
-        functools.partial(_sized_h2o, budget, codec=codec, recall=recall),
+        functools.partial(_sized_h2o, budget, **options),
+    )
+
+
+# Policies served on their own by `PolicyCache` under their registered name (H2O and sinks have their caches).
+POLICY_FAMILIES = ("snapkv", "tova", "key_norm", "mean_mass", "expected_attention")
+
+
+def _sized_policy(policy: str, budget: int | float, model: Any, context_tokens: int, **options: Any) -> PolicyCache:
+    tokens = _tokens_of(budget, context_tokens, make_policy(policy).min_budget)
+    return PolicyCache(model, policy, budget=tokens, **options)
+
+
+def _parse_policy(policy: str, argument: str) -> CacheSpec:
+    name = f"{policy}@{argument}"
+    budget, options = _eviction_argument(name, argument)
+    return CacheSpec(
+        name,
+        f"PolicyCache ({make_policy(policy)!r}): {_share(budget)} per KV head at prefill and at every step"
+        + _options_described(options),
+        functools.partial(PolicyCache, policy=policy, budget=budget, **options),
+        False,
+        eviction_attention,
+        functools.partial(_sized_policy, policy, budget, **options),
     )
 
 
@@ -247,12 +299,20 @@ def _parse_disk(argument: str) -> CacheSpec:
 for _family in (
     CacheFamily(
         "h2o",
-        "h2o@<budget>[:<codec>][+recall], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept slots "
-        f"optionally quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)}), evicted tokens optionally spilled "
-        "and recalled (h2o@0.2+recall)",
+        "h2o@<budget>[:<codec>][+recall][+pyramid], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept "
+        f"slots optionally quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)}), evicted tokens optionally "
+        "spilled and recalled (h2o@0.2+recall), the budget optionally split over layers (h2o@0.2+pyramid)",
         _parse_h2o,
     ),
     CacheFamily("sink", "sink@<sinks>+<window>[:<codec>] in tokens (sink@4+252, sink@4+252:int8)", _parse_sink),
+    *(
+        CacheFamily(
+            policy,
+            f"{policy}@<budget>[:<codec>][+recall][+pyramid], the {policy} policy alone, as h2o ({policy}@0.2)",
+            functools.partial(_parse_policy, policy),
+        )
+        for policy in POLICY_FAMILIES
+    ),
     CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8", 8, "int")),
     CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4", 4, "int")),
     CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8", 8, "fp8")),

@@ -146,8 +146,15 @@ def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[s
         arguments["budget_of"] = policy.budget_of
     if parts.codec is not None:
         arguments["codec"] = parts.codec
+    if parts.layer_budgets() and policy.allocation is not None:
+        raise ValueError(
+            f"{policy.describe()} splits its budget over the layers (allocation={policy.allocation!r}), and the "
+            f"chain also gives layers {sorted(parts.layer_budgets())} budgets of their own; give one or the other."
+        )
     if parts.layer_budgets():
         arguments["layer_budgets"] = parts.layer_budgets()
+    elif policy.allocation is not None:
+        arguments["layer_budgets"] = policy.allocation
     if parts.spill is not None:
         arguments["recall"] = parts.spill.recall()
     if parts.prefix is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from hf_kvgov.hf.quant_config import CODEC_NAMES, QuantConfig
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
@@ -72,6 +73,8 @@ class HeavyHitter:
         query_chunk: queries attended at a time (memory O(query_chunk x slots)); None: the cache's default.
         budget_of: the tokens a fractional budget is a fraction of, when it is not generate's prompt (a text
             fed in chunks, or through the model directly); None: the prompt.
+        allocation: `Pyramid()` to split the budget over the evicting layers, more below and the same
+            total (PyramidKV); None: every layer keeps the budget (or its `Layer` override).
     """
 
     budget: BudgetSpec = 0.2
@@ -79,16 +82,18 @@ class HeavyHitter:
     heavy: BudgetSpec | None = None
     query_chunk: int | None = None
     budget_of: int | None = None
+    allocation: Pyramid | None = None
 
     def __post_init__(self) -> None:
         check_budget_spec("HeavyHitter", "budget", self.budget)
         check_budget_spec("HeavyHitter", "recent", self.recent, allow_zero=True)
         if self.heavy is not None:
             check_budget_spec("HeavyHitter", "heavy", self.heavy, allow_zero=True)
+        _check_type("HeavyHitter.allocation", self.allocation, (Pyramid,))
 
     def describe(self) -> str:
         share = f"{self.budget:.0%}" if isinstance(self.budget, float) else f"{self.budget} tokens"
-        return f"H2O {share}"
+        return f"H2O {share}" + _allocated(self.allocation)
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class Sink:
         budget: slots per (sequence, KV head); None = ``n_sink + window``.
         query_chunk: queries attended at a time; None: the cache's default.
         budget_of: the tokens a fractional budget is a fraction of, as for `HeavyHitter`.
+        allocation: `Pyramid()` to split the budget over the evicting layers, as for `HeavyHitter`.
     """
 
     n_sink: int = 4
@@ -107,6 +113,7 @@ class Sink:
     budget: BudgetSpec | None = None
     query_chunk: int | None = None
     budget_of: int | None = None
+    allocation: Pyramid | None = None
 
     def __post_init__(self) -> None:
         for name, lowest in (("n_sink", 0), ("window", 1)):
@@ -115,9 +122,14 @@ class Sink:
                 raise ValueError(f"Sink.{name} must be an int >= {lowest}; got {value!r}.")
         if self.budget is not None:
             check_budget_spec("Sink", "budget", self.budget)
+        _check_type("Sink.allocation", self.allocation, (Pyramid,))
 
     def describe(self) -> str:
-        return f"sinks {self.n_sink} + window {self.window}"
+        return f"sinks {self.n_sink} + window {self.window}" + _allocated(self.allocation)
+
+
+def _allocated(allocation: Pyramid | None) -> str:
+    return "" if allocation is None else f" (pyramid budgets over layers, beta {allocation.beta:g})"
 
 
 Policy = HeavyHitter | Sink
@@ -252,9 +264,16 @@ class ChainParts:
         return " -> ".join(steps) or "paged (default blocks)"
 
 
-def budget_overrides(layer_budgets: Mapping[int, BudgetSpec] | None) -> dict[int, Layer]:
-    """``{layer: budget}`` as the chain's per-layer overrides."""
-    return {index: Layer(budget=budget) for index, budget in (layer_budgets or {}).items()}
+def budget_overrides(layer_budgets: Mapping[int, BudgetSpec] | Pyramid | None) -> dict[int, Layer]:
+    """``{layer: budget}`` as the chain's per-layer overrides (an allocator is the policy part's, not these)."""
+    if layer_budgets is None or isinstance(layer_budgets, Pyramid):
+        return {}
+    return {index: Layer(budget=budget) for index, budget in layer_budgets.items()}
+
+
+def allocation_of(layer_budgets: object) -> Pyramid | None:
+    """The allocator a cache's ``layer_budgets`` names, for its policy part (None for explicit budgets)."""
+    return layer_budgets if isinstance(layer_budgets, Pyramid) else None
 
 
 def codec_config(codec: str | QuantConfig | None) -> QuantConfig | None:

@@ -3,15 +3,19 @@
 A policy's ``select(facts, positions, valid, budget)`` returns slot indices per KV head; the cache then
 moves its tensors with :func:`gather_kept`. ``facts`` is a `SlotFacts` holding what the policy's ``needs``
 asks for (attention mass, the last queries' attention, key norms). Build one by name with
-:func:`make_policy` (``"h2o"``, ``"sink"``, ``"snapkv"``, ``"tova"``, ``"key_norm"``). The attention-mass
-and RoPE helpers feed the policies and the caches that apply them.
+:func:`make_policy` (``"h2o"``, ``"sink"``, ``"snapkv"``, ``"tova"``, ``"key_norm"``, ``"mean_mass"``,
+``"expected_attention"``). The attention-mass, query-forecast and RoPE helpers feed the policies and the
+caches that apply them; `Pyramid` splits a cache's budget over its layers.
 """
 
 from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mass_chunked
 from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, SlotFacts
+from hf_kvgov.policies.expected_attention import ExpectedAttention
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.mean_mass import MeanMass
+from hf_kvgov.policies.pyramid import Pyramid
+from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention
 from hf_kvgov.policies.registry import available_policies, make_policy, register_policy
 from hf_kvgov.policies.rope import apply_rope, rerotate, rotate_half
 from hf_kvgov.policies.selection import (
@@ -29,10 +33,13 @@ from hf_kvgov.policies.tova import TOVA
 __all__ = [
     "TOVA",
     "EvictionPolicy",
+    "ExpectedAttention",
     "FactNeeds",
     "HeavyHitter",
     "KeyNorm",
     "MeanMass",
+    "Pyramid",
+    "QueryForecast",
     "SinkWindow",
     "SlotFacts",
     "SnapKV",
@@ -40,6 +47,7 @@ __all__ = [
     "apply_rope",
     "attention_mass_chunked",
     "available_policies",
+    "expected_attention",
     "gather_kept",
     "make_policy",
     "newest_valid",

@@ -10,6 +10,8 @@ Each policy declares the facts it ranks by in ``needs`` (a `FactNeeds`), and the
   observation window, TOVA's current query). At prefill these are the prompt's last queries; during decode
   a step has one query, so it is the newest query's attention.
 - ``key_norm``          L2 norm of each slot's key as cached (after RoPE, which preserves norms).
+- ``expected_attention`` attention the queries still to come are expected to pay each slot, estimated
+  from the step's queries as ``needs.forecast`` says (:mod:`hf_kvgov.policies.query_forecast`).
 
 Attention facts are softmax probabilities summed over the query heads that share a KV head (and over the
 queries counted), so GQA groups rank as one; a padding query adds nothing.
@@ -39,6 +41,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from hf_kvgov.policies.query_forecast import QueryForecast
+
 
 @dataclass(frozen=True)
 class FactNeeds:
@@ -48,14 +52,18 @@ class FactNeeds:
         mass: accumulated attention mass, kept per slot across steps.
         recent_queries: how many of the step's last queries ``recent_attention`` sums (0: not needed).
         key_norm: the L2 norm of each slot's key.
+        forecast: how to estimate the queries to come for ``expected_attention`` (None: not needed).
     """
 
     mass: bool = False
     recent_queries: int = 0
     key_norm: bool = False
+    forecast: QueryForecast | None = None
 
     def __post_init__(self) -> None:
         check_count("FactNeeds", "recent_queries", self.recent_queries)
+        if self.forecast is not None and not isinstance(self.forecast, QueryForecast):
+            raise TypeError(f"FactNeeds.forecast must be a QueryForecast or None; got {self.forecast!r}.")
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class SlotFacts:
     mass: Tensor | None = None
     recent_attention: Tensor | None = None
     key_norm: Tensor | None = None
+    expected_attention: Tensor | None = None
 
     def require(self, name: str, owner: str) -> Tensor:
         """The fact ``name``; raises ``ValueError`` naming ``owner`` when the cache did not compute it."""

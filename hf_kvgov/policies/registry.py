@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hf_kvgov.policies.base import EvictionPolicy
+from hf_kvgov.policies.expected_attention import ExpectedAttention
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.mean_mass import MeanMass
@@ -16,6 +17,7 @@ from hf_kvgov.policies.tova import TOVA
 PolicyFactory = Callable[..., EvictionPolicy]
 
 _FACTORIES: dict[str, PolicyFactory] = {
+    "expected_attention": ExpectedAttention,
     "h2o": HeavyHitter,
     "key_norm": KeyNorm,
     "mean_mass": MeanMass,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kvgov import DiskOffloadCache, HeavyHitterCache, PagedCache, QuantizedCache, SinkCache
+from hf_kvgov import DiskOffloadCache, HeavyHitterCache, PagedCache, PolicyCache, QuantizedCache, SinkCache
+from hf_kvgov.policies import TOVA, ExpectedAttention, KeyNorm, MeanMass, SnapKV
 from hf_kvgov.registry import CACHES, FAMILIES, get_cache_spec
 from tests.conftest import tiny_llama
 
@@ -15,7 +16,8 @@ MODEL = tiny_llama()
 def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
     for name in ("dynamic", "paged", "paged-attn", "int8", "int4", "fp8", "h2o", "sink", "disk"):
         assert get_cache_spec(name) is CACHES[name]
-    assert set(FAMILIES) == {"h2o", "sink", "int8", "int4", "fp8", "paged", "disk"}
+    eviction = {"h2o", "sink", "snapkv", "tova", "key_norm", "mean_mass", "expected_attention"}
+    assert set(FAMILIES) == eviction | {"int8", "int4", "fp8", "paged", "disk"}
 
 
 @pytest.mark.parametrize(
@@ -24,6 +26,8 @@ def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
         ("h2o@0.2", HeavyHitterCache, False, True),
         ("h2o@256", HeavyHitterCache, False, True),
         ("sink@4+252", SinkCache, False, True),
+        ("snapkv@0.2", PolicyCache, False, True),
+        ("tova@64:int8", PolicyCache, False, True),
         ("int8@64", QuantizedCache, False, False),
         ("int4@32", QuantizedCache, False, False),
         ("fp8@64", QuantizedCache, False, False),
@@ -51,6 +55,50 @@ def test_arguments_reach_the_caches() -> None:
     disk = get_cache_spec("disk@128").build(MODEL)
     assert disk.disk.hot_tokens == 128
     disk.release()
+
+
+@pytest.mark.parametrize(
+    ("name", "policy"),
+    [
+        ("snapkv@0.2", SnapKV()),
+        ("tova@0.2", TOVA()),
+        ("key_norm@0.2", KeyNorm()),
+        ("mean_mass@0.2", MeanMass()),
+        ("expected_attention@0.2", ExpectedAttention()),
+    ],
+)
+def test_policy_names_build_a_policy_cache_with_that_policy(name: str, policy: object) -> None:
+    spec = get_cache_spec(name)
+    cache = spec.build(MODEL)
+    assert cache.budget is None and cache.policy is None  # the fraction resolves on the prompt
+    # Sized on a known context: 20% of 1000 tokens; SnapKV never keeps fewer than its 32-slot window.
+    sized = spec.build_for(MODEL, 1000)
+    assert isinstance(sized, PolicyCache) and sized.budget == 200 and sized.policy == policy
+    assert get_cache_spec("snapkv@0.01").build_for(MODEL, 1000).budget == 32
+
+
+def test_policy_names_take_a_codec_and_recall() -> None:
+    cache = get_cache_spec("snapkv@128:int8+recall").build(MODEL)
+    assert cache.budget == 128 and cache.codec_name == "int8" and cache.recall is not None
+    assert get_cache_spec("tova@128").build(MODEL).recall is None
+    accepted = "the suffixes after '\\+' are 'recall' and 'pyramid', each at most once"
+    with pytest.raises(ValueError, match=f"{accepted} \\(snapkv@0.2\\+recall, snapkv@0.2\\+pyramid\\); got 'x'"):
+        get_cache_spec("snapkv@0.2+x")
+    with pytest.raises(ValueError, match=f"{accepted} .*; got 'pyramid'"):
+        get_cache_spec("h2o@0.2+pyramid+pyramid")
+
+
+def test_the_pyramid_suffix_splits_the_budget_over_the_layers() -> None:
+    # 20% of 1000 = 200 slots over 2 layers (SnapKV's 32-slot window fixed): 168 to share, low 8.4,
+    # high 327.6 -> 359.6 and 40.4 -> 360 and 40; H2O (1 fixed slot): 199 to share, low 9.95, high 388.05 ->
+    # 389.05 and 10.95 -> 389 and 11.
+    snapkv = get_cache_spec("snapkv@0.2+pyramid").build_for(MODEL, 1000)
+    h2o = get_cache_spec("h2o@0.2:int8+pyramid").build_for(MODEL, 1000)
+    assert snapkv.stats().layer_budgets == (360, 40) and h2o.stats().layer_budgets == (389, 11)
+    assert h2o.codec_name == "int8" and get_cache_spec("h2o@0.2").build_for(MODEL, 1000).stats().layer_budgets == (
+        200,
+        200,
+    )
 
 
 @pytest.mark.parametrize(("name", "block_size"), [("paged@8", 8), ("int8@32", 32), ("int4@64", 64)])

@@ -8,9 +8,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import HeavyHitterCache, SinkCache, eviction_attention
+from hf_kvgov import GovernedCache, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+from hf_kvgov.chain.parts import HeavyHitter, Layer
+from hf_kvgov.policies import SnapKV
+from hf_kvgov.policies.pyramid import Pyramid
 from tests.conftest import tiny_llama
-from tests.eviction.test_eviction_sliding import tiny_mistral
+from tests.eviction.test_eviction_sliding import tiny_gemma3, tiny_mistral
 
 MODEL = tiny_llama(num_kv_heads=2)
 
@@ -103,6 +106,72 @@ def test_layer_budgets_combine_with_a_codec() -> None:
     assert cache.stats().kv_bytes == 2 * (10 + 4) * 2 * (16 + 4)
 
 
+def test_a_pyramid_gives_the_lower_layer_more_slots_and_holds_the_bytes_of_the_uniform_budget() -> None:
+    # Budget 8 over 2 layers, H2O's 2 recent slots fixed: 6 to share, 0.3 to the last layer -> 13.7 and 2.3,
+    # rounded to whole slots summing to 16: 14 and 2.
+    prompt = ids(2, 30, seed=6)
+    pyramid = HeavyHitterCache(MODEL, budget=8, recent=2, layer_budgets=Pyramid())
+    uniform = HeavyHitterCache(MODEL, budget=8, recent=2)
+    with eviction_attention(MODEL), torch.inference_mode():
+        MODEL(prompt, cache=pyramid)
+        MODEL(prompt, cache=uniform)
+    assert pyramid.stats().layer_budgets == (14, 2)
+    assert [layer.slots for layer in pyramid.layers] == [14, 2]  # type: ignore[attr-defined]
+    # 2 rows x 2 KV heads x 16 slots x 128 bytes (K and V, 16 float32 each), as the uniform 8 + 8.
+    assert pyramid.stats().kv_bytes == uniform.stats().kv_bytes == 2 * 2 * 16 * 128
+
+
+def test_a_fractional_budget_is_split_once_resolved_on_the_prompt_and_again_after_reset() -> None:
+    cache = PolicyCache(MODEL, SnapKV(window=2, kernel=1), budget=0.4, layer_budgets=Pyramid(beta=2))
+    assert cache.stats().layer_budgets == (None, None)
+    prompt = {"input_ids": ids(1, 20, seed=7)}
+    with eviction_attention(MODEL):
+        MODEL.generate(**prompt, cache=cache, max_new_tokens=3, do_sample=False)
+        # 40% of 20 = 8, SnapKV's 2-slot window fixed: 6 to share, low 3, high 9 -> 11 and 5.
+        assert cache.stats().layer_budgets == (11, 5)
+        assert [layer.slots for layer in cache.layers] == [11, 5]  # type: ignore[attr-defined]
+        cache.reset()
+        assert cache.stats().layer_budgets == (None, None)
+        MODEL.generate(input_ids=ids(1, 30, seed=8), cache=cache, max_new_tokens=1, do_sample=False)
+    # 40% of 30 = 12: 10 to share, low 5, high 15 -> 17 and 7.
+    assert cache.stats().layer_budgets == (17, 7)
+
+
+def test_a_flat_pyramid_generates_what_the_uniform_budget_generates() -> None:
+    prompt = {"input_ids": ids(2, 24, seed=9)}
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    with eviction_attention(MODEL):
+        expected = MODEL.generate(**prompt, cache=HeavyHitterCache(MODEL, budget=10, recent=3), **kwargs)
+        flat = HeavyHitterCache(MODEL, budget=10, recent=3, layer_budgets=Pyramid(beta=1))
+        got = MODEL.generate(**prompt, cache=flat, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for got_step, expected_step in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(got_step, expected_step, atol=0, rtol=0)
+
+
+def test_a_pyramid_skips_sliding_window_layers() -> None:
+    model = tiny_gemma3(("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
+    cache = HeavyHitterCache(model, budget=10, recent=2, layer_budgets=Pyramid())
+    with eviction_attention(model), torch.inference_mode():
+        model(ids(1, 40, seed=10), cache=cache)
+    # The full layers 1 and 3 share 2 x 10: 8 to share, low 0.4, high 15.6 -> 17.6 and 2.4 -> 18 and 2; the
+    # sliding layers keep their window (7 slots) as they would under any budget of at least 7.
+    assert cache.stats().layer_budgets == (7, 18, 7, 2)
+    assert [layer.slots for layer in cache.layers] == [7, 18, 7, 2]  # type: ignore[attr-defined]
+
+
+def test_the_chain_takes_a_pyramid_as_the_policy_part_s_allocation() -> None:
+    cache = HeavyHitterCache(MODEL, budget=8, recent=2, layer_budgets=Pyramid())
+    assert cache.parts.policy == HeavyHitter(8, 2, query_chunk=256, allocation=Pyramid()) and not cache.parts.layers
+    assert "pyramid budgets over layers, beta 20" in cache.parts.describe()
+    composed = GovernedCache(MODEL, **cache.parts.kwargs())
+    assert isinstance(composed, HeavyHitterCache) and composed.stats().layer_budgets == (14, 2)
+    with pytest.raises(ValueError, match=r"give one or the other"):
+        GovernedCache(MODEL, policy=HeavyHitter(8, 2, allocation=Pyramid()), layers={0: Layer(budget=4)})
+    with pytest.raises(TypeError, match=r"HeavyHitter\.allocation must be a Pyramid"):
+        HeavyHitter(8, allocation={0: 4})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("make", "error", "message"),
     [
@@ -124,7 +193,8 @@ def test_layer_budgets_combine_with_a_codec() -> None:
         (
             lambda: HeavyHitterCache(MODEL, budget=4, layer_budgets=[(0, 8)]),
             TypeError,
-            "layer_budgets must map layer indices to budgets, as in {0: 1.0, 3: 128}; got [(0, 8)] of type list.",
+            "layer_budgets must map layer indices to budgets, as in {0: 1.0, 3: 128}, or be an allocator such as "
+            "Pyramid(); got [(0, 8)] of type list.",
         ),
         (
             lambda: HeavyHitterCache(MODEL, budget=4, layer_budgets={0: 0}),

@@ -17,18 +17,20 @@ from tests.eviction.test_eviction_equivalence import prompts, run
 WINDOW = 8
 
 
-def tiny_gemma3() -> Gemma3ForCausalLM:
+def tiny_gemma3(
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention", "sliding_attention"),
+) -> Gemma3ForCausalLM:
     torch.manual_seed(0)
     config = Gemma3TextConfig(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=3,
+        num_hidden_layers=len(layer_types),
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        layer_types=list(layer_types),
         max_position_embeddings=256,
     )
     return Gemma3ForCausalLM(config).eval()

@@ -28,7 +28,7 @@ so, ``(q, tokens seen)``, which makes transformers' mask exactly the causal + pa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from torch import Tensor
 from hf_kvgov.hf.compat import kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, fraction_label
 from hf_kvgov.hf.eviction.layer import EvictionLayer
-from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, check_layer_budgets
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.pooled_slots import pooled_homes
 from hf_kvgov.hf.eviction.recall import (
@@ -49,6 +49,7 @@ from hf_kvgov.hf.eviction.recall import (
     page_tier_for,
     recall_stats,
 )
+from hf_kvgov.hf.eviction.rotary import layer_inv_freqs
 from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_empty
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
@@ -60,10 +61,12 @@ from hf_kvgov.hf.eviction.slot_steps import (
     with_new_slots,
 )
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
-from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
+from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, Forecast, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
+from hf_kvgov.policies.pyramid import Pyramid
+from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
@@ -94,7 +97,8 @@ class EvictionCache(GovernedCache):
             Keys and values are both encoded per slot (why keys are not grouped per channel: see
             ``slot_store``), so eviction gathers codes and scales as it gathers dense slots.
         layer_budgets: per-layer budgets overriding ``budget`` (``{0: 1.0, 5: 128}``): ints, or fractions
-            like ``budget``. Sliding-window layers still cap theirs at ``window - 1``.
+            like ``budget``. Sliding-window layers still cap theirs at ``window - 1``. Or ``Pyramid()``:
+            the budget, once resolved, split over the evicting layers, more below, the same total.
         decode_policy: the policy for every step after the first chunk (None: the same policy throughout).
             Its budget is the layer's; the attention mass is accumulated from the prompt on if it needs it.
         budget_of: the number of tokens fractional budgets are fractions of (the whole text's length for a
@@ -126,7 +130,7 @@ class EvictionCache(GovernedCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         *,
         codec: CodecSpec = None,
-        layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        layer_budgets: LayerBudgetSpec = None,
         decode_policy: EvictionPolicy | None = None,
         budget_of: int | None = None,
         compress: str = "always",
@@ -148,11 +152,23 @@ class EvictionCache(GovernedCache):
         formats, self.quant = slot_formats(codec, len(windows), self.num_kv_heads, self.head_dim, name)
         self.codec_name: str | None = None if self.quant is None else self.quant.codec_name
         self.layer_budgets = check_layer_budgets(name, layer_budgets, len(windows))
-        self._budgets = LayerBudgets(name, budget, self.layer_budgets, len(windows), policy_for, min_budget)
+        allocator = layer_budgets if isinstance(layer_budgets, Pyramid) else None
+        evicting = [i for i, window in enumerate(windows) if window is None]
+        self._budgets = LayerBudgets(
+            name, budget, self.layer_budgets, len(windows), policy_for, min_budget, allocator, evicting
+        )
         self.budget_of = check_budget_of(name, budget_of, self._budgets.specs)
         self._basis = BudgetBasis(name, fraction_label(budget, self.layer_budgets), self.budget_of)
         self.compress = compress
         self._config = config
+        # A policy that forecasts queries turns them with the layers' RoPE; a model without it is refused by
+        # the cache that takes such a policy (`PolicyCache`), on construction.
+        self._inv_freqs: list[Tensor] | None = None
+        self._no_rope = ""
+        try:
+            self._inv_freqs = layer_inv_freqs(model, name, "turns queries to the positions to come")
+        except ValueError as error:
+            self._no_rope = str(error)
         self._budget_spec = budget
         self._policy_for = policy_for
         self._min_budget = min_budget
@@ -232,10 +248,17 @@ class EvictionCache(GovernedCache):
             chunk=self.query_chunk,
             window=layer.window,
             extra_slots=self._extra_slots_of(layer),
+            forecast=None if needs.forecast is None else self._forecast_of(layer, needs.forecast),
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
         return key_states, value_states
+
+    def _forecast_of(self, layer: EvictionLayer, forecast: QueryForecast) -> Forecast:
+        """The view's hook estimating the queries to come, with the layer's RoPE frequencies."""
+        if self._inv_freqs is None:
+            raise ValueError(self._no_rope)
+        return functools.partial(expected_attention, forecast, self._inv_freqs[layer.index])
 
     def _extra_slots_of(self, layer: EvictionLayer) -> Any:
         """The view's hook for slots attended beside the kept ones: the shared prefix, recalled pages; or None."""
@@ -287,7 +310,8 @@ class EvictionCache(GovernedCache):
             policy = self.decode_policy
         if layer.slots + q_len <= budget:
             return policy, FactNeeds(mass=mass)
-        return policy, FactNeeds(mass, policy.needs.recent_queries, policy.needs.key_norm)
+        needs = policy.needs
+        return policy, FactNeeds(mass, needs.recent_queries, needs.key_norm, needs.forecast)
 
     def _commit(
         self,
@@ -301,6 +325,7 @@ class EvictionCache(GovernedCache):
         valid: Tensor,
         scores: Tensor | None,
         recent: Tensor | None,
+        expected: Tensor | None,
     ) -> None:
         """Store the attended slots, then keep the policy's choice once they exceed the layer's budget."""
         budget = self._budgets.budgets[layer.index]
@@ -315,7 +340,8 @@ class EvictionCache(GovernedCache):
                 budget, select = layer.window - 1, newest
         if store.count > budget:
             norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
-            keep = select(SlotFacts(mass=scores, recent_attention=recent, key_norm=norms), positions, valid, budget)
+            facts = SlotFacts(mass=scores, recent_attention=recent, key_norm=norms, expected_attention=expected)
+            keep = select(facts, positions, valid, budget)
             if layer.recall is not None:  # what is evicted inside what later queries can see goes to disk
                 kept = torch.zeros_like(valid).scatter_(-1, keep, True)
                 layer.recall.spill(keys, values, positions, valid & ~kept)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from hf_kvgov.chain.parts import ChainParts, Disk, budget_overrides
+from hf_kvgov.chain.parts import ChainParts, Disk, allocation_of, budget_overrides
 from hf_kvgov.chain.parts import HeavyHitter as HeavyHitterPart
 from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
@@ -45,6 +45,7 @@ class HeavyHitterCache(EvictionCache):
         codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
+            Or ``Pyramid()``: the budget split over the evicting layers, more below, the same total.
         budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
@@ -66,7 +67,7 @@ class HeavyHitterCache(EvictionCache):
         *,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
-        layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        layer_budgets: LayerBudgetSpec = None,
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
@@ -101,7 +102,7 @@ class HeavyHitterCache(EvictionCache):
             prefix=prefix,
             namespace=namespace,
         )
-        policy = HeavyHitterPart(budget, recent, heavy, query_chunk)
+        policy = HeavyHitterPart(budget, recent, heavy, query_chunk, allocation=allocation_of(layer_budgets))
         spill = None if recall is None else Disk.of_recall(recall)
         self.parts = ChainParts.of(
             policy=policy, pool=pool, prefix=prefix, namespace=namespace, codec=self.quant, spill=spill,

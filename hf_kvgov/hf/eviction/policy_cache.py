@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
@@ -40,6 +40,7 @@ class PolicyCache(EvictionCache):
         codec: None (slots in the model's precision), "int8", "int4", "fp8" (e4m3), "fp8_e5m2" or a
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
+            Or ``Pyramid()``: the budget split over the evicting layers, more below, the same total.
         budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
@@ -65,7 +66,7 @@ class PolicyCache(EvictionCache):
         decode_policy: PolicySpec | None = None,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
-        layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        layer_budgets: LayerBudgetSpec = None,
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
@@ -98,6 +99,8 @@ class PolicyCache(EvictionCache):
             namespace=namespace,
             decode_policy=decode,
         )
+        if any(p is not None and p.needs.forecast is not None for p in (prefill, decode)) and self._no_rope:
+            raise ValueError(self._no_rope)  # refused now rather than at the first eviction
 
 
 def _built(spec: PolicySpec, name: str) -> EvictionPolicy:

@@ -19,15 +19,15 @@ precision gradually at positions in the millions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from hf_kvgov.chain.parts import ChainParts, Sink, budget_overrides
-from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.chain.parts import ChainParts, Sink, allocation_of, budget_overrides
 from hf_kvgov.hf.eviction.cache import EvictionCache
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
+from hf_kvgov.hf.eviction.rotary import rotary_inv_freq
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
@@ -35,9 +35,6 @@ from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.storage.pool import BlockPool
 
 _NAME = "SinkCache"
-# RoPE variants whose frequencies change with the sequence length: a key rotated earlier could not be
-# moved with today's frequencies.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
 class SinkCache(EvictionCache):
@@ -61,7 +58,8 @@ class SinkCache(EvictionCache):
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`). Sink keys
             are re-rotated from their decoded values, as attention reads them.
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``, each at least
-            ``n_sink + window`` as an int; the others use ``budget``.
+            ``n_sink + window`` as an int; the others use ``budget``. Or ``Pyramid()``: the budget split over
+            the evicting layers, more below, the same total, every layer keeping its sinks and window.
         budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
@@ -79,7 +77,7 @@ class SinkCache(EvictionCache):
         *,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
-        layer_budgets: Mapping[int, BudgetSpec] | None = None,
+        layer_budgets: LayerBudgetSpec = None,
         budget_of: int | None = None,
         compress: str = "always",
         pool: BlockPool | None = None,
@@ -94,7 +92,7 @@ class SinkCache(EvictionCache):
             )
         self.n_sink = n_sink
         self.window = window
-        self.inv_freq = rotary_inv_freq(model)
+        self.inv_freq = rotary_inv_freq(model, _NAME, "re-rotates sink keys")
         super().__init__(
             model,
             budget,
@@ -109,7 +107,8 @@ class SinkCache(EvictionCache):
             pool=pool,
         )
         # A name of its own: the policy factory above closes over `policy`, the SinkWindow.
-        part = Sink(n_sink, window, None if budget == n_sink + window else budget, query_chunk)
+        own_budget = None if budget == n_sink + window else budget
+        part = Sink(n_sink, window, own_budget, query_chunk, allocation=allocation_of(layer_budgets))
         self.parts = ChainParts.of(policy=part, pool=pool, codec=self.quant, layers=budget_overrides(layer_budgets))
 
     def _read_keys(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
@@ -136,42 +135,3 @@ def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
     target = oldest_rest - is_sink.sum(dim=-1, keepdim=True) + rank
     shifted = is_sink & rest.any(dim=-1, keepdim=True)
     return torch.where(shifted, target - positions, 0)
-
-
-def rotary_inv_freq(model: Any) -> Tensor:
-    """The model's RoPE ``inv_freq`` ``[rotary_dim / 2]``; refuses models a sink cache cannot re-rotate."""
-    config = decoder_config(model)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
-        rope = rope["full_attention"]  # per-layer-type RoPE (Gemma-3): the sinks live in full-attention layers
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(
-            f"{_NAME} re-rotates cached keys, which needs RoPE frequencies that do not depend on the length; "
-            f"this model uses rope_type={rope_type!r}. Supported: default, linear, llama3, yarn and other static types."
-        )
-    found = [freq for module in model.modules() if (freq := _full_attention_inv_freq(module)) is not None]
-    if not found:
-        raise ValueError(
-            f"{_NAME} re-rotates sink keys with the model's rotary embedding, but {type(model).__name__} has none "
-            "(no module with an inv_freq buffer); StreamingLLM's position shift needs a RoPE model."
-        )
-    if any(freq.shape != found[0].shape or not torch.equal(freq, found[0]) for freq in found[1:]):
-        raise ValueError(
-            f"{_NAME} found several different rotary embeddings in {type(model).__name__}; it supports models "
-            "whose full-attention layers share one RoPE."
-        )
-    return found[0].detach().clone()
-
-
-def _full_attention_inv_freq(module: Any) -> Tensor | None:
-    """The RoPE frequencies a module applies on full-attention layers, if it is a rotary embedding.
-
-    Most models hold ``inv_freq``; models with per-layer-type RoPE (Gemma-3) hold one buffer per type, and
-    only full-attention layers keep sinks (a sliding-window layer never reads them).
-    """
-    for name in ("inv_freq", "full_attention_inv_freq"):
-        freq = getattr(module, name, None)
-        if isinstance(freq, Tensor):
-            return freq
-    return None

@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 ATTENTION_NAME = "kvgov_evict"
 VIEW_KEY = "kvgov_eviction_view"
 
-# commit(keys, values, positions, valid, mass, recent_attention): store the attended slots and evict
-# down to the budget; the two attention facts are None unless ``needs`` asked for them.
-Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None], None]
+# commit(keys, values, positions, valid, mass, recent_attention, expected_attention): store the attended
+# slots and evict down to the budget; the attention facts are None unless ``needs`` asked for them.
+Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], None]
+# forecast(query, query_positions, query_valid, keys, values, valid, scale) -> the expected attention of
+# the queries to come to each slot (`hf_kvgov.policies.expected_attention` with the layer's RoPE bound).
+Forecast = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 # read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
 KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
 # extra_slots(query, first_query_positions) -> slots attended beside the kept ones this step (a shared
@@ -45,7 +48,8 @@ class EvictionView:
     facts to compute (the mass, and the attention of the last ``recent_queries`` queries); ``read_keys`` an
     optional hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the
     layer's sliding window (None: the layer reads every kept slot); ``extra_slots`` gives slots attended
-    before the kept ones and never committed: a shared prefix, recalled pages (None: none).
+    before the kept ones and never committed: a shared prefix, recalled pages (None: none); ``forecast``
+    estimates the attention of the queries to come when ``needs.forecast`` asks for it (None otherwise).
     """
 
     keys: Tensor
@@ -59,6 +63,7 @@ class EvictionView:
     chunk: int = DEFAULT_QUERY_CHUNK
     window: int | None = None  # a sliding-window layer's window: kept slots older than it are not read
     extra_slots: ExtraSlots | None = None
+    forecast: Forecast | None = None
     consumed: bool = False
 
     def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -77,7 +82,11 @@ class EvictionView:
         valid = torch.cat((self.kept_valid, new_valid[:, None, :].expand(batch, kv_heads, q_len)), dim=-1)
         keys = self.keys if self.read_keys is None else self.read_keys(self.keys, self.positions, valid)
         values, positions, kept_valid, scores = self.values, self.positions, self.kept_valid, self.scores
-        first_query = self.positions[:, 0, -q_len:].amin(dim=-1)
+        query_positions = self.positions[:, 0, -q_len:]
+        expected = None
+        if self.forecast is not None:  # of the kept and new slots, before any extra slot joins them
+            expected = self.forecast(query, query_positions, new_valid, keys, values, valid, scale)
+        first_query = query_positions.amin(dim=-1)
         extra = None if self.extra_slots is None else self.extra_slots(query, first_query)
         if extra is not None:  # extra slots go first, so the new ones stay last as attend_slots expects
             keys, values = torch.cat((extra.keys, keys), dim=2), torch.cat((extra.values, values), dim=2)
@@ -101,7 +110,7 @@ class EvictionView:
         if extra is not None:  # extra slots are attended, not kept: their facts go
             scores = None if scores is None else scores[..., extra.count :]
             recent = None if recent is None else recent[..., extra.count :]
-        self.commit(self.keys, self.values, self.positions, valid, scores, recent)
+        self.commit(self.keys, self.values, self.positions, valid, scores, recent, expected)
         return out
 
 

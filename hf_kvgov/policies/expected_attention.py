@@ -1,0 +1,64 @@
+"""Expected Attention: keep the slots the queries still to come are expected to attend to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
+from hf_kvgov.policies.query_forecast import QueryForecast
+from hf_kvgov.policies.selection import newest_valid, oldest_valid, select_by_priority
+
+
+@dataclass(frozen=True)
+class ExpectedAttention:
+    """Expected Attention (Devoto et al., 2025), applied per KV head.
+
+    Each slot is scored by the attention future queries are expected to pay it (`QueryForecast`: the
+    statistics of the step's queries, rotated to the positions to come; see
+    :mod:`hf_kvgov.policies.query_forecast`), and the best-scored slots are kept. Unlike SnapKV and TOVA,
+    which rank by the attention the last queries *paid*, the estimate looks ahead, so a slot that a later
+    question would need can win over one the prompt's end happened to look at.
+
+    Args:
+        sinks: the oldest valid slots, always kept (attention sinks collect weight whatever the query;
+            kvpress keeps 4).
+        recent: the newest valid slots, always kept (0, as in kvpress, which compresses a prompt once;
+            during decode a window keeps the tokens just written).
+        forecast: how the future queries are estimated.
+
+    Ties go to the more recent position, then to the lower slot index.
+    """
+
+    sinks: int = 4
+    recent: int = 0
+    forecast: QueryForecast = field(default_factory=QueryForecast)
+
+    def __post_init__(self) -> None:
+        check_count("ExpectedAttention", "sinks", self.sinks)
+        check_count("ExpectedAttention", "recent", self.recent)
+        if not isinstance(self.forecast, QueryForecast):
+            raise TypeError(f"ExpectedAttention.forecast must be a QueryForecast; got {self.forecast!r}.")
+
+    @property
+    def needs(self) -> FactNeeds:
+        return FactNeeds(forecast=self.forecast)
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.sinks + self.recent, 1)
+
+    def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices.
+
+        Reads ``facts.expected_attention``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
+        :mod:`hf_kvgov.policies.base`.
+        """
+        expected = facts.require("expected_attention", "ExpectedAttention")
+        check_slot_tensors(facts, positions, valid)
+        fixed = self.sinks + self.recent
+        check_budget_fits(self, budget, fixed, f"{self.sinks} sinks and {self.recent} recent slots")
+        kept = min(budget, positions.shape[-1])
+        always = oldest_valid(positions, valid, self.sinks) | newest_valid(positions, valid, self.recent)
+        return select_by_priority(expected.masked_fill(always, float("inf")), positions, valid, kept)

@@ -1,0 +1,134 @@
+"""Expected attention: the attention the queries still to come will pay each slot, estimated from past ones.
+
+Expected Attention (Devoto et al., 2025; kvpress's `ExpectedAttentionPress`) models a future query as a
+Gaussian: the mean ``mu`` and covariance ``Sigma`` of the queries seen, before RoPE, rotated to the next
+``horizon`` positions by the average rotation ``R = mean_t R(t)``. For a Gaussian query the expected
+exponentiated logit of a key ``k`` is ``exp(s mu'.k + s^2 k' Sigma' k / 2)`` with ``mu' = R mu`` and
+``Sigma' = R Sigma R^T`` (``s`` the logit scale), so the expected attention of the slots is a softmax of
+
+    s * (R mu) . k  +  s^2 / 2 * k^T (R Sigma R^T) k
+
+over the slots a future query can read, summed over the query heads of each KV head (like every attention
+fact) and optionally multiplied by the slot's value norm (a slot with a small value changes the output
+little whatever its weight).
+
+The queries come as attention sees them, after RoPE (and after any QK norm, which is why this works on
+Gemma-3, where kvpress's press does not: it re-projects hidden states and cannot apply the norm). Each is
+turned back by its own position (`rerotate` by ``-position``) to recover the query before RoPE; RoPE's
+``attention_scaling`` stays on both the recovered and the future queries, so it needs no special case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hf_kvgov.policies.rope import rerotate
+
+
+@dataclass(frozen=True)
+class QueryForecast:
+    """How to estimate the queries to come, and what to score with them.
+
+    Args:
+        queries: how many of the step's last queries make the statistics (None: all of them, as kvpress
+            does at prefill). During decode a step has one query: its own direction, with no covariance.
+        horizon: the future positions the rotation is averaged over (kvpress: 512).
+        covariance: add the covariance term (False: the mean query alone).
+        value_norm: multiply each slot's expected attention by the L2 norm of its value.
+    """
+
+    queries: int | None = None
+    horizon: int = 512
+    covariance: bool = True
+    value_norm: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("queries", "horizon"):
+            value = getattr(self, name)
+            if value is None and name == "queries":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"QueryForecast.{name} must be a positive int; got {value!r}.")
+        for name in ("covariance", "value_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"QueryForecast.{name} must be a bool; got {getattr(self, name)!r}.")
+
+
+def expected_attention(
+    forecast: QueryForecast,
+    inv_freq: Tensor,
+    query: Tensor,
+    query_positions: Tensor,
+    query_valid: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid: Tensor,
+    scale: float,
+) -> Tensor:
+    """Float ``[batch, kv_heads, slots]``: the expected attention of the queries to come to each slot.
+
+    Args:
+        forecast: the estimate's configuration.
+        inv_freq: ``[rotary_dim / 2]``, the layer's RoPE frequencies.
+        query: ``[batch, q_heads, q_len, head_dim]`` this step's queries after RoPE; query head ``i`` reads
+            KV head ``i // (q_heads // kv_heads)``.
+        query_positions: long ``[batch, q_len]``: each query's RoPE position.
+        query_valid: bool ``[batch, q_len]``: False for padding queries, which add nothing.
+        keys, values: ``[batch, kv_heads, slots, head_dim]`` as attention reads them (keys after RoPE).
+        valid: bool ``[batch, kv_heads, slots]``: the slots a future query may read; the others get 0.
+        scale: the logit scale.
+
+    A row without a valid query scores every slot 0.
+    """
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    work = torch.float64  # a covariance of logits near 1e3 loses the ranking in float32
+    last = q_len if forecast.queries is None else min(forecast.queries, q_len)
+    seen = query[:, :, q_len - last :].to(work)
+    weights = query_valid[:, q_len - last :].to(work)  # [b, n]
+    unrotated = rerotate(seen, -query_positions[:, None, q_len - last :], inv_freq)
+    count = weights.sum(dim=-1).clamp(min=1.0)[:, None, None]  # [b, 1, 1]
+    mean = (unrotated * weights[:, None, :, None]).sum(dim=2) / count  # [b, hq, d]
+    turn = _mean_rotation(query_positions, query_valid, forecast.horizon, inv_freq, head_dim)  # [b, d, d]
+    future_mean = torch.einsum("bij,bhj->bhi", turn, mean)
+    grouped_mean = future_mean.reshape(batch, kv_heads, group, head_dim)
+    logits = scale * torch.einsum("bkgd,bksd->bkgs", grouped_mean, keys.to(work))
+    if forecast.covariance:
+        centred = (unrotated - mean[:, :, None]) * weights[:, None, :, None].sqrt()
+        covariance = centred.transpose(-1, -2) @ centred / count[..., None]  # [b, hq, d, d]
+        future = turn[:, None] @ covariance @ turn[:, None].transpose(-1, -2)
+        future = future.reshape(batch, kv_heads, group, head_dim, head_dim)
+        keyed = keys.to(work)
+        spread = (torch.einsum("bksd,bkgde->bkgse", keyed, future) * keyed[:, :, None]).sum(dim=-1)
+        logits = logits + 0.5 * scale**2 * spread
+    readable = valid[:, :, None, :]
+    probs = logits.masked_fill(~readable, float("-inf")).softmax(dim=-1)
+    probs = torch.where(readable.any(dim=-1, keepdim=True), probs, 0.0)
+    scores = probs.sum(dim=2)
+    if forecast.value_norm:
+        scores = scores * values.to(work).norm(dim=-1)
+    has_query = query_valid.any(dim=-1)[:, None, None]
+    return torch.where(has_query, scores, 0.0).to(torch.promote_types(query.dtype, torch.float32))
+
+
+def _mean_rotation(positions: Tensor, valid: Tensor, horizon: int, inv_freq: Tensor, head_dim: int) -> Tensor:
+    """Float64 ``[batch, head_dim, head_dim]``: RoPE's rotation averaged over the ``horizon`` positions after
+    each row's newest valid query, in the ``rotate_half`` pairing (channel ``i`` with ``i + rotary_dim/2``);
+    channels beyond the rotary ones pass through."""
+    newest = torch.where(valid, positions, -1).amax(dim=-1)  # [b]
+    ahead = torch.arange(1, horizon + 1, device=positions.device, dtype=torch.float64)
+    angles = (newest.to(torch.float64)[:, None] + ahead)[..., None] * inv_freq.to(positions.device, torch.float64)
+    cos, sin = angles.cos().mean(dim=1), angles.sin().mean(dim=1)  # [b, rot/2]
+    half = inv_freq.shape[0]
+    turn = torch.eye(head_dim, dtype=torch.float64, device=positions.device).repeat(positions.shape[0], 1, 1)
+    index = torch.arange(half, device=positions.device)
+    # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): rot(x) = x cos + rotate_half(x) sin.
+    turn[:, index, index] = cos
+    turn[:, index + half, index + half] = cos
+    turn[:, index, index + half] = -sin
+    turn[:, index + half, index] = sin
+    return turn
