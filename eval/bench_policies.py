@@ -8,9 +8,9 @@
 Both declare what the 20% is a fraction of (``budget_of=``); a fraction of the first chunk would be 20% of
 32 tokens. Models: SmolLM2-135M and Gemma-3-270M (float32, CPU), two passages of Pride and Prejudice.
 Configurations: H2O (half recent window, H2O's split, and a 32-token window), sinks + window (StreamingLLM),
-SnapKV, TOVA, key-norm, mean attention mass, SnapKV at prefill then H2O (stream only: in (a) nothing is
-evicted after the prefill), and with ``--pyramid`` SnapKV and H2O with PyramidKV-like per-layer budgets
-(1.5x the budget in the first layer down to 0.5x in the last, the same total).
+SnapKV, TOVA, key-norm, mean attention mass, Expected Attention, SnapKV at prefill then H2O (stream only: in
+(a) nothing is evicted after the prefill), and with ``--pyramid`` SnapKV, Expected Attention and H2O with
+PyramidKV's per-layer budgets (`hf_kvgov.policies.Pyramid`: more in the lower layers, the same total).
 
     python eval/bench_policies.py                 # both protocols, both models: ~35 min on 2 CPU cores
     python eval/bench_policies.py --models smollm2 --protocols continue --json eval/out/policies.json
@@ -47,7 +47,7 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
-from hf_kvgov.policies import HeavyHitter
+from hf_kvgov.policies import HeavyHitter, Pyramid
 
 CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
 
@@ -62,19 +62,12 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
         "tova": lambda m, **kw: PolicyCache(m, "tova", budget=KEEP, **kw),
         "key_norm": lambda m, **kw: PolicyCache(m, "key_norm", budget=KEEP, **kw),
         "mean_mass": lambda m, **kw: PolicyCache(m, "mean_mass", budget=KEEP, **kw),
+        "expected_attention": lambda m, **kw: PolicyCache(m, "expected_attention", budget=KEEP, **kw),
     }
     if stream:
         decode = HeavyHitter(heavy=0.5, recent=32)
         configs["snapkv+h2o decode"] = lambda m, **kw: PolicyCache(m, "snapkv", KEEP, decode_policy=decode, **kw)
     return configs
-
-
-def pyramid(num_layers: int, tokens: int) -> dict[int, int]:
-    """Per-layer slot budgets from 1.5x to 0.5x of ``KEEP x tokens``, linear in depth (PyramidKV's shape)."""
-    mean = KEEP * tokens
-    if num_layers == 1:
-        return {0: int(mean)}
-    return {i: max(32, int(mean * (1.5 - i / (num_layers - 1)))) for i in range(num_layers)}
 
 
 def run_model(name: str, protocols: list[str], with_pyramid: bool, selected: list[str] | None) -> list[dict[str, Any]]:
@@ -105,8 +98,9 @@ def _protocol_rows(
     configs = {c: f for c, f in configurations(stream).items() if selected is None or c in selected}
     variants: list[tuple[str, CacheFactory, dict[str, Any]]] = [(c, f, {}) for c, f in configs.items()]
     if with_pyramid:
-        layers = {"layer_budgets": pyramid(model.config.num_hidden_layers, tokens)}
-        variants += [(f"{c} +pyramid", configs[c], layers) for c in ("snapkv", "h2o") if c in configs]
+        layers = {"layer_budgets": Pyramid()}
+        pyramids = ("snapkv", "expected_attention", "h2o")
+        variants += [(f"{c} +pyramid", configs[c], layers) for c in pyramids if c in configs]
     rows = []
     for config, make, extra in variants:
         cache = make(model, budget_of=tokens, compress="always" if stream else "prefill", **extra)
@@ -127,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     parser.add_argument("--protocols", nargs="+", choices=["continue", "stream"], default=["continue", "stream"])
-    parser.add_argument("--pyramid", action="store_true", help="add SnapKV and H2O with per-layer budgets")
+    parser.add_argument("--pyramid", action="store_true", help="add PyramidKV budgets to 3 policies")
     parser.add_argument("--configs", nargs="+", help="run only these configurations (default: all)")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args()

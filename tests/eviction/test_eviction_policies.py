@@ -1,5 +1,7 @@
-"""SnapKV, TOVA and key-norm through `PolicyCache`: lossless when the budget covers everything, the facts
-they rank by equal to an eager-attention reference, each codec, and a prefill policy with a decode policy."""
+"""SnapKV, TOVA, key-norm, mean mass and Expected Attention through `PolicyCache`: lossless when the budget
+covers everything, the facts they rank by equal to an eager-attention reference (Expected Attention's, from
+the queries attention saw, in ``tests/policies/test_expected_attention.py``), each codec, and a prefill policy
+with a decode policy."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hf_kvgov.hf.eviction import view as view_module
 from hf_kvgov.policies import (
     TOVA,
     EvictionPolicy,
+    ExpectedAttention,
     FactNeeds,
     HeavyHitter,
     KeyNorm,
@@ -35,7 +38,10 @@ NEW: dict[str, Callable[[], EvictionPolicy]] = {
     "tova": TOVA,
     "key_norm": lambda: KeyNorm(recent=3),
     "mean_mass": lambda: MeanMass(recent=2),
+    "expected_attention": lambda: ExpectedAttention(sinks=1, recent=1),
 }
+# The policies whose facts are functions of the attention matrix and the keys alone.
+FROM_ATTENTION = sorted(set(NEW) - {"expected_attention"})
 
 
 def assert_same_tokens(model, make_cache, inputs, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -102,7 +108,7 @@ def reference_facts(attn: torch.Tensor, keys: torch.Tensor, needs: FactNeeds) ->
     )
 
 
-@pytest.mark.parametrize("name", sorted(NEW))
+@pytest.mark.parametrize("name", FROM_ATTENTION)
 def test_prefill_keeps_what_the_policy_chooses_from_eager_attention(name: str) -> None:
     # The cache attends 5 queries at a time, so SnapKV's 4-query window spans two chunks.
     policy, budget = NEW[name](), 7

@@ -8,8 +8,10 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from hf_kvgov import PolicyCache, eviction_attention
+from hf_kvgov.hf.eviction import view as view_module
 from hf_kvgov.policies import ExpectedAttention, QueryForecast, SlotFacts, apply_rope, expected_attention, make_policy
 from tests.conftest import tiny_llama
+from tests.eviction.test_eviction_policies import Recording
 from tests.eviction.test_eviction_sliding import tiny_gemma3
 
 INV_FREQ = 1.0 / (10_000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))  # head_dim 8
@@ -130,6 +132,35 @@ def test_a_budget_covering_everything_generates_what_dynamic_cache_generates() -
         assert torch.equal(got.sequences, expected.sequences)
         for got_step, expected_step in zip(got.logits, expected.logits, strict=True):
             torch.testing.assert_close(got_step, expected_step, atol=1e-5, rtol=1e-5)
+
+
+def test_the_cache_hands_the_policy_the_estimate_of_the_queries_attention_saw(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_llama()
+    seen_queries: list[torch.Tensor] = []
+    original = view_module.EvictionView.attend
+
+    def recording(self, query, mask, scale, softcap):  # type: ignore[no-untyped-def]
+        seen_queries.append(query.clone())
+        return original(self, query, mask, scale, softcap)
+
+    monkeypatch.setattr(view_module.EvictionView, "attend", recording)
+    policy = Recording(ExpectedAttention(sinks=1))
+    ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5))
+    cache = PolicyCache(model, policy, budget=7, query_chunk=5)
+    with eviction_attention(model), torch.inference_mode():
+        model(ids, cache=cache)
+    reference = DynamicCache()
+    with torch.inference_mode():
+        model(ids, cache=reference)
+    positions = torch.arange(24)
+    every = torch.ones(2, 2, 24, dtype=torch.bool)
+    for layer, query, facts in zip(reference.layers, seen_queries, policy.seen, strict=True):
+        estimate = expected_attention(
+            QueryForecast(), model.model.rotary_emb.inv_freq, query, positions.expand(2, 24),
+            torch.ones(2, 24, dtype=torch.bool), layer.keys, layer.values, every, 16**-0.5,
+        )  # fmt: skip
+        assert facts.expected_attention is not None
+        torch.testing.assert_close(facts.expected_attention, estimate, atol=1e-6, rtol=1e-5)
 
 
 def test_an_evicting_cache_keeps_what_the_policy_chose_from_the_estimate() -> None:
