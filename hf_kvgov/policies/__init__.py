@@ -29,6 +29,7 @@ from hf_kvgov.policies.selection import (
 from hf_kvgov.policies.sink_window import SinkWindow
 from hf_kvgov.policies.snapkv import SnapKV
 from hf_kvgov.policies.tova import TOVA
+from hf_kvgov.policies.with_sinks import WithSinks
 
 __all__ = [
     "TOVA",
@@ -43,6 +44,7 @@ __all__ = [
     "SinkWindow",
     "SlotFacts",
     "SnapKV",
+    "WithSinks",
     "accumulate_attention",
     "apply_rope",
     "attention_mass_chunked",
