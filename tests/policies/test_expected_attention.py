@@ -29,7 +29,7 @@ def test_the_policy_keeps_its_sinks_its_recent_slots_and_the_best_expected_score
     kept = ExpectedAttention(sinks=1, recent=1).select(facts(scores), positions, valid, 4)
     assert kept.tolist() == [[[0, 2, 4, 7]]]
     # No sinks, no window: the four best, 0.9, 0.8, 0.7, 0.3.
-    assert ExpectedAttention(sinks=0).select(facts(scores), positions, valid, 4).tolist() == [[[2, 3, 4, 6]]]
+    assert ExpectedAttention(sinks=0, recent=0).select(facts(scores), positions, valid, 4).tolist() == [[[2, 3, 4, 6]]]
 
 
 def test_sinks_are_the_oldest_valid_positions_and_invalid_slots_are_fillers() -> None:
@@ -38,9 +38,11 @@ def test_sinks_are_the_oldest_valid_positions_and_invalid_slots_are_fillers() ->
     valid = torch.tensor([[[True, True, False, True, True]]])
     # Slot 2 (position 2) is padding: the oldest valid is slot 1 (position 3), kept though it scores 0;
     # then 0.8 (slot 4) and 0.5 (slot 0); in position order 3, 7, 9.
-    assert ExpectedAttention(sinks=1).select(facts(scores), positions, valid, 3).tolist() == [[[1, 4, 0]]]
+    assert ExpectedAttention(sinks=1, recent=0).select(facts(scores), positions, valid, 3).tolist() == [[[1, 4, 0]]]
     # Keeping 5 of 4 valid slots pads with the invalid one, first.
-    assert ExpectedAttention(sinks=1).select(facts(scores), positions, valid, 5).tolist() == [[[2, 1, 3, 4, 0]]]
+    assert ExpectedAttention(sinks=1, recent=0).select(facts(scores), positions, valid, 5).tolist() == [
+        [[2, 1, 3, 4, 0]]
+    ]
 
 
 def test_bad_configurations_and_missing_facts_are_refused() -> None:
@@ -57,6 +59,7 @@ def test_bad_configurations_and_missing_facts_are_refused() -> None:
     positions, valid = torch.arange(6)[None, None], torch.ones(1, 1, 6, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"always keeps 4 sinks and 2 recent slots, so the budget must be at least 6"):
         ExpectedAttention(recent=2).select(facts([0.0] * 6), positions, valid, 5)
+    assert ExpectedAttention().min_budget == 36  # 4 sinks and a 32-token window by default
     with pytest.raises(ValueError, match=r"ExpectedAttention ranks slots by expected_attention"):
         ExpectedAttention().select(SlotFacts(), positions, valid, 5)
     assert make_policy("expected_attention") == ExpectedAttention()
@@ -144,7 +147,7 @@ def test_the_cache_hands_the_policy_the_estimate_of_the_queries_attention_saw(mo
         return original(self, query, mask, scale, softcap)
 
     monkeypatch.setattr(view_module.EvictionView, "attend", recording)
-    policy = Recording(ExpectedAttention(sinks=1))
+    policy = Recording(ExpectedAttention(sinks=1, recent=2))
     ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(5))
     cache = PolicyCache(model, policy, budget=7, query_chunk=5)
     with eviction_attention(model), torch.inference_mode():
@@ -176,5 +179,5 @@ def test_an_evicting_cache_keeps_what_the_policy_chose_from_the_estimate() -> No
 def test_a_model_without_rope_is_refused_on_construction() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=1, n_head=2, n_positions=64))
     with pytest.raises(ValueError, match=r"PolicyCache turns queries to the positions to come with the model's rotary"):
-        PolicyCache(gpt2, ExpectedAttention(), budget=8)
+        PolicyCache(gpt2, ExpectedAttention(), budget=40)
     PolicyCache(gpt2, "tova", budget=8)  # a policy that needs no RoPE is served
