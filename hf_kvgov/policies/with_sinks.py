@@ -61,7 +61,7 @@ class WithSinks:
         sinks = oldest_valid(positions, valid, self.n_sink)
         rest = valid & ~sinks
         chosen = self.inner.select(facts, positions, rest, budget - self.n_sink)
-        keep = sinks | torch.zeros_like(valid).scatter_(-1, chosen, True) & rest
+        keep = sinks | (torch.zeros_like(valid).scatter_(-1, chosen, True) & rest)  # a filler is never kept
         # Ranked by kept-or-not: the chosen slots first; any room left (a row with few valid slots) goes to
         # the other valid slots, newest first, then to invalid fillers, as every policy pads.
         return select_by_priority(keep.float(), positions, valid, kept)

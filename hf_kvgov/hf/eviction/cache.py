@@ -49,7 +49,7 @@ from hf_kvgov.hf.eviction.recall import (
     page_tier_for,
     recall_stats,
 )
-from hf_kvgov.hf.eviction.rotary import layer_inv_freqs
+from hf_kvgov.hf.eviction.rotary import LayerFrequencies
 from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_empty
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
@@ -163,12 +163,7 @@ class EvictionCache(GovernedCache):
         self._config = config
         # A policy that forecasts queries turns them with the layers' RoPE; a model without it is refused by
         # the cache that takes such a policy (`PolicyCache`), on construction.
-        self._inv_freqs: list[Tensor] | None = None
-        self._no_rope = ""
-        try:
-            self._inv_freqs = layer_inv_freqs(model, name, "turns queries to the positions to come")
-        except ValueError as error:
-            self._no_rope = str(error)
+        self._rotary = LayerFrequencies(model, name, "turns queries to the positions to come")
         self._budget_spec = budget
         self._policy_for = policy_for
         self._min_budget = min_budget
@@ -248,17 +243,15 @@ class EvictionCache(GovernedCache):
             chunk=self.query_chunk,
             window=layer.window,
             extra_slots=self._extra_slots_of(layer),
-            forecast=None if needs.forecast is None else self._forecast_of(layer, needs.forecast),
+            forecast=None if needs.forecast is None else self._forecast_of(layer.index, needs.forecast),
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
         return key_states, value_states
 
-    def _forecast_of(self, layer: EvictionLayer, forecast: QueryForecast) -> Forecast:
+    def _forecast_of(self, layer: int, forecast: QueryForecast) -> Forecast:
         """The view's hook estimating the queries to come, with the layer's RoPE frequencies."""
-        if self._inv_freqs is None:
-            raise ValueError(self._no_rope)
-        return functools.partial(expected_attention, forecast, self._inv_freqs[layer.index])
+        return functools.partial(expected_attention, forecast, self._rotary.of(layer))
 
     def _extra_slots_of(self, layer: EvictionLayer) -> Any:
         """The view's hook for slots attended beside the kept ones: the shared prefix, recalled pages; or None."""

@@ -99,8 +99,9 @@ class PolicyCache(EvictionCache):
             namespace=namespace,
             decode_policy=decode,
         )
-        if any(p is not None and p.needs.forecast is not None for p in (prefill, decode)) and self._no_rope:
-            raise ValueError(self._no_rope)  # refused now rather than at the first eviction
+        refusal = self._rotary.refusal
+        if refusal is not None and any(p is not None and p.needs.forecast is not None for p in (prefill, decode)):
+            raise ValueError(refusal)  # refused now rather than at the first eviction
 
 
 def _built(spec: PolicySpec, name: str) -> EvictionPolicy:

@@ -67,3 +67,25 @@ def _inv_freq_of(module: Any, layer_type: str) -> Tensor | None:
         if isinstance(freq, Tensor):
             return freq
     return None
+
+
+class LayerFrequencies:
+    """Each decoder layer's RoPE frequencies, or why the model has none a cache can use.
+
+    Looked up once on construction; a model without usable RoPE is refused only by what asks for them
+    (`of`), so caches whose policies never turn queries still serve it.
+    """
+
+    def __init__(self, model: Any, owner: str, purpose: str) -> None:
+        self._freqs: list[Tensor] = []
+        self.refusal: str | None = None
+        try:
+            self._freqs = layer_inv_freqs(model, owner, purpose)
+        except ValueError as error:
+            self.refusal = str(error)
+
+    def of(self, layer: int) -> Tensor:
+        """Layer ``layer``'s ``inv_freq``; raises the refusal's ValueError for a model without usable RoPE."""
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
+        return self._freqs[layer]
