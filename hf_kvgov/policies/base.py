@@ -31,6 +31,10 @@ the same for every row and head so that K/V stay one dense tensor. When a row ha
 ``kept``, the selection is padded with invalid slots (the lowest slot indices among them) and the caller
 masks them through ``gather_kept(valid, keep_idx)``. Within a row the invalid fillers come first, then the
 valid slots in ascending position: the kept row is left-padded, like a left-padded batch in transformers.
+
+Every built-in policy is also a `RankingPolicy`: its ``priority`` is what ``select`` ranks by. A cache with
+head-adaptive budgets (`HeadAdaptive`) ranks that priority across the heads of a layer instead, so its heads
+keep different numbers of slots, padded to the largest with fillers it marks invalid.
 """
 
 from __future__ import annotations
@@ -105,6 +109,32 @@ class EvictionPolicy(Protocol):
     def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` slot indices to keep (see module doc)."""
         ...
+
+
+@runtime_checkable
+class RankingPolicy(EvictionPolicy, Protocol):
+    """A policy whose choice is a ranking: it keeps the ``kept`` slots of highest ``priority``.
+
+    Every built-in policy is one, and its ``select`` is `select_by_priority` of its ``priority``. A
+    priority says what each slot is worth, with the slots the policy always keeps (sinks, windows) at
+    +inf, so that wrappers and budget allocators can rank slots across policies and across heads:
+    `WithSinks` adds sinks to one, and `HeadAdaptive` compares the heads of a layer by it.
+    """
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]`` priorities for a selection under ``budget`` (see module doc)."""
+        ...
+
+
+def ranking_of(policy: object, owner: str) -> RankingPolicy:
+    """``policy`` as a `RankingPolicy`; raises ``TypeError`` naming ``owner`` when it has no ``priority``."""
+    if not isinstance(policy, RankingPolicy):
+        raise TypeError(
+            f"{owner} ranks slots by a policy's priority(facts, positions, valid, budget), which {policy!r} "
+            "does not have; use a built-in policy (h2o, snapkv, tova, key_norm, mean_mass, expected_attention, "
+            "sink) or give yours a priority method."
+        )
+    return policy
 
 
 def check_slot_tensors(facts: SlotFacts, positions: Tensor, valid: Tensor) -> None:

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
 from hf_kvgov.policies.query_forecast import QueryForecast
-from hf_kvgov.policies.selection import newest_valid, oldest_valid, select_by_priority
+from hf_kvgov.policies.selection import kept_of, newest_valid, oldest_valid, select_by_priority
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,15 @@ class ExpectedAttention:
         Reads ``facts.expected_attention``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
         :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: the expected attention, +inf on sinks and window (`RankingPolicy`)."""
         expected = facts.require("expected_attention", "ExpectedAttention")
         check_slot_tensors(facts, positions, valid)
         fixed = self.sinks + self.recent
         check_budget_fits(self, budget, fixed, f"{self.sinks} sinks and {self.recent} recent slots")
-        kept = min(budget, positions.shape[-1])
         always = oldest_valid(positions, valid, self.sinks) | newest_valid(positions, valid, self.recent)
-        return select_by_priority(expected.masked_fill(always, float("inf")), positions, valid, kept)
+        return expected.masked_fill(always, float("inf"))

@@ -9,7 +9,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import select_with_window
+from hf_kvgov.policies.selection import kept_of, select_by_priority, window_first
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,15 @@ class HeavyHitter:
         Reads ``facts.mass``, float ``[batch, kv_heads, slots]`` accumulated attention mass (required);
         ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: the mass, +inf on the window (see `RankingPolicy`)."""
         mass = facts.require("mass", "HeavyHitter")
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.recent, f"{self.recent} recent slots")
-        kept = min(budget, positions.shape[-1])
+        kept = kept_of(positions, budget)
         heavy = max(0, min(self.heavy_slots(budget), kept - self.recent))
-        return select_with_window(mass, positions, valid, kept, kept - heavy)
+        return window_first(mass, positions, valid, kept - heavy)

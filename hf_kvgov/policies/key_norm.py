@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import select_with_window
+from hf_kvgov.policies.selection import kept_of, select_by_priority, window_first
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,13 @@ class KeyNorm:
         Reads ``facts.key_norm``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
         :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: minus the key norm, +inf on the window (see `RankingPolicy`)."""
         norm = facts.require("key_norm", "KeyNorm")
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.recent, f"{self.recent} recent slots")
-        kept = min(budget, positions.shape[-1])
-        return select_with_window(-norm, positions, valid, kept, min(self.recent, kept))
+        return window_first(-norm, positions, valid, min(self.recent, kept_of(positions, budget)))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import select_with_window
+from hf_kvgov.policies.selection import kept_of, select_by_priority, window_first
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,15 @@ class MeanMass:
         Reads ``facts.mass``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
         :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: mass per reader, +inf on the window (see `RankingPolicy`)."""
         mass = facts.require("mass", "MeanMass")
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.recent, f"{self.recent} recent slots")
         newest = torch.where(valid, positions, -1).amax(dim=-1, keepdim=True)
         readers = (newest + 1 - positions).clamp(min=1).to(mass.dtype)
-        kept = min(budget, positions.shape[-1])
-        return select_with_window(mass / readers, positions, valid, kept, min(self.recent, kept))
+        return window_first(mass / readers, positions, valid, min(self.recent, kept_of(positions, budget)))

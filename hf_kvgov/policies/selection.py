@@ -31,13 +31,24 @@ def select_by_priority(priority: Tensor, positions: Tensor, valid: Tensor, kept:
     the lower slot index. The result does not depend on how torch breaks ties.
     """
     assert 1 <= kept <= positions.shape[-1], "kept must be within [1, slots]"
+    return order_by_position(ranked(priority, positions, valid)[..., :kept], positions, valid)
+
+
+def ranked(priority: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+    """Long, the shape of ``priority``: the indices along the last axis, best first, in the order
+    `select_by_priority` keeps by (valid, then priority with NaN lowest, then newer, then lower index)."""
     priority = torch.where(torch.isnan(priority), float("-inf"), priority)
     # Stable sorts applied from the least to the most significant key give the lexicographic order.
     # Invalid slots get neutral keys, so among themselves they stay in slot order.
     order = _stable_argsort(torch.where(valid, positions, 0), descending=True)
     order = _refine(order, torch.where(valid, priority, 0.0), descending=True)
-    order = _refine(order, (~valid).to(torch.int8), descending=False)
-    return order_by_position(order[..., :kept], positions, valid)
+    return _refine(order, (~valid).to(torch.int8), descending=False)
+
+
+def rank_of(order: Tensor) -> Tensor:
+    """The inverse of an order along the last axis: each index's rank (0 first)."""
+    ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, ranks)
 
 
 def select_with_window(priority: Tensor, positions: Tensor, valid: Tensor, kept: int, window: int) -> Tensor:
@@ -46,8 +57,17 @@ def select_with_window(priority: Tensor, positions: Tensor, valid: Tensor, kept:
     Shapes as in `select_by_priority`. The window outranks every priority, +inf included, because the
     shared tie-break prefers newer slots.
     """
-    in_window = newest_valid(positions, valid, window)
-    return select_by_priority(torch.where(in_window, float("inf"), priority), positions, valid, kept)
+    return select_by_priority(window_first(priority, positions, valid, window), positions, valid, kept)
+
+
+def window_first(priority: Tensor, positions: Tensor, valid: Tensor, window: int) -> Tensor:
+    """``priority`` with the ``window`` newest valid slots of each row raised to +inf (always kept)."""
+    return torch.where(newest_valid(positions, valid, window), float("inf"), priority)
+
+
+def kept_of(positions: Tensor, budget: int) -> int:
+    """How many slots a selection keeps per (row, head): ``min(budget, slots)``."""
+    return min(budget, positions.shape[-1])
 
 
 def order_by_position(slot_idx: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
@@ -91,9 +111,7 @@ def gather_kept(tensor: Tensor, keep_idx: Tensor) -> Tensor:
 def _rank_valid(positions: Tensor, valid: Tensor, *, newest_first: bool) -> Tensor:
     """Long ``[batch, kv_heads, slots]``: each valid slot's rank by position; invalid slots rank last."""
     key = -positions if newest_first else positions
-    order = _stable_argsort(torch.where(valid, key, _LONG_MAX), descending=False)
-    ranks = torch.arange(positions.shape[-1], device=positions.device).expand_as(order)
-    return torch.empty_like(order).scatter_(-1, order, ranks)
+    return rank_of(_stable_argsort(torch.where(valid, key, _LONG_MAX), descending=False))
 
 
 def _stable_argsort(key: Tensor, *, descending: bool) -> Tensor:

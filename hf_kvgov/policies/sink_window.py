@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import oldest_valid, select_by_priority
+from hf_kvgov.policies.selection import kept_of, oldest_valid, select_by_priority
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,17 @@ class SinkWindow:
 
         ``facts`` are ignored; ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: 1 on the sinks, 0 elsewhere (see `RankingPolicy`).
+
+        Every non-sink slot ties at priority 0, and the shared tie-break prefers newer positions, so the
+        slots left after the sinks go to the newest tokens: that is the window, grown to the budget.
+        """
         check_slot_tensors(facts, positions, valid)
         fixed = self.n_sink + self.window
         check_budget_fits(self, budget, fixed, f"{self.n_sink} sink + {self.window} window = {fixed} slots")
-        kept = min(budget, positions.shape[-1])
-        # Every non-sink slot ties at priority 0, and the shared tie-break prefers newer positions, so
-        # the slots left after the sinks go to the newest tokens: that is the window, grown to the budget.
-        priority = oldest_valid(positions, valid, self.n_sink).float()
-        return select_by_priority(priority, positions, valid, kept)
+        return oldest_valid(positions, valid, self.n_sink).float()

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import functional
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import newest_valid, select_with_window
+from hf_kvgov.policies.selection import kept_of, newest_valid, select_by_priority
 
 _POOLS = ("max", "avg")
 
@@ -65,15 +65,22 @@ class SnapKV:
         Reads ``facts.recent_attention``, float ``[batch, kv_heads, slots]``: the attention of the step's
         last ``window`` queries; ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: the pooled window attention, +inf on the window (`RankingPolicy`)."""
         attention = facts.require("recent_attention", "SnapKV")
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.window, f"its {self.window}-slot observation window")
-        kept = min(budget, positions.shape[-1])
-        window = min(self.window, kept)
+        window = min(self.window, kept_of(positions, budget))
         # As in SnapKV, the window's own attention is not pooled into its neighbours: it is kept anyway.
-        outside = valid & ~newest_valid(positions, valid, window)
-        pooled = pool_by_position(torch.where(outside, attention, 0.0), positions, valid, self.kernel, self.pooling)
-        return select_with_window(pooled, positions, valid, kept, window)
+        in_window = newest_valid(positions, valid, window)
+        pooled = pool_by_position(
+            torch.where(valid & ~in_window, attention, 0.0), positions, valid, self.kernel, self.pooling
+        )
+        return torch.where(in_window, float("inf"), pooled)
 
 
 def pool_by_position(values: Tensor, positions: Tensor, valid: Tensor, kernel: int, pooling: str) -> Tensor:

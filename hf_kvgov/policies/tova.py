@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget, check_slot_tensors
-from hf_kvgov.policies.selection import select_by_priority
+from hf_kvgov.policies.selection import kept_of, select_by_priority
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,13 @@ class TOVA:
         Reads ``facts.recent_attention``, float ``[batch, kv_heads, slots]``: the last query's attention;
         ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: the last query's attention (see `RankingPolicy`)."""
         attention = facts.require("recent_attention", "TOVA")
         check_slot_tensors(facts, positions, valid)
         check_budget(budget)
-        return select_by_priority(attention, positions, valid, min(budget, positions.shape[-1]))
+        return attention

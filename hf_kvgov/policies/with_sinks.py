@@ -10,18 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from hf_kvgov.policies.base import (
-    EvictionPolicy,
     FactNeeds,
+    RankingPolicy,
     SlotFacts,
     check_budget_fits,
     check_count,
     check_slot_tensors,
 )
-from hf_kvgov.policies.selection import oldest_valid, select_by_priority
+from hf_kvgov.policies.selection import kept_of, oldest_valid, select_by_priority
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,14 @@ class WithSinks:
     """
 
     n_sink: int
-    inner: EvictionPolicy
+    inner: RankingPolicy
 
     def __post_init__(self) -> None:
         check_count("WithSinks", "n_sink", self.n_sink)
-        if not isinstance(self.inner, EvictionPolicy):
+        if not isinstance(self.inner, RankingPolicy):
             raise TypeError(
-                f"WithSinks.inner must be an eviction policy (needs, min_budget, select); got {self.inner!r}."
+                "WithSinks.inner must be an eviction policy that ranks slots (needs, min_budget, select, "
+                f"priority); got {self.inner!r}."
             )
 
     @property
@@ -55,13 +55,18 @@ class WithSinks:
 
     def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices (facts as ``inner`` needs)."""
+        return select_by_priority(
+            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
+        )
+
+    def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+        """Float ``[batch, kv_heads, slots]``: +inf on the sinks, ``inner``'s priority among the other slots.
+
+        ``inner`` ranks the slots that are not sinks for the rest of the budget, so its own always-kept
+        slots (a window) are counted among those, not among the sinks (see `RankingPolicy`).
+        """
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.min_budget, f"{self.n_sink} sinks and what {self.inner!r} keeps")
-        kept = min(budget, positions.shape[-1])
         sinks = oldest_valid(positions, valid, self.n_sink)
-        rest = valid & ~sinks
-        chosen = self.inner.select(facts, positions, rest, budget - self.n_sink)
-        keep = sinks | (torch.zeros_like(valid).scatter_(-1, chosen, True) & rest)  # a filler is never kept
-        # Ranked by kept-or-not: the chosen slots first; any room left (a row with few valid slots) goes to
-        # the other valid slots, newest first, then to invalid fillers, as every policy pads.
-        return select_by_priority(keep.float(), positions, valid, kept)
+        rest = self.inner.priority(facts, positions, valid & ~sinks, budget - self.n_sink)
+        return rest.masked_fill(sinks, float("inf"))
