@@ -10,7 +10,9 @@ Both declare what the 20% is a fraction of (``budget_of=``); a fraction of the f
 Configurations: H2O (half recent window, H2O's split, and a 32-token window), sinks + window (StreamingLLM),
 SnapKV, TOVA, key-norm, mean attention mass, Expected Attention, SnapKV at prefill then H2O (stream only: in
 (a) nothing is evicted after the prefill), and with ``--pyramid`` SnapKV, Expected Attention and H2O with
-PyramidKV's per-layer budgets (`hf_kvgov.policies.Pyramid`: more in the lower layers, the same total).
+PyramidKV's per-layer budgets (`hf_kvgov.policies.Pyramid`: more in the lower layers, the same total), and
+with ``--adaptive`` those three and mean attention mass with AdaKV's head-adaptive budgets (`hf_kvgov.policies.HeadAdaptive`: a
+layer's heads share its total by score; with both flags, also pyramid and head-adaptive together).
 
     python eval/bench_policies.py                 # both protocols, both models: ~35 min on 2 CPU cores
     python eval/bench_policies.py --models smollm2 --protocols continue --json eval/out/policies.json
@@ -47,7 +49,7 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
-from hf_kvgov.policies import HeavyHitter, Pyramid
+from hf_kvgov.policies import HeadAdaptive, HeavyHitter, Pyramid
 
 CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
 
@@ -70,14 +72,31 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
     return configs
 
 
-def run_model(name: str, protocols: list[str], with_pyramid: bool, selected: list[str] | None) -> list[dict[str, Any]]:
+ALLOCATED = ("snapkv", "expected_attention", "h2o", "mean_mass")  # the policies run with budget allocators
+
+
+def allocations(with_pyramid: bool, adaptive: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(suffix, cache keywords) of each budget allocation the flags ask for, besides the uniform budget."""
+    chosen = []
+    if with_pyramid:
+        chosen.append(("+pyramid", {"layer_budgets": Pyramid()}))
+    if adaptive:
+        chosen.append(("+ada", {"head_budgets": HeadAdaptive()}))
+    if with_pyramid and adaptive:
+        chosen.append(("+pyramid+ada", {"layer_budgets": Pyramid(), "head_budgets": HeadAdaptive()}))
+    return chosen
+
+
+def run_model(
+    name: str, protocols: list[str], allocated: list[tuple[str, dict[str, Any]]], selected: list[str] | None
+) -> list[dict[str, Any]]:
     model, tokenizer = load_model(name)
     forward = plain_forward(model)
     rows: list[dict[str, Any]] = []
     for passage in PASSAGES:
         ids = passage_ids(tokenizer, passage, STREAM + 1)
         for protocol in protocols:
-            rows += _protocol_rows(model, name, passage, ids, protocol, forward, with_pyramid, selected)
+            rows += _protocol_rows(model, name, passage, ids, protocol, forward, allocated, selected)
     return rows
 
 
@@ -88,7 +107,7 @@ def _protocol_rows(
     ids: torch.Tensor,
     protocol: str,
     forward: Any,
-    with_pyramid: bool,
+    allocated: list[tuple[str, dict[str, Any]]],
     selected: list[str] | None,
 ) -> list[dict[str, Any]]:
     stream = protocol == "stream"
@@ -97,10 +116,8 @@ def _protocol_rows(
     full = _ppl(forward, DynamicCache(), ids, stream, kept)
     configs = {c: f for c, f in configurations(stream).items() if selected is None or c in selected}
     variants: list[tuple[str, CacheFactory, dict[str, Any]]] = [(c, f, {}) for c, f in configs.items()]
-    if with_pyramid:
-        layers = {"layer_budgets": Pyramid()}
-        pyramids = ("snapkv", "expected_attention", "h2o")
-        variants += [(f"{c} +pyramid", configs[c], layers) for c in pyramids if c in configs]
+    for suffix, keywords in allocated:
+        variants += [(f"{c} {suffix}", configs[c], keywords) for c in ALLOCATED if c in configs]
     rows = []
     for config, make, extra in variants:
         cache = make(model, budget_of=tokens, compress="always" if stream else "prefill", **extra)
@@ -122,10 +139,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     parser.add_argument("--protocols", nargs="+", choices=["continue", "stream"], default=["continue", "stream"])
     parser.add_argument("--pyramid", action="store_true", help="add PyramidKV budgets to 3 policies")
+    parser.add_argument("--adaptive", action="store_true", help="add AdaKV head-adaptive budgets to 3 policies")
     parser.add_argument("--configs", nargs="+", help="run only these configurations (default: all)")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args()
-    rows = [r for m in args.models for r in run_model(m, args.protocols, args.pyramid, args.configs)]
+    allocated = allocations(args.pyramid, args.adaptive)
+    rows = [r for m in args.models for r in run_model(m, args.protocols, allocated, args.configs)]
     machine = machine_description()
     titles = {
         "continue": f"(a) compress, then continue: {PREFILL} prefill -> {int(KEEP * PREFILL)} kept, {SCORED} scored",

@@ -8,7 +8,8 @@ Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of ca
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
 `sink@4+252` (sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`),
 H2O with what it evicts spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`) or
-its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`),
+its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`) or over each layer's KV heads as
+AdaKV does (`snapkv@0.2+ada`),
 any registered policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`,
 through `PolicyCache`), `int8@64` / `int4@64` / `fp8@64` / `paged@64` (block size), `disk@128`
 (hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
@@ -33,11 +34,13 @@ from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.policies import make_policy
+from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.tiers.recall_pages import Recall
 
 RECALL_SUFFIX = "recall"
 PYRAMID_SUFFIX = "pyramid"
+ADAPTIVE_SUFFIX = "ada"
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 
@@ -185,21 +188,24 @@ def _stored_as(codec: str | None) -> str:
     return f"; kept slots stored as {codec} codes with scales per slot (keys and values)"
 
 
-SUFFIXES = (RECALL_SUFFIX, PYRAMID_SUFFIX)
+SUFFIXES = (RECALL_SUFFIX, PYRAMID_SUFFIX, ADAPTIVE_SUFFIX)
 
 
 def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str, Any]]:
-    """`0.2:int8+recall+pyramid` -> (0.2, the cache's codec / recall / layer_budgets keywords)."""
+    """`0.2:int8+recall+pyramid+ada` -> (0.2, the cache's codec / recall / layer_budgets / head_budgets keywords)."""
     head, *suffixes = argument.split("+")
     family = name.partition("@")[0]
     for suffix in suffixes:
         if suffix not in SUFFIXES or suffixes.count(suffix) > 1:
-            accepted = f"the suffixes after '+' are {' and '.join(map(repr, SUFFIXES))}, each at most once"
-            raise _bad_argument(name, suffix, f"{accepted} ({family}@0.2+recall, {family}@0.2+pyramid)")
+            accepted = f"the suffixes after '+' are {', '.join(map(repr, SUFFIXES))}, each at most once"
+            examples = ", ".join(f"{family}@0.2+{known}" for known in SUFFIXES)
+            raise _bad_argument(name, suffix, f"{accepted} ({examples})")
     text, codec = _slot_codec(name, head)
     options: dict[str, Any] = {"codec": codec, "recall": Recall() if RECALL_SUFFIX in suffixes else None}
     if PYRAMID_SUFFIX in suffixes:
         options["layer_budgets"] = Pyramid()
+    if ADAPTIVE_SUFFIX in suffixes:
+        options["head_budgets"] = HeadAdaptive()
     return _budget(name, text), options
 
 
@@ -214,6 +220,8 @@ def _options_described(options: dict[str, Any]) -> str:
         )
     if "layer_budgets" in options:
         text += "; the budget split over the evicting layers as a pyramid (PyramidKV: more below, same total)"
+    if "head_budgets" in options:
+        text += "; each layer's total shared among its KV heads by score, a floor of 20% each (AdaKV)"
     return text
 
 
@@ -299,16 +307,17 @@ def _parse_disk(argument: str) -> CacheSpec:
 for _family in (
     CacheFamily(
         "h2o",
-        "h2o@<budget>[:<codec>][+recall][+pyramid], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), kept "
-        f"slots optionally quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)}), evicted tokens optionally "
-        "spilled and recalled (h2o@0.2+recall), the budget optionally split over layers (h2o@0.2+pyramid)",
+        "h2o@<budget>[:<codec>][+recall][+pyramid][+ada], a fraction of the prompt (h2o@0.2) or tokens (h2o@256), "
+        f"kept slots optionally quantized (h2o@0.2:int8; codecs {', '.join(SLOT_CODECS)}), evicted tokens "
+        "optionally spilled and recalled (h2o@0.2+recall), the budget optionally split over layers "
+        "(h2o@0.2+pyramid) and over each layer's KV heads (h2o@0.2+ada)",
         _parse_h2o,
     ),
     CacheFamily("sink", "sink@<sinks>+<window>[:<codec>] in tokens (sink@4+252, sink@4+252:int8)", _parse_sink),
     *(
         CacheFamily(
             policy,
-            f"{policy}@<budget>[:<codec>][+recall][+pyramid], the {policy} policy alone, as h2o ({policy}@0.2)",
+            f"{policy}@<budget>[:<codec>][+recall][+pyramid][+ada], the {policy} policy alone, as h2o ({policy}@0.2)",
             functools.partial(_parse_policy, policy),
         )
         for policy in POLICY_FAMILIES

@@ -155,6 +155,8 @@ def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[s
         arguments["layer_budgets"] = parts.layer_budgets()
     elif policy.allocation is not None:
         arguments["layer_budgets"] = policy.allocation
+    if isinstance(policy, HeavyHitter) and policy.heads is not None:
+        arguments["head_budgets"] = policy.heads
     if parts.spill is not None:
         arguments["recall"] = parts.spill.recall()
     if parts.prefix is not None:

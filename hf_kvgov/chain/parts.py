@@ -20,6 +20,7 @@ from typing import Any
 
 from hf_kvgov.hf.quant_config import CODEC_NAMES, QuantConfig
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
@@ -75,6 +76,8 @@ class HeavyHitter:
             fed in chunks, or through the model directly); None: the prompt.
         allocation: `Pyramid()` to split the budget over the evicting layers, more below and the same
             total (PyramidKV); None: every layer keeps the budget (or its `Layer` override).
+        heads: `HeadAdaptive()` to share each layer's total among its KV heads by their mass (AdaKV);
+            None: every head keeps the layer's budget.
     """
 
     budget: BudgetSpec = 0.2
@@ -83,6 +86,7 @@ class HeavyHitter:
     query_chunk: int | None = None
     budget_of: int | None = None
     allocation: Pyramid | None = None
+    heads: HeadAdaptive | None = None
 
     def __post_init__(self) -> None:
         check_budget_spec("HeavyHitter", "budget", self.budget)
@@ -90,10 +94,12 @@ class HeavyHitter:
         if self.heavy is not None:
             check_budget_spec("HeavyHitter", "heavy", self.heavy, allow_zero=True)
         _check_type("HeavyHitter.allocation", self.allocation, (Pyramid,))
+        _check_type("HeavyHitter.heads", self.heads, (HeadAdaptive,))
 
     def describe(self) -> str:
         share = f"{self.budget:.0%}" if isinstance(self.budget, float) else f"{self.budget} tokens"
-        return f"H2O {share}" + _allocated(self.allocation)
+        heads = "" if self.heads is None else f" (head-adaptive budgets, floor {self.heads.floor:g})"
+        return f"H2O {share}" + _allocated(self.allocation) + heads
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,14 @@ moves its tensors with :func:`gather_kept`. ``facts`` is a `SlotFacts` holding w
 asks for (attention mass, the last queries' attention, key norms). Build one by name with
 :func:`make_policy` (``"h2o"``, ``"sink"``, ``"snapkv"``, ``"tova"``, ``"key_norm"``, ``"mean_mass"``,
 ``"expected_attention"``). The attention-mass, query-forecast and RoPE helpers feed the policies and the
-caches that apply them; `Pyramid` splits a cache's budget over its layers.
+caches that apply them; `Pyramid` splits a cache's budget over its layers, `HeadAdaptive` a layer's
+over its KV heads.
 """
 
 from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mass_chunked
-from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, SlotFacts
+from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, RankingPolicy, SlotFacts
 from hf_kvgov.policies.expected_attention import ExpectedAttention
+from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.mean_mass import MeanMass
@@ -36,11 +38,13 @@ __all__ = [
     "EvictionPolicy",
     "ExpectedAttention",
     "FactNeeds",
+    "HeadAdaptive",
     "HeavyHitter",
     "KeyNorm",
     "MeanMass",
     "Pyramid",
     "QueryForecast",
+    "RankingPolicy",
     "SinkWindow",
     "SlotFacts",
     "SnapKV",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_kvgov import DiskOffloadCache, HeavyHitterCache, PagedCache, PolicyCache, QuantizedCache, SinkCache
-from hf_kvgov.policies import TOVA, ExpectedAttention, KeyNorm, MeanMass, SnapKV
+from hf_kvgov.policies import TOVA, ExpectedAttention, HeadAdaptive, KeyNorm, MeanMass, SnapKV
 from hf_kvgov.registry import CACHES, FAMILIES, get_cache_spec
 from tests.conftest import tiny_llama
 
@@ -81,8 +81,9 @@ def test_policy_names_take_a_codec_and_recall() -> None:
     cache = get_cache_spec("snapkv@128:int8+recall").build(MODEL)
     assert cache.budget == 128 and cache.codec_name == "int8" and cache.recall is not None
     assert get_cache_spec("tova@128").build(MODEL).recall is None
-    accepted = "the suffixes after '\\+' are 'recall' and 'pyramid', each at most once"
-    with pytest.raises(ValueError, match=f"{accepted} \\(snapkv@0.2\\+recall, snapkv@0.2\\+pyramid\\); got 'x'"):
+    accepted = "the suffixes after '\\+' are 'recall', 'pyramid', 'ada', each at most once"
+    examples = "snapkv@0.2\\+recall, snapkv@0.2\\+pyramid, snapkv@0.2\\+ada"
+    with pytest.raises(ValueError, match=f"{accepted} \\({examples}\\); got 'x'"):
         get_cache_spec("snapkv@0.2+x")
     with pytest.raises(ValueError, match=f"{accepted} .*; got 'pyramid'"):
         get_cache_spec("h2o@0.2+pyramid+pyramid")
@@ -99,6 +100,14 @@ def test_the_pyramid_suffix_splits_the_budget_over_the_layers() -> None:
         200,
         200,
     )
+
+
+def test_the_ada_suffix_shares_each_layers_budget_among_its_heads() -> None:
+    cache = get_cache_spec("snapkv@0.2:int8+pyramid+ada").build_for(MODEL, 1000)
+    assert isinstance(cache, PolicyCache) and cache.head_budgets == HeadAdaptive()
+    assert cache.stats().layer_budgets == (360, 40) and cache.codec_name == "int8" and cache.pool is not None
+    assert "KV heads by score" in get_cache_spec("h2o@0.2+ada").description
+    assert get_cache_spec("h2o@0.2").build_for(MODEL, 1000).head_budgets is None
 
 
 @pytest.mark.parametrize(("name", "block_size"), [("paged@8", 8), ("int8@32", 32), ("int4@64", 64)])

@@ -39,7 +39,7 @@ from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, frac
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
-from hf_kvgov.hf.eviction.pooled_slots import pooled_homes
+from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
 from hf_kvgov.hf.eviction.recall import (
     LayerRecall,
     Recall,
@@ -63,7 +63,8 @@ from hf_kvgov.hf.eviction.slot_steps import (
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
 from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, Forecast, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
-from hf_kvgov.policies import EvictionPolicy, FactNeeds, SlotFacts, gather_kept
+from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
+from hf_kvgov.policies.base import ranking_of
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention
@@ -99,6 +100,11 @@ class EvictionCache(GovernedCache):
         layer_budgets: per-layer budgets overriding ``budget`` (``{0: 1.0, 5: 128}``): ints, or fractions
             like ``budget``. Sliding-window layers still cap theirs at ``window - 1``. Or ``Pyramid()``:
             the budget, once resolved, split over the evicting layers, more below, the same total.
+        head_budgets: ``HeadAdaptive()``: each layer's KV heads share its ``kv_heads x budget`` slots by the
+            policy's priority, with a floor per head (AdaKV); None: every head keeps the layer's budget. The
+            slots then live in pool blocks, which hold only the slots kept (a cache without ``pool=`` builds
+            a private one), so a head that keeps fewer frees real memory. Needs a policy with a
+            ``priority`` (every built-in one).
         decode_policy: the policy for every step after the first chunk (None: the same policy throughout).
             Its budget is the layer's; the attention mass is accumulated from the prompt on if it needs it.
         budget_of: the number of tokens fractional budgets are fractions of (the whole text's length for a
@@ -131,6 +137,7 @@ class EvictionCache(GovernedCache):
         *,
         codec: CodecSpec = None,
         layer_budgets: LayerBudgetSpec = None,
+        head_budgets: HeadAdaptive | None = None,
         decode_policy: EvictionPolicy | None = None,
         budget_of: int | None = None,
         compress: str = "always",
@@ -182,6 +189,9 @@ class EvictionCache(GovernedCache):
         for layer in self._eviction_layers:
             if self._page_tier is not None and recall is not None:
                 layer.recall = LayerRecall(self._page_tier, layer.index, recall.pages, self._recall_counters)
+        self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self._min_budget, decode_policy)
+        if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
+            pool = eviction_pool(model, codec=codec)
         self.pool = pool
         if pool is not None:  # every layer's slots live in the pool's blocks between steps
             homes = pooled_homes(pool, model, windows, formats, self.num_kv_heads, self.head_dim, name)
@@ -325,23 +335,32 @@ class EvictionCache(GovernedCache):
         assert budget is not None
         if self._appends_only(layer):  # every token stays (a window layer still drops what leaves its window)
             budget = layer.seen + q_len
-        select = policy.select
+        chooses = True  # the policy chooses (not a window layer that keeps all its window can see)
         store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
             valid = visible_to_next_queries(positions, valid, q_len, layer.window)
             if budget >= layer.window - 1:  # all the next query can read fits: nothing to choose
-                budget, select = layer.window - 1, newest
+                budget, chooses = layer.window - 1, False
         if store.count > budget:
             norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
             facts = SlotFacts(mass=scores, recent_attention=recent, key_norm=norms, expected_attention=expected)
-            keep = select(facts, positions, valid, budget)
+            if not chooses:
+                keep, kept = newest(facts, positions, valid, budget), None
+            elif self.head_budgets is not None:
+                priority = ranking_of(policy, type(self).__name__).priority(facts, positions, valid, budget)
+                keep, kept = self.head_budgets.select(priority, positions, valid, budget)
+            else:
+                keep, kept = policy.select(facts, positions, valid, budget), None
             if layer.recall is not None:  # what is evicted inside what later queries can see goes to disk
-                kept = torch.zeros_like(valid).scatter_(-1, keep, True)
-                layer.recall.spill(keys, values, positions, valid & ~kept)
+                marked = torch.zeros_like(valid).scatter_(
+                    -1, keep, torch.ones_like(keep, dtype=torch.bool) if kept is None else kept
+                )
+                layer.recall.spill(keys, values, positions, valid & ~marked)
             store = store.gather(keep)
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
+            valid = valid if kept is None else valid & kept
             scores = None if scores is None else gather_kept(scores, keep)
-        layer.store, layer.positions, layer.valid, layer.scores = store, positions, valid, scores
+        layer.hold(store, positions, valid, scores)
         layer.seen += q_len
         self._awaiting_attention = None
 
@@ -421,3 +440,24 @@ class EvictionCache(GovernedCache):
                 budget = min(budget, layer.window - 1)
             caps.append(budget)
         return tuple(caps)
+
+
+def check_head_budgets(
+    owner: str,
+    head_budgets: object,
+    policy_for: PolicyFactory,
+    min_budget: int,
+    decode_policy: EvictionPolicy | None,
+) -> HeadAdaptive | None:
+    """``head_budgets`` once checked: None, or a `HeadAdaptive` whose policies can rank slots across heads."""
+    if head_budgets is None:
+        return None
+    if not isinstance(head_budgets, HeadAdaptive):
+        raise TypeError(
+            f"{owner}: head_budgets must be HeadAdaptive(floor=...) or None; got {head_budgets!r} of type "
+            f"{type(head_budgets).__name__}."
+        )
+    for chooser in (policy_for(max(min_budget, 1)), decode_policy):
+        if chooser is not None:
+            ranking_of(chooser, f"{owner} with head_budgets")
+    return head_budgets

@@ -11,7 +11,7 @@ from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
-from hf_kvgov.policies import HeavyHitter
+from hf_kvgov.policies import HeadAdaptive, HeavyHitter
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -46,6 +46,8 @@ class HeavyHitterCache(EvictionCache):
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
             Or ``Pyramid()``: the budget split over the evicting layers, more below, the same total.
+        head_budgets: ``HeadAdaptive()``: each layer's KV heads share its total by their mass (AdaKV), the
+            slots stored in pool blocks that hold only what is kept; None: every head keeps the budget.
         budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
@@ -68,6 +70,7 @@ class HeavyHitterCache(EvictionCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
         layer_budgets: LayerBudgetSpec = None,
+        head_budgets: HeadAdaptive | None = None,
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
@@ -95,6 +98,7 @@ class HeavyHitterCache(EvictionCache):
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
+            head_budgets=head_budgets,
             budget_of=budget_of,
             compress=compress,
             recall=recall,
@@ -102,10 +106,17 @@ class HeavyHitterCache(EvictionCache):
             prefix=prefix,
             namespace=namespace,
         )
-        policy = HeavyHitterPart(budget, recent, heavy, query_chunk, allocation=allocation_of(layer_budgets))
+        policy = HeavyHitterPart(
+            budget, recent, heavy, query_chunk, allocation=allocation_of(layer_budgets), heads=head_budgets
+        )
         spill = None if recall is None else Disk.of_recall(recall)
         self.parts = ChainParts.of(
-            policy=policy, pool=pool, prefix=prefix, namespace=namespace, codec=self.quant, spill=spill,
+            policy=policy,
+            pool=pool,
+            prefix=prefix,
+            namespace=namespace,
+            codec=self.quant,
+            spill=spill,
             layers=budget_overrides(layer_budgets),
         )
 

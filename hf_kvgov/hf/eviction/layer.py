@@ -61,12 +61,23 @@ class EvictionLayer(CacheLayerMixin):
         """The kept slots as the step's working store (read from the pool's blocks when the layer has a pool)."""
         return self._store if self.home is None else self.home.get()
 
-    @store.setter
-    def store(self, value: SlotStore | None) -> None:
+    def hold(self, store: SlotStore, positions: Tensor, valid: Tensor, scores: Tensor | None) -> None:
+        """Keep ``store``'s slots with their positions, validity and mass, ``[batch, kv_heads, slots]`` each.
+
+        With a pool, only the valid slots are written to the layer's blocks (see ``pooled_slots``): the
+        padding of a batch and the entries a head-adaptive budget leaves unused take no memory.
+        """
         if self.home is None:
-            self._store = value
+            self._store = store
         else:
-            self.home.put(value)  # writes the kept slots into the layer's blocks, or frees them (None)
+            self.home.put(store, valid)  # raises PoolExhausted, changing nothing, when the pool is full
+        self.positions, self.valid, self.scores = positions, valid, scores
+
+    def _drop_slots(self) -> None:
+        if self.home is None:
+            self._store = None
+        else:
+            self.home.release()
 
     @property
     def batch(self) -> int:
@@ -99,7 +110,7 @@ class EvictionLayer(CacheLayerMixin):
                 f"EvictionLayer.{name} reads the layer's slot store and cannot be assigned a tensor; the cache "
                 "stores slots when a step commits."
             )
-        self.store = None
+        self._drop_slots()
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self.is_initialized = True  # the slots are created by the first commit
@@ -140,7 +151,7 @@ class EvictionLayer(CacheLayerMixin):
         recall = getattr(self, "recall", None)  # transformers' layer init may reset before it is set
         if recall is not None:
             recall.reset()
-        self.store = None
+        self._drop_slots()
         self.positions = self.valid = self.scores = None
         self.seen = 0
         self.is_initialized = False
@@ -168,11 +179,14 @@ class EvictionLayer(CacheLayerMixin):
     def _select_rows(self, rows: Tensor) -> None:
         if self.store is None or self.positions is None:
             return
+        assert self.valid is not None
         rows = rows.to(self.positions.device)
-        self.store = self.store.select_rows(rows)
-        self.positions = self.positions.index_select(0, rows)
-        self.valid = self.valid.index_select(0, rows) if self.valid is not None else None
-        self.scores = self.scores.index_select(0, rows) if self.scores is not None else None
+        self.hold(
+            self.store.select_rows(rows),
+            self.positions.index_select(0, rows),
+            self.valid.index_select(0, rows),
+            None if self.scores is None else self.scores.index_select(0, rows),
+        )
         if self.recall is not None:
             self.recall.select_rows(rows)
         shared = self.owner._shared

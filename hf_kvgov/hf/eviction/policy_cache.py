@@ -9,7 +9,7 @@ from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.recall import Recall
 from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
-from hf_kvgov.policies import EvictionPolicy, make_policy
+from hf_kvgov.policies import EvictionPolicy, HeadAdaptive, make_policy
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -41,6 +41,9 @@ class PolicyCache(EvictionCache):
             `QuantConfig`: kept slots are stored as codes + per-slot scales (see `EvictionCache`).
         layer_budgets: budgets of individual layers, ``{layer: int or fraction}``; the others use ``budget``.
             Or ``Pyramid()``: the budget split over the evicting layers, more below, the same total.
+        head_budgets: ``HeadAdaptive()``: each layer's KV heads share its total by the policy's priority
+            (AdaKV), the slots stored in pool blocks that hold only what is kept; None: every head keeps the
+            budget.
         budget_of: the number of tokens a fractional budget is a fraction of (a stream's whole length);
             None: generate's prompt (a fraction is refused on any other first forward).
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
@@ -67,6 +70,7 @@ class PolicyCache(EvictionCache):
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         codec: CodecSpec = None,
         layer_budgets: LayerBudgetSpec = None,
+        head_budgets: HeadAdaptive | None = None,
         budget_of: int | None = None,
         compress: str = "always",
         recall: Recall | None = None,
@@ -91,6 +95,7 @@ class PolicyCache(EvictionCache):
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
+            head_budgets=head_budgets,
             budget_of=budget_of,
             compress=compress,
             recall=recall,

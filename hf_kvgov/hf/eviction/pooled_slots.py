@@ -1,18 +1,22 @@
 """Kept slots in pool blocks: eviction caches that draw from one shared, capped `BlockPool`.
 
 Layout. An eviction pool (`eviction_pool`) has one layer group per layer, so a block id is one layer's
-block, and a block holds ``block_size`` slot rows of that layer::
+block. A block ``[block_size, kv_heads, record]`` (the pool's usual ``[tokens, heads, head_dim]``) is read
+as ``block_size x kv_heads`` slot records, and each batch row of a layer stores only its valid slots, as
+one stream, head by head::
 
-    block b of layer l     [block_size, kv_heads, record]      (the pool's usual [tokens, heads, head_dim])
-    slot row r of a row    block tables[row][r // block_size], offset r % block_size
-    (row r, KV head h)     head h's r-th kept token: heads keep different tokens, the same number of them
+    row r's stream     head 0's valid slots in slot order, then head 1's, ...    (c_0 + c_1 + ... records)
+    record j           block tables[r][j // (block_size x kv_heads)], record j % (block_size x kv_heads)
 
-Why slot rows, not per-head blocks: every policy here keeps the same number of slots in each KV head of a
-layer (the budget is per layer), so a slot row fills every head and nothing is padded; the block keeps the
-pool's layout, allocator, cap and `PoolExhausted`; and since a block id is one layer, a layer with a
-smaller budget (``layer_budgets``, a sliding window) holds fewer blocks: layer-variable budgets free real
-memory. What differs per head (which token a slot is) lives in the layer's per-slot positions. A policy
-giving heads different budgets (head-adaptive allocation) would pad each layer to its largest head here.
+Why a stream of records rather than per-head blocks or slot rows: heads keep different tokens, and under
+a head-adaptive budget (`HeadAdaptive`) different numbers of them, while the working store attention reads
+is one dense ``[batch, kv_heads, slots]`` tensor padded with invalid fillers. Writing only the valid slots
+makes that padding (left padding of a batch, the entries a head that keeps fewer slots leaves unused) take
+no memory, with no table per head: a row holds ``ceil(sum of c_h / (block_size x kv_heads))`` blocks, the
+same as ``ceil(slots / block_size)`` when every head keeps ``slots`` of them. The block keeps the pool's
+layout, allocator, cap and `PoolExhausted`; and since a block id is one layer, a layer with a smaller
+budget (``layer_budgets``, a sliding window) holds fewer blocks: layer-variable budgets free real memory.
+Which token a slot is, and which slots are valid, live in the layer's per-slot positions and validity.
 
 A slot's record is its K or V as the slot format stores it, as bytes: the model's dtype for dense slots,
 codes then scales (then zero points) for a codec, so one pool serves dense and quantized eviction caches of
@@ -21,10 +25,11 @@ copied as bytes, never computed on); a layer kept in full precision beside quant
 widest record.
 
 Between steps a layer's slots live only in its blocks; a step reads them into the working store (dense or
-codes) it attends and evicts from, and the commit writes the kept slots back, allocating or freeing blocks
-so a row holds ceil(slots / block_size) of them. The blocks are allocated before anything is written, so
-`PoolExhausted` changes nothing in the pool. Writes hold the pool's lock (another request's allocation may
-grow the pool's tensors); every block is owned by one row of one cache, so reads need no lock.
+codes, fillers read as zeros) it attends and evicts from, and the commit writes the kept slots back,
+allocating or freeing blocks so a row holds just what its stream needs. The blocks are allocated before
+anything is written, so `PoolExhausted` changes nothing in the pool. Writes hold the pool's lock (another
+request's allocation may grow the pool's tensors); every block is owned by one row of one cache, so reads
+need no lock.
 """
 
 from __future__ import annotations
@@ -132,12 +137,18 @@ class PooledSlotHome:
         self.layer = layer
         self.records = records
         self.tables: list[list[int]] = []
-        self.count = 0  # slots per (row, KV head)
+        self.count = 0  # slots per (row, KV head) of the working store, fillers included
+        self.valid: Tensor | None = None  # bool [batch, kv_heads, count]: the slots the blocks hold
         self._cached: SlotStore | None = None  # the store read this step, until the commit writes the next
 
     @property
     def batch(self) -> int:
         return len(self.tables)
+
+    @property
+    def per_block(self) -> int:
+        """Slot records one block holds: ``block_size`` rows of ``kv_heads`` records."""
+        return self.pool.block_size * self.pool.geometry.num_kv_heads
 
     @property
     def nbytes(self) -> int:
@@ -152,54 +163,77 @@ class PooledSlotHome:
             self._cached = self._read()
         return self._cached
 
-    def put(self, store: SlotStore | None) -> None:
-        """Keep ``store``'s slots in this layer's blocks (None: free them all). Raises `PoolExhausted` and
-        changes nothing when the pool cannot hand out the blocks."""
-        if store is None:
-            self.release()
-            return
-        size = self.pool.block_size
-        rows, count = store.batch, store.count
-        need = -(-count // size)
+    def put(self, store: SlotStore, valid: Tensor) -> None:
+        """Keep the ``valid`` slots of ``store`` (bool ``[batch, kv_heads, slots]``) in this layer's blocks.
+
+        Raises `PoolExhausted` and changes nothing when the pool cannot hand out the blocks.
+        """
+        if valid.shape != (store.batch, self.pool.geometry.num_kv_heads, store.count):
+            raise ValueError(
+                f"layer {self.layer}: the validity of {store.batch} rows x {store.count} slots must be "
+                f"[batch, kv_heads, slots] = {(store.batch, self.pool.geometry.num_kv_heads, store.count)}; "
+                f"got {tuple(valid.shape)}."
+            )
+        rows = store.batch
+        needs = [-(-int(held) // self.per_block) for held in valid.sum(dim=(1, 2)).tolist()]
         old = self.tables + [[] for _ in range(rows - len(self.tables))]
-        missing = sum(max(0, need - len(table)) for table in old[:rows])
+        missing = sum(max(0, need - len(table)) for need, table in zip(needs, old, strict=False))
         fresh = iter(self.pool.allocate(missing))  # raises before anything is written
-        tables = [table[:need] + [next(fresh) for _ in range(need - len(table[:need]))] for table in old[:rows]]
-        spare = [block for table in old[:rows] for block in table[need:]] + [b for t in old[rows:] for b in t]
-        self._write(store, tables, count)
-        self.tables, self.count, self._cached = tables, count, None
+        tables = [
+            table[:need] + [next(fresh) for _ in range(need - len(table[:need]))]
+            for need, table in zip(needs, old, strict=False)
+        ]
+        spare = [block for need, table in zip(needs, old, strict=False) for block in table[need:]]
+        spare += [block for table in old[rows:] for block in table]
+        self._write(store, valid, tables)
+        self.tables, self.count, self.valid, self._cached = tables, store.count, valid, None
         if spare:
             self.pool.decref(spare)
 
     def release(self) -> None:
         """Give every block back to the pool."""
         held = [block for table in self.tables for block in table]
-        self.tables, self.count, self._cached = [], 0, None
+        self.tables, self.count, self.valid, self._cached = [], 0, None, None
         if held:
             self.pool.decref(held)
 
-    def _write(self, store: SlotStore, tables: list[list[int]], count: int) -> None:
+    def _write(self, store: SlotStore, valid: Tensor, tables: list[list[int]]) -> None:
         keys, values = self.records.to_records(store)  # [b, hk, s, width]
-        if not count:
+        if not any(tables):
             return
-        size, width = self.pool.block_size, self.records.width
-        need = len(tables[0])
-        ids = torch.tensor(tables, dtype=torch.long, device=keys.device).reshape(-1)
+        width = self.records.width
+        blocks, within = self._places(valid, tables)
         with self.pool.lock:  # another request may grow the pool's tensors meanwhile
             for records, target in ((keys, self.pool.keys[self.layer]), (values, self.pool.values[self.layer])):
-                rows = _to_blocks(records, need * size, size).to(target.device)  # [b * need, size, hk, width]
-                _byte_view(target)[ids.to(target.device), :, :, :width] = rows
+                device = target.device
+                _record_view(target, self.per_block)[blocks.to(device), within.to(device), :width] = records[
+                    valid.to(records.device)
+                ].to(device)
 
     def _read(self) -> SlotStore:
-        size = self.pool.block_size
-        ids = torch.tensor(self.tables, dtype=torch.long)
+        assert self.valid is not None
         parts = []
+        blocks, within = self._places(self.valid, self.tables)
         for source in (self.pool.keys[self.layer], self.pool.values[self.layer]):
-            blocks = _byte_view(source)[ids.reshape(-1).to(source.device)]  # [b * need, size, hk, row]
-            batch, need = ids.shape
-            rows = blocks.reshape(batch, need * size, *blocks.shape[2:])[:, : self.count]
-            parts.append(rows.permute(0, 2, 1, 3))  # [b, hk, slots, row]
+            records = _record_view(source, self.per_block)
+            shape = (*self.valid.shape, records.shape[-1])
+            slots = records.new_zeros(shape)  # fillers read as zeros: attention never sees them
+            slots[self.valid.to(records.device)] = records[blocks.to(records.device), within.to(records.device)]
+            parts.append(slots)
         return self.records.from_records(parts[0], parts[1])
+
+    def _places(self, valid: Tensor, tables: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """Block id and record index within it of each valid slot, in (row, head, slot) order.
+
+        A row's valid slots form one stream, head by head, ``per_block`` records to a block.
+        """
+        longest = max(len(table) for table in tables)
+        padded = torch.tensor([table + [0] * (longest - len(table)) for table in tables], dtype=torch.long)
+        flat = valid.reshape(valid.shape[0], -1).cpu()
+        order = flat.cumsum(dim=1) - 1  # each valid slot's place in its row's stream
+        rows = torch.arange(flat.shape[0])[:, None].expand_as(flat)
+        place, row = order[flat], rows[flat]
+        return padded[row, place // self.per_block], place % self.per_block
 
 
 def pooled_homes(
@@ -265,12 +299,10 @@ def _byte_view(pool_tensor: Tensor) -> Tensor:
     return pool_tensor.view(torch.uint8)
 
 
-def _to_blocks(records: Tensor, rows: int, size: int) -> Tensor:
-    """``[b, hk, s, width]`` records zero-padded to ``rows`` slots, as ``[b * rows / size, size, hk, width]`` blocks."""
-    batch, heads, count, width = records.shape
-    if count < rows:
-        records = torch.cat((records, records.new_zeros(batch, heads, rows - count, width)), dim=2)
-    return records.permute(0, 2, 1, 3).reshape(batch * rows // size, size, heads, width)
+def _record_view(pool_tensor: Tensor, per_block: int) -> Tensor:
+    """A pool tensor ``[blocks, size, hk, head_dim]`` as byte records ``[blocks, size * hk, head_dim * element]``."""
+    records = _byte_view(pool_tensor)
+    return records.view(records.shape[0], per_block, records.shape[-1])
 
 
 def _model_dtype(model: Any) -> torch.dtype:
