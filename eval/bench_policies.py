@@ -11,8 +11,9 @@ Configurations: H2O (half recent window, H2O's split, and a 32-token window), si
 SnapKV, TOVA, key-norm, mean attention mass, Expected Attention, SnapKV at prefill then H2O (stream only: in
 (a) nothing is evicted after the prefill), and with ``--pyramid`` SnapKV, Expected Attention and H2O with
 PyramidKV's per-layer budgets (`hf_kvgov.policies.Pyramid`: more in the lower layers, the same total), and
-with ``--adaptive`` those three and mean attention mass with AdaKV's head-adaptive budgets (`hf_kvgov.policies.HeadAdaptive`: a
-layer's heads share its total by score; with both flags, also pyramid and head-adaptive together).
+with ``--adaptive`` those three and mean attention mass with AdaKV's head-adaptive budgets
+(`hf_kvgov.policies.HeadAdaptive`: a layer's heads share its total by score; with both flags, also pyramid
+and head-adaptive together).
 
     python eval/bench_policies.py                 # both protocols, both models: ~35 min on 2 CPU cores
     python eval/bench_policies.py --models smollm2 --protocols continue --json eval/out/policies.json

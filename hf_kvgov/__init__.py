@@ -23,6 +23,7 @@ _EXPORTS = {
     "ChainParts": "hf_kvgov.chain",
     "ChainRefused": "hf_kvgov.chain",
     "Paging": "hf_kvgov.chain",
+    "Evict": "hf_kvgov.chain",
     "HeavyHitter": "hf_kvgov.chain",
     "Sink": "hf_kvgov.chain",
     "Disk": "hf_kvgov.chain",
@@ -71,6 +72,7 @@ __all__ = [
     "Disk",
     "DiskCacheStats",
     "DiskOffloadCache",
+    "Evict",
     "EvictionStats",
     "GovernedCache",
     "HeavyHitter",
@@ -110,7 +112,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from hf_kvgov.chain import ChainParts, ChainRefused, Disk, HeavyHitter, Layer, Paging, Sink
+    from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
     from hf_kvgov.chain.build import prefix_tree
     from hf_kvgov.errors import (
         KVGovError,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hf_kvgov.chain.parts import ChainParts, DiskCacheConfig, HeavyHitter, Layer, Paging, Policy, Sink
+from hf_kvgov.chain.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
 from hf_kvgov.chain.rules import mechanism_for
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
+from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_cache import PagedCache
@@ -155,7 +155,7 @@ def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[s
         arguments["layer_budgets"] = parts.layer_budgets()
     elif policy.allocation is not None:
         arguments["layer_budgets"] = policy.allocation
-    if isinstance(policy, HeavyHitter) and policy.heads is not None:
+    if isinstance(policy, HeavyHitter | Evict) and policy.heads is not None:
         arguments["head_budgets"] = policy.heads
     if parts.spill is not None:
         arguments["recall"] = parts.spill.recall()
@@ -183,9 +183,16 @@ def _sink(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
     return SinkCache(model, s.n_sink, s.window, s.budget, **_eviction_arguments(model, s, parts))
 
 
+def _evict(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+    e: Evict = policy
+    arguments = _eviction_arguments(model, e, parts)
+    return PolicyCache(model, e.policy, e.budget, decode_policy=e.decode_policy, compress=e.compress, **arguments)
+
+
 _POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCache]] = {
     HeavyHitter: _heavy_hitter,
     Sink: _sink,
+    Evict: _evict,
 }
 
 _BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {

@@ -4,7 +4,8 @@ The brief's chain, and the part that stands for each link::
 
     request -> prefix hash -> paged blocks -> int8 -> heavy-hitter selection -> spill to SSD
                prefix=       pool=           codec=  policy=                   spill=
-               PrefixCache   Paging/BlockPool str /  HeavyHitter / Sink        Disk
+               PrefixCache   Paging/BlockPool str /  HeavyHitter / Sink /      Disk
+                                                     Evict (any policy)
                                              QuantConfig
 
 plus per-layer overrides (`Layer`): a layer kept in full precision, a layer with its own eviction budget.
@@ -134,11 +135,60 @@ class Sink:
         return f"sinks {self.n_sink} + window {self.window}" + _allocated(self.allocation)
 
 
+COMPRESS_MODES = ("always", "prefill")
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Any eviction policy of `hf_kvgov.policies` (SnapKV, TOVA, Expected Attention...) as the chain's policy link.
+
+    ``GovernedCache(model, codec="int8", policy=Evict(SnapKV(), 0.2))`` is `PolicyCache` with those arguments.
+
+    Args:
+        policy: a policy object, or a registered name ("snapkv", "tova", "expected_attention"...).
+        budget: slots per (sequence, KV head): an int, or a float fraction of the prompt (or of `budget_of`).
+        decode_policy: the policy for every step after the first chunk (None: ``policy`` throughout).
+        compress: "always" (every step evicts) or "prefill" (the first chunk only, later tokens appended).
+        query_chunk, budget_of, allocation, heads: as for `HeavyHitter`.
+    """
+
+    policy: Any
+    budget: BudgetSpec = 0.2
+    decode_policy: Any = None
+    compress: str = "always"
+    query_chunk: int | None = None
+    budget_of: int | None = None
+    allocation: Pyramid | None = None
+    heads: HeadAdaptive | None = None
+
+    def __post_init__(self) -> None:
+        from hf_kvgov.policies import EvictionPolicy
+
+        for name in ("policy", "decode_policy"):
+            value = getattr(self, name)
+            if not (isinstance(value, str | EvictionPolicy) or (name == "decode_policy" and value is None)):
+                raise TypeError(
+                    f"Evict.{name} must be a policy object (needs, min_budget, select) or a registered policy "
+                    f"name; got {value!r}."
+                )
+        check_budget_spec("Evict", "budget", self.budget)
+        if self.compress not in COMPRESS_MODES:
+            raise ValueError(f"Evict.compress must be one of {COMPRESS_MODES}; got {self.compress!r}.")
+        _check_type("Evict.allocation", self.allocation, (Pyramid,))
+        _check_type("Evict.heads", self.heads, (HeadAdaptive,))
+
+    def describe(self) -> str:
+        share = f"{self.budget:.0%}" if isinstance(self.budget, float) else f"{self.budget} tokens"
+        decode = "" if self.decode_policy is None else f", then {self.decode_policy!r} in decode"
+        heads = "" if self.heads is None else f" (head-adaptive budgets, floor {self.heads.floor:g})"
+        return f"evict by {self.policy!r} {share}{decode}" + _allocated(self.allocation) + heads
+
+
 def _allocated(allocation: Pyramid | None) -> str:
     return "" if allocation is None else f" (pyramid budgets over layers, beta {allocation.beta:g})"
 
 
-Policy = HeavyHitter | Sink
+Policy = HeavyHitter | Sink | Evict
 
 
 @dataclass(frozen=True)
@@ -186,7 +236,7 @@ class ChainParts:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {self.attention!r}.")
         _check_type("pool", self.pool, (Paging, BlockPool))
         _check_type("prefix", self.prefix, (PrefixCache,))
-        _check_type("policy", self.policy, (HeavyHitter, Sink))
+        _check_type("policy", self.policy, (HeavyHitter, Sink, Evict))
         _check_type("spill", self.spill, (DiskCacheConfig,))
         if not isinstance(self.namespace, str):
             raise TypeError(f"namespace must be a str (a tenant salt); got {self.namespace!r}.")

@@ -75,7 +75,7 @@ def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:
         if layer.budget is not None and parts.policy is None:
             raise ChainRefused(
                 f"Layer {index} has its own eviction budget, but the chain has no eviction policy to apply it. "
-                "Add policy=HeavyHitter(...) or Sink(...), or drop the override."
+                "Add policy=HeavyHitter(...), Sink(...) or Evict(...), or drop the override."
             )
 
 

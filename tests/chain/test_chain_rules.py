@@ -6,9 +6,10 @@ import itertools
 
 import pytest
 
-from hf_kvgov.chain import ChainParts, ChainRefused, Disk, HeavyHitter, Layer, Paging, Sink
+from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.chain.rules import MECHANISMS, REFUSED_PAIRS, mechanism_for
 from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.policies import HeadAdaptive
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 
@@ -160,7 +161,7 @@ def test_prefix_pool_must_be_the_trees_pool() -> None:
     ("build", "error", "message"),
     [
         (lambda: ChainParts.of(codec="int7"), ValueError, "Unknown codec 'int7'; accepted: int8"),
-        (lambda: ChainParts.of(policy="h2o"), TypeError, "policy must be a HeavyHitter or Sink"),  # type: ignore[arg-type]
+        (lambda: ChainParts.of(policy="h2o"), TypeError, "policy must be a HeavyHitter or Sink or Evict"),  # type: ignore[arg-type]
         (lambda: ChainParts.of(spill="/tmp"), TypeError, "spill must be a DiskCacheConfig"),  # type: ignore[arg-type]
         (lambda: ChainParts.of(layers={-1: Layer()}), ValueError, "non-negative layer indices"),
         (lambda: ChainParts.of(layers={0: True}), TypeError, r"layers\[0\] must be a Layer"),  # type: ignore[dict-item]
@@ -169,6 +170,10 @@ def test_prefix_pool_must_be_the_trees_pool() -> None:
         (lambda: Paging(max_tokens=64, max_bytes=64), ValueError, "not both"),
         (lambda: HeavyHitter(budget=1.5), ValueError, r"budget as a fraction must lie in \(0, 1\]"),
         (lambda: Sink(n_sink=-1), ValueError, "Sink.n_sink must be an int >= 0"),
+        (lambda: Evict(policy=3), TypeError, "Evict.policy must be a policy object"),  # type: ignore[arg-type]
+        (lambda: Evict("snapkv", compress="once"), ValueError, "Evict.compress must be one of"),
+        (lambda: Evict("snapkv", budget=0), ValueError, "budget"),
+        (lambda: Evict("snapkv", heads=0.2), TypeError, "Evict.heads must be a HeadAdaptive"),  # type: ignore[arg-type]
         (lambda: Layer(budget=0), ValueError, "at least 1"),
     ],
 )
@@ -183,3 +188,5 @@ def test_describe_follows_the_chain_order() -> None:
     assert text == "paged (32-token blocks) -> prefix sharing -> int8"
     evicting = ChainParts.of(policy=HeavyHitter(0.2), codec="int4", layers={0: Layer(budget=1.0)}).describe()
     assert evicting == "int4 -> H2O 20% -> budgets layer 0: 1.0"
+    scored = ChainParts.of(policy=Evict("snapkv", 0.2, heads=HeadAdaptive()), codec="int8").describe()
+    assert scored == "int8 -> evict by 'snapkv' 20% (head-adaptive budgets, floor 0.2)"

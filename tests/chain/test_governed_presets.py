@@ -20,6 +20,7 @@ from hf_kvgov import (
     GovernedCache,
     HeavyHitterCache,
     PagedCache,
+    PolicyCache,
     QuantizedCache,
     QuantizedDiskCache,
     SinkCache,
@@ -27,8 +28,10 @@ from hf_kvgov import (
     paged_attention,
     prefix_tree,
 )
-from hf_kvgov.chain import Disk, HeavyHitter, Layer, Paging, Sink
+from hf_kvgov.chain import Disk, Evict, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.hf.eviction import EvictionCache
+from hf_kvgov.policies import HeadAdaptive, Pyramid, SnapKV
+from hf_kvgov.policies import HeavyHitter as PolicyHeavyHitter
 from hf_kvgov.tiers.recall_pages import Recall
 from tests.conftest import tiny_llama
 
@@ -57,6 +60,14 @@ PRESETS: dict[str, Build] = {
     "h2o, int8 slots, layer 0 budget": lambda m: HeavyHitterCache(m, budget=12, codec="int8", layer_budgets={0: 16}),
     "sink, fp8 slots": lambda m: SinkCache(m, n_sink=2, window=10, codec="fp8"),
     "h2o, int8 slots, recall": lambda m: HeavyHitterCache(m, budget=12, codec="int8", recall=Recall(pages=2)),
+    "h2o, head-adaptive": lambda m: HeavyHitterCache(m, budget=12, head_budgets=HeadAdaptive()),
+    "snapkv": lambda m: PolicyCache(m, SnapKV(window=4), budget=12),
+    "snapkv then h2o, int8, recall": lambda m: PolicyCache(
+        m, "snapkv", 40, decode_policy=PolicyHeavyHitter(0.5, 8), codec="int8", recall=Recall(pages=2)
+    ),
+    "tova, prefill only, pyramid, head-adaptive": lambda m: PolicyCache(
+        m, "tova", 12, compress="prefill", layer_budgets=Pyramid(), head_budgets=HeadAdaptive(0.5)
+    ),
 }
 
 # The same caches as a user composes them from parts.
@@ -88,6 +99,16 @@ COMPOSED: dict[str, tuple[Build, Build]] = {
         lambda m: GovernedCache(m, policy=HeavyHitter(budget=12, recent=4)),
     ),
     "sink": (lambda m: SinkCache(m, n_sink=2, window=10), lambda m: GovernedCache(m, policy=Sink(2, 10))),
+    "SnapKV, int8, a layer budget": (
+        lambda m: PolicyCache(m, SnapKV(window=4), budget=12, codec="int8", layer_budgets={1: 20}),
+        lambda m: GovernedCache(m, policy=Evict(SnapKV(window=4), 12), codec="int8", layers={1: Layer(budget=20)}),
+    ),
+    "Expected Attention, head-adaptive, disk spill with recall": (
+        lambda m: PolicyCache(m, "expected_attention", 40, head_budgets=HeadAdaptive(), recall=Recall(pages=2)),
+        lambda m: GovernedCache(
+            m, policy=Evict("expected_attention", 40, heads=HeadAdaptive()), spill=Disk(recall_pages=2)
+        ),
+    ),
     "int8 + H2O with a layer budget": (
         lambda m: HeavyHitterCache(m, budget=12, recent=4, codec="int8", layer_budgets={1: 20}),
         lambda m: GovernedCache(m, policy=HeavyHitter(12, recent=4), codec="int8", layers={1: Layer(budget=20)}),
@@ -151,12 +172,20 @@ def test_parts_written_by_hand_build_the_preset(name: str) -> None:
     assert_identical(generate(MODEL, preset), generate(MODEL, composed))
 
 
-def test_the_whole_chain_builds(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("policy", "kind"),
+    [
+        (HeavyHitter(12, recent=4), HeavyHitterCache),
+        (Evict(SnapKV(window=4), 12, decode_policy=PolicyHeavyHitter(0.5, 4), heads=HeadAdaptive()), PolicyCache),
+    ],
+)
+def test_the_whole_chain_builds(tmp_path: Any, policy: Any, kind: type) -> None:
     from hf_kvgov import prefix_tree
 
-    parts = {"codec": "int8", "policy": HeavyHitter(12, recent=4), "spill": Disk(path=str(tmp_path))}
+    parts = {"codec": "int8", "policy": policy, "spill": Disk(path=str(tmp_path))}
     tree = prefix_tree(MODEL, pool=Paging(16))  # the shared prefix is read as computed: a full-precision tree
     cache = GovernedCache(MODEL, pool=Paging(16), prefix=tree, **parts)
-    assert isinstance(cache, HeavyHitterCache) and cache.pool is not None and cache.recall is not None
+    assert isinstance(cache, kind) and cache.pool is not None and cache.recall is not None
     assert cache.prefix is tree
-    generate(MODEL, cache)
+    out = generate(MODEL, cache)
+    assert out.sequences.shape == (2, 31) and cache.stats().kv_bytes == cache.pool.num_used * cache.pool.bytes_per_block

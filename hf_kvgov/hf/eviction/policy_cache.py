@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_kvgov.chain.parts import ChainParts, Disk, Evict, allocation_of, budget_overrides
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.recall import Recall
@@ -103,6 +104,24 @@ class PolicyCache(EvictionCache):
             prefix=prefix,
             namespace=namespace,
             decode_policy=decode,
+        )
+        self.parts = ChainParts.of(
+            policy=Evict(
+                policy,
+                budget,
+                decode_policy,
+                compress,
+                query_chunk,
+                budget_of,
+                allocation_of(layer_budgets),
+                head_budgets,
+            ),
+            pool=pool,
+            prefix=prefix,
+            namespace=namespace,
+            codec=self.quant,
+            spill=None if recall is None else Disk.of_recall(recall),
+            layers=budget_overrides(layer_budgets),
         )
         refusal = self._rotary.refusal
         if refusal is not None and any(p is not None and p.needs.forecast is not None for p in (prefill, decode)):
