@@ -2,6 +2,7 @@
 
 At the same bit widths, in one run:
 
+    int2   transformers quanto (optimum-quanto)                            hf_kvgov int2 (KIVI)
     int4   transformers quanto (optimum-quanto)   transformers HQQ (hqq)   hf_kvgov int4
     int8   transformers HQQ (hqq)                                          hf_kvgov int8
     fp8    transformers fp8 (one e4m3 scale per tensor)                    hf_kvgov fp8 (e4m3, KIVI scales)
@@ -56,6 +57,7 @@ from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.models import load_model
 from hf_kvgov.quality import score_in_lockstep
+from hf_kvgov.registry import int2_kivi
 
 OUT = Path(__file__).resolve().parent / "out"
 TEXT = pride_and_prejudice_path()  # the complete novel the package ships
@@ -76,6 +78,12 @@ CANDIDATES: dict[str, tuple[str, Builder]] = {
     "kvgov-int4-b16": ("int4", lambda m: QuantizedCache(m, bits=4)),
     "kvgov-int8-b16": ("int8", lambda m: QuantizedCache(m, bits=8)),
     "kvgov-fp8-b16": ("fp8", lambda m: QuantizedCache(m, bits=8, fmt="fp8")),
+    # 2 bits: transformers' quanto int2 with its defaults, and hf_kvgov's int2 as its `int2` cache name runs it
+    # (KIVI: 32-token blocks, the newest 32 tokens in full precision, values in groups of 32 channels), and with
+    # 16-token blocks.
+    "hf-quanto-int2": ("int2", lambda m: HFQuantizedCache("quanto", m.config, nbits=2)),
+    "kvgov-int2": ("int2", lambda m: int2_kivi(m)),
+    "kvgov-int2-b16": ("int2", lambda m: int2_kivi(m, block_size=16)),
 }
 
 

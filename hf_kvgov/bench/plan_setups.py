@@ -38,7 +38,7 @@ from hf_kvgov.planner.setup import CacheSetup
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
 
 # QuantConfig codec names -> the planner's codec names (both fp8 variants store one byte plus scales).
-_PLANNER_CODECS = {"int8": "int8", "int4": "int4", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+_PLANNER_CODECS = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 # Quantization scales are fp16 in hf_kvgov's codecs.
 _SCALE_BYTES = 2
 # What an eviction cache keeps per slot and KV head besides K/V (`hf_kvgov.hf.eviction.cache`): the RoPE

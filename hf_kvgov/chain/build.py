@@ -76,6 +76,7 @@ def _quantized(model: Any, parts: ChainParts) -> GovernedCache:
         sink_blocks=q.sink_blocks,
         full_precision_layers=q.full_precision_layers,
         group_size=q.group_size,
+        layer_formats=q.layer_formats,
         attention=parts.attention,  # type: ignore[arg-type]
         **_pool_arguments(parts),
         **_prefix_arguments(parts),
@@ -125,6 +126,7 @@ def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
         sink_blocks=q.sink_blocks,
         full_precision_layers=q.full_precision_layers,
         group_size=q.group_size,
+        layer_formats=q.layer_formats,
         read_buffer_bytes=d.read_buffer_bytes,
         prefetch=d.prefetch,
         on_full=d.on_full,

@@ -1,4 +1,4 @@
-"""Stateless K/V block codecs: int8, int4 (two per byte) and fp8 (e4m3, e5m2).
+"""Stateless K/V block codecs: int8, int4 (two per byte), int2 (four per byte) and fp8 (e4m3, e5m2).
 
 Keys are grouped per channel over a block's tokens, values per token along head_dim (KIVI). Each
 codec file documents its packed layout and the exact dequantization formula a kernel must mirror.
@@ -14,6 +14,7 @@ from hf_kvgov.codecs.affine import AffineCodec
 from hf_kvgov.codecs.base import Encoded, KVCodec
 from hf_kvgov.codecs.fp8 import Float8Codec, Fp8E4M3Codec, Fp8E5M2Codec
 from hf_kvgov.codecs.grouping import GroupAxis, GroupLayout
+from hf_kvgov.codecs.int2 import Int2Codec, pack_int2, unpack_int2
 from hf_kvgov.codecs.int4 import Int4Codec, pack_int4, unpack_int4
 from hf_kvgov.codecs.int8 import Int8Codec
 from hf_kvgov.codecs.registry import CodecFactory, available_codecs, get_codec, register_codec
@@ -27,12 +28,15 @@ __all__ = [
     "Fp8E5M2Codec",
     "GroupAxis",
     "GroupLayout",
+    "Int2Codec",
     "Int4Codec",
     "Int8Codec",
     "KVCodec",
     "available_codecs",
     "get_codec",
+    "pack_int2",
     "pack_int4",
     "register_codec",
+    "unpack_int2",
     "unpack_int4",
 ]

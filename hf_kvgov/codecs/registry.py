@@ -10,6 +10,7 @@ from typing import Any
 
 from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.fp8 import Fp8E4M3Codec, Fp8E5M2Codec
+from hf_kvgov.codecs.int2 import Int2Codec
 from hf_kvgov.codecs.int4 import Int4Codec
 from hf_kvgov.codecs.int8 import Int8Codec
 
@@ -40,5 +41,5 @@ def get_codec(name: str, **options: Any) -> KVCodec:
     return factory(**options)
 
 
-for _codec in (Int8Codec, Int4Codec, Fp8E4M3Codec, Fp8E5M2Codec):
+for _codec in (Int8Codec, Int4Codec, Int2Codec, Fp8E4M3Codec, Fp8E5M2Codec):
     register_codec(_codec.name, _codec)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,10 +33,14 @@ COMPACT_BLOCK_SIZE = 128
 CODEC_NAMES: dict[tuple[str, int], str] = {
     ("int", 8): "int8",
     ("int", 4): "int4",
+    ("int", 2): "int2",
     ("fp8", 8): "fp8_e4m3",
     ("fp8_e4m3", 8): "fp8_e4m3",
     ("fp8_e5m2", 8): "fp8_e5m2",
 }
+FULL_PRECISION = "full"  # a per-layer format: the layer's sealed blocks stay in the model's precision
+# What `layer_formats` accepts per layer: every codec name, "fp8" for e4m3, and "full".
+LAYER_FORMATS: tuple[str, ...] = (*dict.fromkeys(CODEC_NAMES.values()), "fp8", FULL_PRECISION)
 
 
 @dataclass(frozen=True)
@@ -41,13 +48,17 @@ class QuantConfig:
     """How a `QuantizedCache` stores sealed blocks.
 
     Attributes:
-        bits: 8 or 4 (4 only with fmt="int").
+        bits: 8, 4 or 2 (4 and 2 only with fmt="int"; 2 is KIVI's format, best with ``residual``).
         fmt: "int" (asymmetric integer codes), "fp8" (= "fp8_e4m3") or "fp8_e5m2".
         residual: the newest `residual` tokens stay in full precision (a block is sealed once it is full
             and all its tokens are older than that); 0 seals every full block.
         sink_blocks: leading blocks kept in full precision (attention sinks, where outliers live).
         full_precision_layers: layers whose sealed blocks are stored unquantized.
         group_size: head_dim elements per value scale (None: one scale per token and head).
+        layer_formats: per-layer formats overriding ``bits``/``fmt``, ``{layer: name}`` with names from
+            `LAYER_FORMATS` ("int8", "int4", "int2", "fp8", "fp8_e5m2", "full"); stored sorted as pairs. A
+            "full" layer joins ``full_precision_layers``. `QuantConfig.load` reads such a map from the JSON
+            ``kvgov check-quant --recommend`` writes.
     """
 
     bits: int = 8
@@ -56,6 +67,7 @@ class QuantConfig:
     sink_blocks: int = 1
     full_precision_layers: tuple[int, ...] = ()
     group_size: int | None = None
+    layer_formats: Any = ()  # Mapping[int, str] or pairs; normalised to tuple[tuple[int, str], ...]
 
     def __post_init__(self) -> None:
         if (self.fmt, self.bits) not in CODEC_NAMES:
@@ -65,9 +77,20 @@ class QuantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int; got {value!r}.")
+        overrides = _layer_format_pairs(self.layer_formats)
+        full = {layer for layer, name in overrides if name == FULL_PRECISION}
         layers = _layer_tuple(self.full_precision_layers)
-        object.__setattr__(self, "full_precision_layers", layers)
+        object.__setattr__(self, "full_precision_layers", tuple(sorted(set(layers) | full)))
+        # Entries naming the default codec change nothing: dropped, so equal configurations compare equal.
+        codecs = tuple(
+            (layer, name)
+            for layer, name in overrides
+            if name not in (FULL_PRECISION, CODEC_NAMES[(self.fmt, self.bits)]) and layer not in layers
+        )
+        object.__setattr__(self, "layer_formats", codecs)
         self.codec()  # validates group_size
+        for layer, _ in codecs:
+            self.layer_codec(layer)
 
     @property
     def codec_name(self) -> str:
@@ -76,6 +99,44 @@ class QuantConfig:
     def codec(self) -> KVCodec:
         return get_codec(self.codec_name, group_size=self.group_size)
 
+    def layer_format(self, layer: int) -> str:
+        """The format layer ``layer`` seals its blocks in: a codec name, or "full"."""
+        if layer in self.full_precision_layers:
+            return FULL_PRECISION
+        return dict(self.layer_formats).get(layer, self.codec_name)
+
+    def layer_codec(self, layer: int) -> KVCodec:
+        """The codec of a quantized layer (its override, else the default)."""
+        name = self.layer_format(layer)
+        assert name != FULL_PRECISION, f"layer {layer} is kept in full precision"
+        return get_codec(name, group_size=self.group_size)
+
+    @classmethod
+    def load(cls, path: str | Path) -> QuantConfig:
+        """The configuration a JSON file holds: ``{"quant_config": {...QuantConfig fields...}}`` (what
+        ``kvgov check-quant --recommend`` writes), or the fields themselves."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"Cannot read a QuantConfig from {path}: {error}") from error
+        fields = data.get("quant_config", data) if isinstance(data, dict) else None
+        if not isinstance(fields, dict):
+            raise ValueError(f"{path} must hold a JSON object of QuantConfig fields; got {type(fields).__name__}.")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown QuantConfig fields {unknown}; accepted: {sorted(known)}.")
+        layer_formats = {int(layer): name for layer, name in dict(fields.get("layer_formats") or {}).items()}
+        return cls(**(fields | {"layer_formats": layer_formats}))
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as JSON-ready values (`load` reads them back)."""
+        return {
+            "bits": self.bits, "fmt": self.fmt, "residual": self.residual, "sink_blocks": self.sink_blocks,
+            "full_precision_layers": list(self.full_precision_layers), "group_size": self.group_size,
+            "layer_formats": {str(layer): name for layer, name in self.layer_formats},
+        }  # fmt: skip
+
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         """Raise ValueError if this configuration cannot serve a model of this geometry."""
         outside = [layer for layer in self.full_precision_layers if layer >= num_layers]
@@ -83,13 +144,22 @@ class QuantConfig:
             raise ValueError(
                 f"full_precision_layers {outside} are not layers of this model, which has layers 0..{num_layers - 1}."
             )
+        outside = [layer for layer, _ in self.layer_formats if layer >= num_layers]
+        if outside:
+            raise ValueError(f"layer_formats names layers {outside}, but this model has layers 0..{num_layers - 1}.")
         self.codec().bytes_per_token(num_kv_heads, head_dim, block_size)  # head_dim / group_size fit the codec
+        for layer, _ in self.layer_formats:
+            self.layer_codec(layer).bytes_per_token(num_kv_heads, head_dim, block_size)
 
     def formats(self, num_layers: int, dtype: torch.dtype) -> list[SealedFormat]:
         """The sealed format of each layer."""
-        quantized = CodecFormat(self.codec())
         raw = RawFormat(dtype)
-        return [raw if layer in self.full_precision_layers else quantized for layer in range(num_layers)]
+        formats: dict[str, SealedFormat] = {}  # layers of one codec share one format object
+        for layer in range(num_layers):
+            name = self.layer_format(layer)
+            if name != FULL_PRECISION and name not in formats:
+                formats[name] = CodecFormat(self.layer_codec(layer))
+        return [formats.get(self.layer_format(layer), raw) for layer in range(num_layers)]
 
     def describe(self) -> str:
         """One line for reports, e.g. "int4, layers 0, 1 in full precision"."""
@@ -98,9 +168,32 @@ class QuantConfig:
             text += f" (value groups of {self.group_size})"
         if self.residual:
             text += f", newest {self.residual} tokens in full precision"
+        for name in dict.fromkeys(name for _, name in self.layer_formats):
+            layers = [str(layer) for layer, other in self.layer_formats if other == name]
+            text += f", layer{'s' if len(layers) > 1 else ''} {', '.join(layers)} in {name}"
         if self.full_precision_layers:
             text += f", layers {', '.join(map(str, self.full_precision_layers))} in full precision"
         return text
+
+
+def _layer_format_pairs(layer_formats: object) -> tuple[tuple[int, str], ...]:
+    """``{layer: name}`` (or pairs) as sorted (layer, codec name) pairs, "fp8" read as "fp8_e4m3"."""
+    items = layer_formats.items() if isinstance(layer_formats, Mapping) else layer_formats
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise TypeError(f"layer_formats must map layer indices to format names; got {layer_formats!r}.")
+    pairs: dict[int, str] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise TypeError(f"layer_formats must map layer indices to format names; got the entry {item!r}.")
+        layer, name = item
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer_formats keys must be non-negative layer indices; got {layer!r}.")
+        if name not in LAYER_FORMATS:
+            raise ValueError(
+                f"layer_formats[{layer}] = {name!r} is not a format; accepted: {', '.join(LAYER_FORMATS)}."
+            )
+        pairs[layer] = "fp8_e4m3" if name == "fp8" else name
+    return tuple(sorted(pairs.items()))
 
 
 def _layer_tuple(layers: Iterable[int]) -> tuple[int, ...]:

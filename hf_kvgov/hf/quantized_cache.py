@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -121,7 +122,9 @@ class QuantizedCache(PagedCache):
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config.
-        bits, fmt, residual, sink_blocks, full_precision_layers, group_size: see `QuantConfig`.
+        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats: see `QuantConfig`
+            (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format; `QuantConfig.load` reads
+            the map ``kvgov check-quant --recommend`` writes, ``QuantizedCache.from_config`` builds from it).
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
         pool: a `QuantizedBlockPool` shared by several caches with the same configuration.
         prefix: a `PrefixCache` over such a pool (its pool is used); enables `match` and `publish`.
@@ -138,6 +141,7 @@ class QuantizedCache(PagedCache):
         sink_blocks: int = 1,
         full_precision_layers: Iterable[int] = (),
         group_size: int | None = None,
+        layer_formats: Mapping[int, str] | Iterable[tuple[int, str]] = (),
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
@@ -145,7 +149,9 @@ class QuantizedCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        self.quant = QuantConfig(bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size)
+        self.quant = QuantConfig(
+            bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size, layer_formats
+        )
         config = decoder_config(model_or_config)
         kv_heads, head_dim = kv_heads_and_head_dim(config)
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
@@ -155,6 +161,18 @@ class QuantizedCache(PagedCache):
         self._sealed_columns = sink_blocks
         super().__init__(model_or_config, block_size, max_tokens, max_bytes, pool, attention, prefix, namespace)
         self.parts = dataclasses.replace(self.parts, codec=self.quant)
+
+    @classmethod
+    def from_config(cls, model_or_config: Any, quant: QuantConfig | str | Path, **kwargs: Any) -> QuantizedCache:
+        """A cache sealing blocks as ``quant`` says: a `QuantConfig`, or the path of the JSON file
+        ``kvgov check-quant --recommend`` writes (`QuantConfig.load`); ``kwargs`` as for the constructor."""
+        q = quant if isinstance(quant, QuantConfig) else QuantConfig.load(quant)
+        fields = {
+            "bits": q.bits, "fmt": q.fmt, "residual": q.residual, "sink_blocks": q.sink_blocks,
+            "full_precision_layers": q.full_precision_layers, "group_size": q.group_size,
+            "layer_formats": q.layer_formats,
+        }  # fmt: skip
+        return cls(model_or_config, **fields, **kwargs)
 
     # ------------------------------------------------------------------ pool
 
@@ -168,9 +186,8 @@ class QuantizedCache(PagedCache):
         groups: every layer keeps every token, and what each layer stores is what it asked for.
         """
         groups = super()._layer_groups(windows)
-        raw = set(self.quant.full_precision_layers)
         for position in range(len(groups[0].layers)):
-            if len({group.layers[position] in raw for group in groups}) > 1:
+            if len({self.quant.layer_format(group.layers[position]) for group in groups}) > 1:
                 return single_group(len(windows))
         return groups
 
@@ -328,7 +345,10 @@ class QuantizedCache(PagedCache):
         """
         q = self.quant
         layers = ",".join(map(str, q.full_precision_layers))
-        return f"{self.namespace}\x00sealed:{q.codec_name}:g={q.group_size}:fp=[{layers}]:sink={q.sink_blocks}"
+        own = ",".join(f"{layer}={name}" for layer, name in q.layer_formats)
+        return f"{self.namespace}\x00sealed:{q.codec_name}:g={q.group_size}:fp=[{layers}]:sink={q.sink_blocks}" + (
+            f":layers=[{own}]" if own else ""
+        )
 
     def match(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, pad_token_id: int = 0

@@ -3,7 +3,7 @@
 The pieces are the tensors of `storage.sealed_store` for one layer, named as `storage.sealed_formats`
 names them (a leading sealed-id dim, then one block's shape)::
 
-    codec formats ("int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+    codec formats ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"):
         key_codes    [capacity, block_size, H, D * bits // 8]   uint8, or float8 for fp8
         key_scale    [capacity, 1, H, D]                        one per channel per block (fp16 or fp32)
         key_zero     same as key_scale                          int formats only
@@ -33,7 +33,7 @@ class SealedBlocks:
     """The sealed blocks of one layer.
 
     Attributes:
-        format: the sealed format's name ("int8", "int4", "fp8_e4m3", "fp8_e5m2" or "full").
+        format: the sealed format's name ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2" or "full").
         pieces: piece name -> tensor, as in the module docstring (copied: the store may grow later).
     """
 

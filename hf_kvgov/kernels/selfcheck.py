@@ -7,7 +7,7 @@ What `eval/gpu_check.py` runs first, and what a user can run on their own GPU to
 
 Cases come from `kernels.synthetic` (ragged rows in permuted blocks, NaN wherever a kernel must not read).
 The kernels: the torch reference against dense float64 attention; the Triton paged kernel in fp32, bf16
-and fp16 and with a bool mask and soft-capping; the Triton kernel over sealed int8 / int4 / fp8_e4m3 /
+and fp16 and with a bool mask and soft-capping; the Triton kernel over sealed int8 / int4 / int2 / fp8_e4m3 /
 fp8_e5m2 / raw blocks; the quantized torch reference against dense attention over the decoded K/V; and
 flash-attn (decode and a 16-query prefill chunk, blocks of 256) on CUDA when it is installed.
 
@@ -29,7 +29,7 @@ import torch
 from hf_kvgov.kernels import flash_paged
 from hf_kvgov.kernels.synthetic import PagedCase, make_case
 
-SEALED_FORMATS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2", "full")
+SEALED_FORMATS = ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2", "full")
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (2e-3, 1e-3)}
 
 

@@ -108,7 +108,7 @@ def make_case(
     """A batch whose row b holds `lengths[b]` tokens (kv_length = max(lengths)); see the module docstring.
 
     `sealed_format`: None (every block in full precision), "full" (sealed but unquantized) or a codec name
-    ("int8", "int4", "fp8_e4m3", "fp8_e5m2"), built with `codec_options` (group_size, scale_dtype).
+    ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"), built with `codec_options` (group_size, scale_dtype).
     """
     if not lengths or min(lengths) < 1:
         raise ValueError(f"lengths must name at least one row, each of at least 1 token; got {list(lengths)}.")

@@ -1,4 +1,4 @@
-"""Paged decode attention over sealed (int8 / int4 / fp8 / raw) and full-precision blocks, with Triton.
+"""Paged decode attention over sealed (int8 / int4 / int2 / fp8 / raw) and full-precision blocks, with Triton.
 
 The fast path of `quantized_paged_attention_reference` for q_len == 1: the kernel
 (`triton_quantized_kernel.py`) reads the sealed codes and their scales straight from the sealed store's
@@ -41,6 +41,7 @@ from hf_kvgov.kernels.triton_paged import unsupported_reason as dense_unsupporte
 from hf_kvgov.kernels.triton_quantized_kernel import (
     SEALED_FP8_E4M3,
     SEALED_FP8_E5M2,
+    SEALED_INT2,
     SEALED_INT4,
     SEALED_INT8,
     SEALED_RAW,
@@ -54,7 +55,7 @@ class KernelFormat:
 
     Attributes:
         code: the kernel's SEALED_FORMAT constexpr.
-        codes_per_byte: codes packed into one byte along head_dim (2 for int4).
+        codes_per_byte: codes packed into one byte along head_dim (2 for int4, 4 for int2).
         has_zero: the format stores zero points.
         codes_dtype: dtype of the stored codes (None: raw values, any float dtype).
     """
@@ -69,6 +70,7 @@ KERNEL_FORMATS: dict[str, KernelFormat] = {
     RAW_FORMAT: KernelFormat(SEALED_RAW.value, 1, False, None),
     "int8": KernelFormat(SEALED_INT8.value, 1, True, torch.uint8),
     "int4": KernelFormat(SEALED_INT4.value, 2, True, torch.uint8),
+    "int2": KernelFormat(SEALED_INT2.value, 4, True, torch.uint8),
     "fp8_e4m3": KernelFormat(SEALED_FP8_E4M3.value, 1, False, torch.float8_e4m3fn),
     "fp8_e5m2": KernelFormat(SEALED_FP8_E5M2.value, 1, False, torch.float8_e5m2),
 }

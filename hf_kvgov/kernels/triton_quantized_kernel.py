@@ -16,6 +16,7 @@ zero`): the torch reference `quantized_reference.py` is the specification. Code 
 
     int8   uint8 code c                                 -> c
     int4   byte j holds d = 2j (low nibble), 2j + 1 (high) -> (byte >> 4 * (d % 2)) & 0xF
+    int2   byte j holds d = 4j .. 4j + 3, lowest bits first  -> (byte >> 2 * (d % 4)) & 0x3
     fp8    e4m3fn / e5m2 bits, decoded with integer ops through fp16 (below), no fp8 hardware needed
     raw    a layer kept in full precision: values in any float dtype, no scale
 
@@ -46,6 +47,7 @@ SEALED_INT8 = tl.constexpr(1)
 SEALED_INT4 = tl.constexpr(2)
 SEALED_FP8_E4M3 = tl.constexpr(3)
 SEALED_FP8_E5M2 = tl.constexpr(4)
+SEALED_INT2 = tl.constexpr(5)
 
 
 @triton.jit
@@ -68,6 +70,10 @@ def _code_values(codes_ptr, code_offsets, dims, ok, SEALED_FORMAT: tl.constexpr)
         ptrs = codes_ptr + code_offsets[:, None] + (dims // 2)[None, :]
         byte = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
         return ((byte >> ((dims % 2) * 4)[None, :]) & 0xF).to(tl.float32)
+    if SEALED_FORMAT == SEALED_INT2:
+        ptrs = codes_ptr + code_offsets[:, None] + (dims // 4)[None, :]
+        byte = tl.load(ptrs, mask=ok[:, None], other=0).to(tl.int32)
+        return ((byte >> ((dims % 4) * 2)[None, :]) & 0x3).to(tl.float32)
     raw = tl.load(codes_ptr + code_offsets[:, None] + dims[None, :], mask=ok[:, None], other=0)
     if SEALED_FORMAT == SEALED_FP8_E4M3:
         return _fp8_e4m3_to_float(raw.to(tl.int32))

@@ -59,8 +59,8 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             "if a codec is on), never evicted by H2O nor spilled. This step's gain depends entirely on "
             "that fraction, which is your workload's, not the library's."
         )
-    codec = next((n for n in ("int8", "int4", "fp8") if n in names), None)
-    if codec in ("int8", "int4"):
+    codec = next((n for n in ("int8", "int4", "int2", "fp8") if n in names), None)
+    if codec in ("int8", "int4", "int2"):
         lines.append(
             f"{codec}: keys per channel, values per token (KIVI), an fp{8 * o.scale_bytes} scale and zero "
             f"point each; each sequence's first {o.sink_blocks} block(s) and its partly filled tail block "

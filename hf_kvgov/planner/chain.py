@@ -103,12 +103,13 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("prefix", lambda o: f"+ prefix sharing ({o.shared_fraction:.0%} shared)", _prefix),
         Technique("int8", lambda o: "+ int8 (KIVI)", _codec("int8")),
         Technique("int4", lambda o: "+ int4 (KIVI)", _codec("int4")),
+        Technique("int2", lambda o: "+ int2 (KIVI)", _codec("int2")),
         Technique("fp8", lambda o: "+ fp8", _codec("fp8")),
         Technique("h2o", lambda o: f"+ H2O {o.h2o_budget:.0%}", _h2o),
         Technique("spill", lambda o: f"+ disk spill (hot {o.spill_hot_tokens:,} tokens)", _spill),
     )
 }
-_CODECS = {"int8", "int4", "fp8"}
+_CODECS = {"int8", "int4", "int2", "fp8"}
 
 
 def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -4,7 +4,7 @@ A block holds ``block_size`` (T) tokens of one layer and one KV head, ``head_dim
 keys and values. Per block and KV head::
 
     full precision (fp32/fp16/bf16, e bytes):  K codes T*D*e   + V codes T*D*e
-    int8 / int4 (KIVI, b bits):                K codes T*D*b/8 + V codes T*D*b/8      (int4: two per byte)
+    int8 / int4 / int2 (KIVI, b bits):         K codes T*D*b/8 + V codes T*D*b/8      (int4: 2 per byte, int2: 4)
                                                + K scale & zero per channel:  D       x 2 x s
                                                + V scale & zero per token:    T x D/g x 2 x s
     fp8 (e4m3):                                K codes T*D     + V codes T*D
@@ -16,7 +16,7 @@ keys and values. Per block and KV head::
 An eviction cache keeps per-head *slots*, not blocks: one token of one KV head each, dropped one at a
 time, so a codec groups each slot on its own, keys as values. Per kept slot and KV head (`SlotCodes`)::
 
-    int8 / int4:   K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
+    int8/4/2:      K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
     fp8:           K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
 """
 
@@ -98,12 +98,13 @@ class Float8:
 CODEC_FORMATS: dict[str, Callable[[int, int | None], BlockFormat]] = {
     "int8": lambda scale_bytes, group: IntegerKIVI("int8", 8, scale_bytes, group),
     "int4": lambda scale_bytes, group: IntegerKIVI("int4", 4, scale_bytes, group),
+    "int2": lambda scale_bytes, group: IntegerKIVI("int2", 2, scale_bytes, group),
     "fp8": lambda scale_bytes, group: Float8("fp8", scale_bytes, group),
 }
 
 
 def codec_format(name: str, scale_bytes: int = 2, group_size: int | None = None) -> BlockFormat:
-    """The sealed-block format of codec ``name`` ('int8', 'int4', 'fp8')."""
+    """The sealed-block format of codec ``name`` ('int8', 'int4', 'int2', 'fp8')."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in CODEC_FORMATS:
         raise ValueError(f"Unknown KV codec {name!r}; accepted: {', '.join(CODEC_FORMATS)}.")
@@ -153,5 +154,6 @@ class SlotCodes:
 SLOT_CODECS: dict[str, Callable[[int, int | None], SlotLayout]] = {
     "int8": lambda scale_bytes, group: SlotCodes("int8", 8, True, scale_bytes, group),
     "int4": lambda scale_bytes, group: SlotCodes("int4", 4, True, scale_bytes, group),
+    "int2": lambda scale_bytes, group: SlotCodes("int2", 2, True, scale_bytes, group),
     "fp8": lambda scale_bytes, group: SlotCodes("fp8", 8, False, scale_bytes, group),
 }

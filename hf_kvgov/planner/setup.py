@@ -30,7 +30,7 @@ class CacheSetup:
         max_len: tokens a static buffer holds (required when ``paged`` is False).
         block_size: tokens per block; a sequence of L tokens holds ceil(L / block_size) blocks.
         kv_dtype: full-precision element type ('fp32', 'fp16', 'bf16').
-        codec: quantization of sealed blocks ('int8', 'int4', 'fp8') or None.
+        codec: quantization of sealed blocks ('int8', 'int4', 'int2', 'fp8') or None.
         scale_bytes / group_size: size of a quantization scale (fp16: 2) and the value group along
             head_dim (None: one group per head).
         sink_blocks: leading blocks a quantized cache keeps in full precision.

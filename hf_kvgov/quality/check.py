@@ -48,6 +48,7 @@ from hf_kvgov.quality.report import QuantCheckReport, SensitivityScan
 FORMAT_OPTIONS: dict[str, dict[str, Any]] = {
     "int8": {"bits": 8, "fmt": "int"},
     "int4": {"bits": 4, "fmt": "int"},
+    "int2": {"bits": 2, "fmt": "int"},
     "fp8": {"bits": 8, "fmt": "fp8"},
     "fp8_e5m2": {"bits": 8, "fmt": "fp8_e5m2"},
 }

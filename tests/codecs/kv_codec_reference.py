@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-INT_LEVELS = {"int8": 255, "int4": 15}
+INT_LEVELS = {"int8": 255, "int4": 15, "int2": 3}
 # (mantissa bits, smallest normal exponent, largest finite value) of each fp8 format.
 FP8_FORMATS = {"fp8_e4m3": (3, -6, 448.0), "fp8_e5m2": (2, -14, 57344.0)}
 

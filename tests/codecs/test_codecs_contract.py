@@ -9,10 +9,10 @@ import torch
 
 from hf_kvgov.codecs import Encoded, GroupAxis, KVCodec, available_codecs, get_codec
 
-NAMES = ["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
+NAMES = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
 
 
-def test_registry_holds_the_four_formats() -> None:
+def test_registry_holds_the_five_formats() -> None:
     assert sorted(NAMES) == list(available_codecs())
 
 
@@ -31,7 +31,7 @@ def test_layout_shapes(name: str, lead: tuple[int, ...]) -> None:
     assert keys.shape == values.shape == (*lead, 5, 2, 8)
     for enc in (keys, values):
         assert enc.scale.dtype == torch.float16
-        assert (enc.zero is not None) == (name in ("int8", "int4"))
+        assert (enc.zero is not None) == (name in ("int8", "int4", "int2"))
         assert enc.zero is None or enc.zero.shape == enc.scale.shape
 
 
@@ -42,7 +42,7 @@ def test_an_empty_batch_of_blocks_round_trips(name: str) -> None:
     assert codec.decode(codec.encode_keys(x), torch.float16).shape == (0, 4, 2, 8)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_constant_groups_decode_exactly(name: str, scale_dtype: torch.dtype) -> None:
     # Constants a float16 zero point holds exactly; each key channel and each value token is constant.
@@ -53,9 +53,9 @@ def test_constant_groups_decode_exactly(name: str, scale_dtype: torch.dtype) -> 
     assert torch.equal(codec.decode(codec.encode_values(per_token), torch.float32), per_token)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_constant_float32_group_decodes_exactly_with_float32_scales(name: str) -> None:
-    x = torch.full((4, 1, 2), 0.1)  # 0.1 is not a float16 value, but it is a float32 one
+    x = torch.full((4, 1, 4), 0.1)  # 0.1 is not a float16 value, but it is a float32 one
     codec = get_codec(name, scale_dtype=torch.float32)
     assert torch.equal(codec.decode(codec.encode_keys(x), torch.float32), x)
 
@@ -86,8 +86,10 @@ def test_non_finite_input_is_rejected_naming_the_tensor(name: str, bad: float) -
 @pytest.mark.parametrize("name", NAMES)
 def test_float16_scales_that_overflow_are_rejected(name: str) -> None:
     # int: the zero point (the min) leaves float16's +-65504; fp8: the scale amax / finfo.max does.
-    amax = {"int8": 7e4, "int4": 7e4, "fp8_e4m3": 65504 * 448 * 1.01, "fp8_e5m2": 65504 * 57344 * 1.01}[name]
-    x = torch.tensor([-amax, amax]).reshape(2, 1, 1).expand(2, 1, 2).contiguous()
+    amax = {"int8": 7e4, "int4": 7e4, "int2": 7e4, "fp8_e4m3": 65504 * 448 * 1.01, "fp8_e5m2": 65504 * 57344 * 1.01}[
+        name
+    ]
+    x = torch.tensor([-amax, amax]).reshape(2, 1, 1).expand(2, 1, 4).contiguous()
     with pytest.raises(ValueError, match=r"scale_dtype=torch\.float32"):
         get_codec(name).encode_keys(x)
     codec = get_codec(name, scale_dtype=torch.float32)
@@ -171,6 +173,7 @@ def test_codecs_and_encodings_are_frozen() -> None:
 HAND_BLOCK_BYTES = {
     "int8": (256 + 2 * 32, 256 + 2 * 64),
     "int4": (128 + 2 * 32, 128 + 2 * 64),
+    "int2": (64 + 2 * 32, 64 + 2 * 64),
     "fp8_e4m3": (256 + 32, 256 + 64),
     "fp8_e5m2": (256 + 32, 256 + 64),
 }
@@ -193,8 +196,8 @@ def test_nbytes_is_the_real_tensor_bytes(name: str) -> None:
     [
         (2, 8, 16, None, torch.float16),
         (4, 64, 32, 16, torch.float32),
-        (1, 6, 3, 2, torch.float16),
-        (3, 2, 5, None, torch.float16),  # key statistics amortise to a fraction of a byte per token
+        (1, 12, 3, 2, torch.float16),
+        (3, 4, 5, None, torch.float16),  # key statistics amortise to a fraction of a byte per token
     ],
 )
 def test_bytes_per_token_matches_an_encoded_full_block(
@@ -209,7 +212,10 @@ def test_bytes_per_token_matches_an_encoded_full_block(
 def test_bytes_per_token_for_a_llama_like_layer() -> None:
     # 8 KV heads x 128 channels, blocks of 16, float16 stats. K+V codes: 2*8*128*bits/8 bytes;
     # key stats 8*128 per block / 16 tokens; value stats 8 per token; x2 with a zero point.
-    expected = {"int8": 2048 + 2 * 128 + 2 * 16, "int4": 1024 + 2 * 128 + 2 * 16, "fp8_e4m3": 2048 + 128 + 16}
+    expected = {
+        "int8": 2048 + 2 * 128 + 2 * 16, "int4": 1024 + 2 * 128 + 2 * 16, "int2": 512 + 2 * 128 + 2 * 16,
+        "fp8_e4m3": 2048 + 128 + 16,
+    }  # fmt: skip
     for name, value in expected.items():
         assert get_codec(name).bytes_per_token(num_kv_heads=8, head_dim=128, block_size=16) == value
     with pytest.raises(ValueError, match="block_size must be a positive int; got 0"):

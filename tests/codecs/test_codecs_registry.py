@@ -17,13 +17,14 @@ def test_names_map_to_their_codecs_with_options() -> None:
     assert {n: get_codec(n).bits for n in available_codecs()} == {
         "fp8_e4m3": 8,
         "fp8_e5m2": 8,
+        "int2": 2,
         "int4": 4,
         "int8": 8,
     }
 
 
 def test_unknown_name_lists_the_accepted_ones() -> None:
-    expected = "Unknown KV codec 'int3'; the accepted names are: fp8_e4m3, fp8_e5m2, int4, int8."
+    expected = "Unknown KV codec 'int3'; the accepted names are: fp8_e4m3, fp8_e5m2, int2, int4, int8."
     with pytest.raises(ValueError) as info:
         get_codec("int3")
     assert str(info.value) == expected

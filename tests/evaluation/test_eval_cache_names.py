@@ -14,10 +14,19 @@ MODEL = tiny_llama()
 
 
 def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
-    for name in ("dynamic", "paged", "paged-attn", "int8", "int4", "fp8", "h2o", "sink", "disk"):
+    for name in ("dynamic", "paged", "paged-attn", "int8", "int4", "int2", "fp8", "h2o", "sink", "disk"):
         assert get_cache_spec(name) is CACHES[name]
     eviction = {"h2o", "sink", "snapkv", "tova", "key_norm", "mean_mass", "expected_attention"}
-    assert set(FAMILIES) == eviction | {"int8", "int4", "fp8", "paged", "disk"}
+    assert set(FAMILIES) == eviction | {"int8", "int4", "int2", "fp8", "paged", "disk"}
+
+
+def test_int2_runs_as_kivi_does() -> None:
+    cache = get_cache_spec("int2@16").build(MODEL)  # head_dim 16: one value group per head
+    assert (cache.quant.bits, cache.quant.residual, cache.quant.group_size) == (2, 32, None)
+    assert cache.parts.pool is not None and cache.parts.pool.block_size == 16
+    smollm2_like = tiny_llama()
+    smollm2_like.config.head_dim = 64  # only the geometry is read: value groups of 32 channels
+    assert get_cache_spec("int2").build(smollm2_like).quant.group_size == 32
 
 
 @pytest.mark.parametrize(

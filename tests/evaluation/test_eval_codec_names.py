@@ -57,15 +57,17 @@ def test_descriptions_say_how_the_kept_slots_are_stored() -> None:
 
 def test_a_quantized_name_holds_fewer_bytes_than_the_same_name_without_codec() -> None:
     held = {}
-    for name in ("h2o@8", "h2o@8:int8", "h2o@8:int4"):
+    for name in ("h2o@8", "h2o@8:int8", "h2o@8:int4", "h2o@8:int2"):
         spec = get_cache_spec(name)
         cache = spec.build(MODEL)
         with spec.attention(MODEL), torch.inference_mode():
             MODEL(torch.arange(3, 40)[None], cache=cache)
         held[name] = cache.stats().kv_bytes
     # Per (layer, KV head) slot: float32 K + V = 128 bytes; int8 2 x (16 + 4) = 40; int4 2 x (8 + 4) = 24;
-    # 2 layers x 2 KV heads x 8 slots.
-    assert held == {"h2o@8": 4 * 8 * 128, "h2o@8:int8": 4 * 8 * 40, "h2o@8:int4": 4 * 8 * 24}
+    # int2 2 x (4 + 4) = 16; 2 layers x 2 KV heads x 8 slots.
+    assert held == {
+        "h2o@8": 4 * 8 * 128, "h2o@8:int8": 4 * 8 * 40, "h2o@8:int4": 4 * 8 * 24, "h2o@8:int2": 4 * 8 * 16,
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -73,11 +75,11 @@ def test_a_quantized_name_holds_fewer_bytes_than_the_same_name_without_codec() -
     [
         (
             "h2o@0.2:int9",
-            "Cannot read the cache name 'h2o@0.2:int9': the codec after ':' must be one of int8, int4, fp8, "
+            "Cannot read the cache name 'h2o@0.2:int9': the codec after ':' must be one of int8, int4, int2, fp8, "
             "fp8_e4m3, fp8_e5m2; got 'int9'.",
         ),
-        ("h2o@0.2:", "the codec after ':' must be one of int8, int4, fp8, fp8_e4m3, fp8_e5m2; got ''."),
-        ("sink@4+252:int2", "Cannot read the cache name 'sink@4+252:int2': the codec after ':' must be one of"),
+        ("h2o@0.2:", "the codec after ':' must be one of int8, int4, int2, fp8, fp8_e4m3, fp8_e5m2; got ''."),
+        ("sink@4+252:int3", "Cannot read the cache name 'sink@4+252:int3': the codec after ':' must be one of"),
         ("h2o@abc:int8", "Cannot read the cache name 'h2o@abc:int8': the budget must be a fraction in (0, 1]"),
         ("h2o@1.5:int8", "a number of tokens (256); got '1.5'."),
         ("h2o@:int8", "got ''."),
@@ -85,7 +87,7 @@ def test_a_quantized_name_holds_fewer_bytes_than_the_same_name_without_codec() -
         ("sink@4+0:int8", "'sink@4+0:int8': the window must be an integer of at least 1; got '0'."),
         (
             "h2o@0.2:int8:int4",
-            "the codec after ':' must be one of int8, int4, fp8, fp8_e4m3, fp8_e5m2; got 'int8:int4'",
+            "the codec after ':' must be one of int8, int4, int2, fp8, fp8_e4m3, fp8_e5m2; got 'int8:int4'",
         ),
     ],
 )

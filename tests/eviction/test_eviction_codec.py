@@ -133,7 +133,8 @@ def test_quantized_h2o_matches_the_fake_quant_reference(use_reference, codec: st
 
 
 @pytest.mark.parametrize(
-    ("codec", "codec_name"), [("int8", "int8"), ("int4", "int4"), ("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")]
+    ("codec", "codec_name"),
+    [("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")],
 )
 def test_kept_slots_read_as_the_round_trip_of_the_full_precision_tokens(codec: str, codec_name: str) -> None:
     # Layer 0's K/V depend only on the tokens, so DynamicCache holds exactly the float K/V the cache encoded.
@@ -222,11 +223,12 @@ SLOT_HEADS = 2 * 2 * 2 * BUDGET  # layers x rows x heads x slots
     [
         ("int8", 2 * (16 + 2 + 2)),  # K and V: 16 one-byte codes + float16 scale + float16 zero point
         ("int4", 2 * (8 + 2 + 2)),  # 16 codes two per byte
+        ("int2", 2 * (4 + 2 + 2)),  # 16 codes four per byte
         ("fp8", 2 * (16 + 2)),  # no zero point
         ("fp8_e5m2", 2 * (16 + 2)),
         (QuantConfig(bits=8, group_size=8), 2 * (16 + 2 * (2 + 2))),  # two scale groups per slot
     ],
-    ids=["int8", "int4", "fp8", "fp8_e5m2", "int8-groups-of-8"],
+    ids=["int8", "int4", "int2", "fp8", "fp8_e5m2", "int8-groups-of-8"],
 )
 def test_kv_bytes_are_the_codes_and_scales_held(codec: Any, slot_bytes: int) -> None:
     model = tiny_llama()
@@ -257,8 +259,8 @@ def test_full_precision_layers_store_float_slots() -> None:
 @pytest.mark.parametrize(
     ("codec", "error", "message"),
     [
-        ("int3", ValueError, "unknown codec 'int3'; the accepted names are int8, int4, fp8, fp8_e4m3, fp8_e5m2"),
-        (8, TypeError, "codec must be None, a codec name (int8, int4, fp8, fp8_e4m3, fp8_e5m2) or a QuantConfig"),
+        ("int3", ValueError, "unknown codec 'int3'; the accepted names are int8, int4, int2, fp8, fp8_e4m3, fp8_e5m2"),
+        (8, TypeError, "codec must be None, a codec name (int8, int4, int2, fp8, fp8_e4m3, fp8_e5m2) or a QuantConfig"),
         (QuantConfig(residual=16), ValueError, "cannot honour QuantConfig(residual=16): an eviction cache"),
         (QuantConfig(sink_blocks=0), ValueError, "cannot honour QuantConfig(sink_blocks=0): it stores slots"),
         (QuantConfig(full_precision_layers=(2,)), ValueError, "full_precision_layers [2] are not layers of this"),

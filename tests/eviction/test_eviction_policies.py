@@ -71,7 +71,7 @@ def test_sliding_window_layers_equal_dynamic_cache_past_the_window(name: str) ->
     assert_same_tokens(model, lambda m: PolicyCache(m, NEW[name](), budget=64), prompts(batch=2, length=14, pad=(2, 0)))
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize("name", sorted(NEW))
 def test_every_codec_evicts_to_the_budget(name: str, codec: str) -> None:
     cache = PolicyCache(MODEL, NEW[name](), budget=6, codec=codec)

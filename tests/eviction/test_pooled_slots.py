@@ -81,7 +81,7 @@ def assert_identical(first: Any, second: Any) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("codec", [None, "int8", "int4", "fp8"])
+@pytest.mark.parametrize("codec", [None, "int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 def test_pooled_slots_compute_what_own_tensors_compute(make: Any, codec: str | None) -> None:
     model = make()

@@ -44,6 +44,8 @@ MATRIX = [
     ("int4", torch.float32, 8, 256, 64, [260], 1, 1),
     ("int8", torch.float16, 3, 128, 256, [520, 300], 1, 2),
     ("fp8_e4m3", torch.bfloat16, 1, 256, 64, [190, 129, 70], 1, 1),
+    ("int2", torch.float32, 3, 64, 16, [150, 61], 1, 2),
+    ("int2", torch.bfloat16, 8, 128, 64, [200, 90], 0, 1),
 ]
 
 
@@ -81,7 +83,7 @@ def test_matches_the_reference_and_dense_attention(
     assert_matches(out, case.dense_attention(scale), dtype)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
 def test_scale_dtype_and_value_groups_are_read_from_the_stored_tensors(fmt: str) -> None:
     """fp32 scales and zero points, values in groups of 16 channels: nothing about them is hard-coded."""
     options = {"scale_dtype": torch.float32, "group_size": 16}
@@ -210,7 +212,7 @@ def test_kernel_compiles_for_a_cuda_target(tmp_path: Path) -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "fp8_e4m3"])
 def test_compiled_kernel_long_context(fmt: str) -> None:
     """Long ragged rows in bf16 with the automatic split count, on the GPU."""
     case = make_case([4099, 2500, 17], q_heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16,

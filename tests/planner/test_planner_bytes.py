@@ -117,7 +117,7 @@ def test_static_buffer_rejects_longer_sequence(unit: ModelGeometry) -> None:
         sequence_bytes(unit, CacheSetup(paged=False, max_len=16), 17)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize(("block", "head_dim"), [(16, 64), (128, 64), (16, 128)])
 def test_codec_formats_match_what_the_codecs_store(name: str, block: int, head_dim: int) -> None:
     # The planner's arithmetic against the bytes the codec really produces for one block of one head.

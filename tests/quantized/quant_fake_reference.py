@@ -26,9 +26,11 @@ class FakeQuantCache(DynamicCache):
         residual: int = 0,
         sink_blocks: int = 1,
         full_precision_layers: tuple[int, ...] = (),
+        layer_codecs: dict[int, str] | None = None,
     ) -> None:
         super().__init__(config=config)
         self.codec = get_codec(codec)
+        self.layer_codecs = {layer: get_codec(name) for layer, name in (layer_codecs or {}).items()}
         self.block_size = block_size
         self.residual = residual
         self.sink_blocks = sink_blocks
@@ -51,16 +53,17 @@ class FakeQuantCache(DynamicCache):
         for index, layer in enumerate(self.layers):
             if index in self.full_precision_layers:
                 continue
-            layer.keys = self._roundtrip(layer.keys, span, self.codec.encode_keys)
-            layer.values = self._roundtrip(layer.values, span, self.codec.encode_values)
+            codec = self.layer_codecs.get(index, self.codec)
+            layer.keys = self._roundtrip(layer.keys, span, codec, codec.encode_keys)
+            layer.values = self._roundtrip(layer.values, span, codec, codec.encode_values)
         self.quantized_blocks = ready
 
-    def _roundtrip(self, x: torch.Tensor, span: slice, encode: Any) -> torch.Tensor:
+    def _roundtrip(self, x: torch.Tensor, span: slice, codec: Any, encode: Any) -> torch.Tensor:
         """x `[batch, heads, tokens, dim]`; blocks in `span` become decode(encode(block)), per row and block."""
         batch, heads, _, dim = x.shape
         part = x[:, :, span].transpose(1, 2)  # [batch, tokens, heads, dim]
         blocks = part.reshape(batch, -1, self.block_size, heads, dim)  # [batch, n, bs, heads, dim]
-        decoded = self.codec.decode(encode(blocks), x.dtype).reshape(part.shape).transpose(1, 2)
+        decoded = codec.decode(encode(blocks), x.dtype).reshape(part.shape).transpose(1, 2)
         out = x.clone()
         out[:, :, span] = decoded
         return out

@@ -18,7 +18,13 @@ from tests.conftest import tiny_llama
 
 MODELS = {"gqa": tiny_llama(num_kv_heads=2), "mha": tiny_llama(num_kv_heads=4, seed=1)}
 PATHS = ("contiguous", "paged")
-FORMATS = {"int8": (8, "int"), "int4": (4, "int"), "fp8_e4m3": (8, "fp8"), "fp8_e5m2": (8, "fp8_e5m2")}
+FORMATS = {
+    "int8": (8, "int"),
+    "int4": (4, "int"),
+    "int2": (2, "int"),
+    "fp8_e4m3": (8, "fp8"),
+    "fp8_e5m2": (8, "fp8_e5m2"),
+}
 
 
 def prompts(batch: int = 1, length: int = 11, pad_first: int = 0) -> dict[str, torch.Tensor]:

@@ -55,8 +55,8 @@ def test_json_to_stdout_and_bad_options(tiny_dir: Path, capsys: pytest.CaptureFi
     report = json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
     assert report["sensitivity"] is None and report["threshold_pct"] == 0.5  # the default gate
     assert report["tokens"] == 40  # the built-in text, cut at --tokens
-    assert kvgov([*argv, "--formats", "int2"]) == 2
-    assert "Unknown or no formats ['int2']" in capsys.readouterr().err
+    assert kvgov([*argv, "--formats", "int3"]) == 2
+    assert "Unknown or no formats ['int3']" in capsys.readouterr().err
 
 
 @pytest.mark.real_model

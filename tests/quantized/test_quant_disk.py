@@ -9,6 +9,7 @@ written out by hand from the KIVI layout (keys: codes + a scale and zero per cha
 and zero per token, fp16 parameters):
     int8: codes 2 x 4*2*16 = 256, key scale + zero 2 x 2*16*2 = 128, value scale + zero 2 x 4*2*2 = 32 -> 416
     int4: codes 2 x 4*2*16/2 = 128, + 128 + 32 -> 288;  fp8: codes 256 + key scale 64 + value scale 16 -> 336
+    int2: codes 2 x 4*2*16/4 = 64, + 128 + 32 -> 224
     full precision (what DiskOffloadCache writes): 2 x 4*2*16*4 = 1,024
 """
 
@@ -35,8 +36,13 @@ from tests.conftest import tiny_llama
 from tests.spill_damage import flip_byte
 
 MODEL = tiny_llama(num_kv_heads=2)
-SEGMENT = {"int8": 416, "int4": 288, "fp8": 336}  # bytes per (block, layer) at block size 4, from the docstring
-CODECS = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"bits": 8, "fmt": "fp8"}}
+SEGMENT = {
+    "int8": 416,
+    "int4": 288,
+    "fp8": 336,
+    "int2": 224,
+}  # bytes per (block, layer) at block size 4, from the docstring
+CODECS = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"bits": 8, "fmt": "fp8"}, "int2": {"bits": 2}}
 S = -(1 << 62)  # the table entry of spilled handle 0; handle h is S - h
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -62,7 +62,9 @@ def test_a_position_of_mixed_formats_is_refused_by_the_pool() -> None:
     assert 2 * pool.sealed.bytes_per_block == single.sealed.bytes_per_block
 
 
-@pytest.mark.parametrize(("bits", "fmt"), [(8, "int"), (4, "int"), (8, "fp8")], ids=["int8", "int4", "fp8"])
+@pytest.mark.parametrize(
+    ("bits", "fmt"), [(8, "int"), (4, "int"), (2, "int"), (8, "fp8")], ids=["int8", "int4", "int2", "fp8"]
+)
 @pytest.mark.parametrize("attention", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_tokens_equal_the_single_group_cache(name: str, attention: str, bits: int, fmt: str) -> None:

@@ -136,7 +136,7 @@ def test_check_quantization_report_on_the_tiny_model(tokenizer: PreTrainedTokeni
 
 def test_check_options_are_validated() -> None:
     with pytest.raises(ValueError, match="Unknown or no formats"):
-        CheckOptions(formats=("int2",))
+        CheckOptions(formats=("int3",))
     with pytest.raises(ValueError, match="max_ppl_increase is a percentage"):
         CheckOptions(max_ppl_increase=-1.0)
     with pytest.raises(ValueError, match="sink_blocks must be a non-negative int"):

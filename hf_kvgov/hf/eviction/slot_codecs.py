@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hf_kvgov.hf.eviction.slot_store import DenseFormat, QuantizedFormat, SlotFormat
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.hf.quant_config import FULL_PRECISION, QuantConfig
 
 CodecSpec = str | QuantConfig | None
 
@@ -11,6 +11,7 @@ CodecSpec = str | QuantConfig | None
 SLOT_CODECS: dict[str, tuple[str, int]] = {
     "int8": ("int", 8),
     "int4": ("int", 4),
+    "int2": ("int", 2),
     "fp8": ("fp8", 8),
     "fp8_e4m3": ("fp8_e4m3", 8),
     "fp8_e5m2": ("fp8_e5m2", 8),
@@ -40,7 +41,8 @@ def slot_formats(
 ) -> tuple[list[SlotFormat], QuantConfig | None]:
     """Each layer's slot format, and the validated configuration (None: every slot keeps the model's precision).
 
-    Layers in ``QuantConfig.full_precision_layers`` keep their slots in the model's precision.
+    Layers in ``QuantConfig.full_precision_layers`` keep their slots in the model's precision, and layers named
+    in ``QuantConfig.layer_formats`` use their own codec.
     """
     config = slot_quant_config(codec, owner)
     dense = DenseFormat()
@@ -48,11 +50,12 @@ def slot_formats(
         return [dense] * num_layers, None
     # Raises for layers the model lacks, or a head_dim the codec's packing or value groups do not divide.
     config.check_model(num_layers, num_kv_heads, head_dim, block_size=1)
-    quantized = QuantizedFormat(config.codec())
-    formats: list[SlotFormat] = [
-        dense if layer in config.full_precision_layers else quantized for layer in range(num_layers)
-    ]
-    return formats, config
+    by_name: dict[str, SlotFormat] = {FULL_PRECISION: dense}  # layers of one codec share one format
+    for layer in range(num_layers):
+        name = config.layer_format(layer)
+        if name not in by_name:
+            by_name[name] = QuantizedFormat(config.layer_codec(layer))
+    return [by_name[config.layer_format(layer)] for layer in range(num_layers)], config
 
 
 def _check_block_options(config: QuantConfig | None, owner: str) -> None:
