@@ -82,6 +82,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="torch threads (default: $OMP_NUM_THREADS if set, else the cores the load average leaves idle)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-' for stdout)")
+    parser.add_argument(
+        "--recommend",
+        metavar="PATH",
+        help="instead of the check, choose a format per layer among --formats (e.g. int8,int4,int2) with the fewest "
+        "bytes whose measured perplexity increase stays within --max-ppl-increase, and write it to PATH as JSON "
+        "(QuantizedCache.from_config(model, PATH) loads it); exit 1 when no map meets the budget",
+    )
     parser.set_defaults(func=run)
 
 
@@ -140,9 +147,13 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1; got {args.threads}.")
         text = args.text.read_text(encoding="utf-8") if args.text is not None else None
+        if args.recommend is not None:
+            _check_writable(Path(args.recommend))
     except (ValueError, OSError) as error:
         print(f"kvgov check-quant: {error}", file=sys.stderr)
         return 2
+    if args.recommend is not None:
+        return _recommend(args, options, text)
     with torch_threads(args.threads) as threads:
         print(f"[kvgov] loading {args.model} ({threads} torch threads) ...", file=sys.stderr, flush=True)
         model, tokenizer = models.load_model(args.model)
@@ -154,3 +165,26 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(report.to_json() + "\n", encoding="utf-8")
     return 0 if report.passed else 1
+
+
+def _recommend(args: argparse.Namespace, options: CheckOptions, text: str | None) -> int:
+    """`--recommend PATH`: the per-layer map for the budget, written to PATH; 0 when it meets the budget."""
+    from hf_kvgov.quality.layer_map import recommend_layer_formats
+
+    with torch_threads(args.threads) as threads:
+        print(f"[kvgov] loading {args.model} ({threads} torch threads) ...", file=sys.stderr, flush=True)
+        model, tokenizer = models.load_model(args.model)
+        print(f"[kvgov] scanning {', '.join(options.formats)} one layer at a time ...", file=sys.stderr, flush=True)
+        layer_map = recommend_layer_formats(model, tokenizer, text, options.tolerance_pct, options.formats, options)
+    layer_map.save(args.recommend)
+    print(layer_map.render())
+    print(f"Written to {args.recommend}: QuantizedCache.from_config(model, {str(args.recommend)!r})")
+    return 0 if layer_map.met else 1
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse a --recommend path that cannot be written, before minutes of measuring."""
+    if path.is_dir():
+        raise ValueError(f"--recommend {path} is a directory; give a file path such as {path / 'map.json'}.")
+    if not path.parent.exists() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"--recommend {path}: the directory {path.parent} does not exist or cannot be written.")

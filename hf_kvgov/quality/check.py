@@ -160,11 +160,11 @@ def check_quantization(
     with contextlib.ExitStack() as stack:
         bar = stack.enter_context(progress_bar(cost(plan.certain), "check-quant")) if progress else None
         stack.enter_context(grouped_sdpa_on_cpu(model))
-        runner = _Runner(model, options, bar)
+        runner = ConfigRunner(model, options, bar)
         return _check(runner, ids, plan, model_name or type(model).__name__)
 
 
-def _check(runner: _Runner, ids: torch.Tensor, plan: CheckPlan, model_name: str) -> QuantCheckReport:
+def _check(runner: ConfigRunner, ids: torch.Tensor, plan: CheckPlan, model_name: str) -> QuantCheckReport:
     options = runner.options
     scores, outliers = _measure_formats(runner, ids)
     flagged = tuple(f for f in options.formats if flagged_by_outliers(FORMAT_OPTIONS[f]["bits"], outliers))
@@ -210,7 +210,7 @@ def tokenize(tokenizer: Any, text: str, max_tokens: int, block_size: int) -> tor
 
 
 @dataclass(frozen=True)
-class _Runner:
+class ConfigRunner:
     """Scores QuantConfigs of one model against the full cache, with the check's options."""
 
     model: Any
@@ -253,14 +253,14 @@ def _kwargs(config: QuantConfig, options: CheckOptions) -> dict[str, Any]:
     return {**chosen, "block_size": options.block_size}
 
 
-def _measure_formats(runner: _Runner, ids: torch.Tensor) -> tuple[list[CacheScore], tuple[float, ...]]:
+def _measure_formats(runner: ConfigRunner, ids: torch.Tensor) -> tuple[list[CacheScore], tuple[float, ...]]:
     """Every listed format against the full cache, and the full cache's key outlier ratios per layer."""
     formats = runner.options.formats
     result = runner.score(ids, {fmt: runner.options.config(fmt) for fmt in formats}, ", ".join(formats))
     return [result.scores[fmt] for fmt in formats], tuple(key_outlier_ratios(result.reference))
 
 
-def _scan(runner: _Runner, ids: torch.Tensor) -> SensitivityScan:
+def _scan(runner: ConfigRunner, ids: torch.Tensor) -> SensitivityScan:
     """Quantize one layer at a time (all others full precision) with the lowest-bit format."""
     options = runner.options
     fmt = options.lowest_bit_format
@@ -272,7 +272,7 @@ def _scan(runner: _Runner, ids: torch.Tensor) -> SensitivityScan:
 
 
 def _protected_run(
-    runner: _Runner,
+    runner: ConfigRunner,
     ids: torch.Tensor,
     scan: SensitivityScan | None,
     scores: list[CacheScore],

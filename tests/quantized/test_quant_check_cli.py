@@ -8,10 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-from quant_char_tokenizer import char_tokenizer
 
 from hf_kvgov.cli import check_quant
-from tests.conftest import tiny_llama
 
 
 def kvgov(argv: list[str]) -> int:
@@ -20,15 +18,6 @@ def kvgov(argv: list[str]) -> int:
     check_quant.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["check-quant", *argv])
     return int(args.func(args))
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory, austen_text: str) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama().save_pretrained(directory)
-    char_tokenizer().save_pretrained(directory)
-    (directory / "text.txt").write_text(austen_text[40_000:40_600], encoding="utf-8")
-    return directory
 
 
 def test_end_to_end_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

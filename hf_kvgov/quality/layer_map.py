@@ -1,0 +1,204 @@
+"""A format per layer for a perplexity budget: the fewest bytes whose measured loss stays within it.
+
+    layer_map = recommend_layer_formats(model, tokenizer, text, budget_pct=0.5, formats=("int8", "int4", "int2"))
+    layer_map.save("map.json")                      # QuantizedCache.from_config(model, "map.json") loads it
+
+How the map is chosen:
+
+1. A per-layer scan for every format: one layer in that format, every other layer in full precision, on the
+   first `CheckOptions.scan_tokens` tokens. ``increases[f][l]`` is layer l's perplexity increase in format f.
+2. A choice by marginal cost (`choose_layer_formats`): every layer starts in its cheapest format; while the
+   summed increases exceed the target, the upgrade (a layer to its next dearer format, full precision last)
+   that removes the most predicted loss per byte added is taken.
+3. A check on the whole text: single-layer losses only add up roughly, so the map is measured; if it exceeds the
+   budget, the target is halved and the choice made again (at most `MAX_ROUNDS` times). The result says whether
+   the measured loss met the budget, so a map that does not is never handed over silently.
+
+Bytes per token and layer are the codecs' (`KVCodec.bytes_per_token` at the check's block size) and the model's
+dtype for a layer kept in full precision, so the choice ranks what the cache will hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hf_kvgov.codecs.registry import get_codec
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
+from hf_kvgov.hf.quant_config import FULL_PRECISION, QuantConfig
+from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
+from hf_kvgov.quality.check import FORMAT_OPTIONS, CheckOptions, ConfigRunner, tokenize
+from hf_kvgov.quality.grouped_attention import grouped_sdpa_on_cpu
+from hf_kvgov.quality.lockstep import CacheScore
+
+MAX_ROUNDS = 4  # re-choices with a halved target before giving up
+FIRST_TARGET = 0.5  # the share of the budget the summed single-layer losses may use in the first round
+
+
+def choose_layer_formats(
+    increases: Mapping[str, Sequence[float]], costs: Mapping[str, float], target_pct: float
+) -> tuple[str, ...]:
+    """The format of every layer: the cheapest whose summed single-layer increases are within ``target_pct``.
+
+    Args:
+        increases: format -> per-layer perplexity increase (percent) with only that layer in that format.
+        costs: format -> bytes per token of one layer in it; "full" (no loss) must be among them.
+        target_pct: the summed increases to stay within.
+
+    Greedy by marginal cost: from the cheapest format everywhere, repeatedly upgrade the layer whose next
+    dearer format saves the most predicted loss per byte (ties: the lower layer). Negative increases count as 0.
+    """
+    if FULL_PRECISION not in costs:
+        raise ValueError("costs must include 'full', the format every layer can fall back to.")
+    layers = len(next(iter(increases.values())))
+    if any(len(values) != layers for values in increases.values()):
+        raise ValueError("every format's scan must cover the same layers.")
+    ladder = sorted((*increases, FULL_PRECISION), key=lambda f: costs[f])  # cheapest first
+
+    def loss(fmt: str, layer: int) -> float:
+        return 0.0 if fmt == FULL_PRECISION else max(0.0, float(increases[fmt][layer]))
+
+    chosen = [0] * layers  # each layer's index on the ladder
+    while sum(loss(ladder[chosen[i]], i) for i in range(layers)) > target_pct:
+        best: tuple[float, int, int] | None = None  # (-saving per byte, layer, next rung)
+        for layer in range(layers):
+            here = chosen[layer]
+            for rung in range(here + 1, len(ladder)):
+                saving = loss(ladder[here], layer) - loss(ladder[rung], layer)
+                if saving > 0:
+                    extra = max(costs[ladder[rung]] - costs[ladder[here]], 1e-9)
+                    candidate = (-saving / extra, layer, rung)
+                    best = candidate if best is None or candidate < best else best
+                    break  # the next rung that saves anything: further rungs only cost more
+        if best is None:
+            break
+        chosen[best[1]] = best[2]
+    return tuple(ladder[rung] for rung in chosen)
+
+
+@dataclass(frozen=True)
+class LayerMap:
+    """A recommended per-layer map, what it was chosen from and what it measured."""
+
+    config: QuantConfig
+    formats: tuple[str, ...]  # per layer
+    budget_pct: float
+    measured: CacheScore  # the map on the whole text
+    baseline: CacheScore  # uniform int8 on the same text, for comparison
+    bytes_per_token: float  # all layers, keys and values, as the codecs and the model's dtype count
+    baseline_bytes_per_token: float
+    scan: dict[str, tuple[float, ...]]  # format -> per-layer increase
+    rounds: int
+
+    @property
+    def met(self) -> bool:
+        return self.measured.ppl_increase_pct <= self.budget_pct
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quant_config": self.config.to_json(),
+            "budget_pct": self.budget_pct,
+            "met": self.met,
+            "measured": {"ppl_increase_pct": self.measured.ppl_increase_pct, "perplexity": self.measured.perplexity},
+            "int8": {
+                "ppl_increase_pct": self.baseline.ppl_increase_pct,
+                "bytes_per_token": self.baseline_bytes_per_token,
+            },
+            "bytes_per_token": self.bytes_per_token,
+            "formats": list(self.formats),
+            "scan": {fmt: list(values) for fmt, values in self.scan.items()},
+            "rounds": self.rounds,
+        }  # fmt: skip
+
+    def save(self, path: str | Path) -> None:
+        """Write the map as JSON (`QuantConfig.load` and `QuantizedCache.from_config` read it)."""
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
+
+    def render(self) -> str:
+        verdict = "meets" if self.met else "does NOT meet"
+        return (
+            f"Per-layer map for +{self.budget_pct:g}%: {self.config.describe()}\n"
+            f"  measured {self.measured.ppl_increase_pct:+.3f}% ({verdict} the budget), "
+            f"{self.bytes_per_token:,.0f} B/token against uniform int8's {self.baseline_bytes_per_token:,.0f} "
+            f"({self.baseline.ppl_increase_pct:+.3f}%)"
+        )
+
+
+def layer_costs(model: Any, formats: Sequence[str], block_size: int) -> dict[str, float]:
+    """Bytes per token of one layer in each format (and "full", in the model's dtype)."""
+    heads, head_dim = kv_heads_and_head_dim(decoder_config(model))
+    costs = {FULL_PRECISION: float(2 * heads * head_dim * model.dtype.itemsize)}
+    for fmt in formats:
+        codec = get_codec(QuantConfig(**FORMAT_OPTIONS[fmt]).codec_name)
+        costs[fmt] = codec.bytes_per_token(heads, head_dim, block_size)
+    return costs
+
+
+def recommend_layer_formats(
+    model: Any,
+    tokenizer: Any,
+    text: str | None = None,
+    budget_pct: float = 0.5,
+    formats: Sequence[str] = ("int8", "int4", "int2"),
+    options: CheckOptions | None = None,
+) -> LayerMap:
+    """The per-layer map of the module docstring for ``budget_pct`` percent perplexity, measured on ``text``."""
+    if budget_pct < 0:
+        raise ValueError(f"budget_pct is a percentage >= 0; got {budget_pct}.")
+    unknown = [f for f in formats if f not in FORMAT_OPTIONS]
+    if unknown or not formats:
+        raise ValueError(f"Unknown or no formats {unknown or '()'}; accepted: {', '.join(FORMAT_OPTIONS)}.")
+    options = options or CheckOptions()
+    ids = tokenize(tokenizer, BUILTIN_TEXT if text is None else text, options.max_tokens, options.block_size)
+    layers = int(decoder_config(model).num_hidden_layers)
+    every = tuple(range(layers))
+    runner = ConfigRunner(model, options, None)
+    costs = layer_costs(model, formats, options.block_size)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(grouped_sdpa_on_cpu(model))
+        scan_ids = ids[:, : options.scan_length(int(ids.shape[1]))]
+        configs = {
+            f"{fmt} layer {layer}": options.config(fmt, tuple(i for i in every if i != layer))
+            for fmt in formats
+            for layer in every
+        }
+        scanned = runner.score(scan_ids, configs, "per-layer scan").scores
+        scan = {fmt: tuple(scanned[f"{fmt} layer {layer}"].ppl_increase_pct for layer in every) for fmt in formats}
+        baseline = runner.score(ids, {"int8": options.config("int8")}, "int8").scores["int8"]
+        target, rounds = budget_pct * FIRST_TARGET, 0
+        while True:
+            rounds += 1
+            chosen = choose_layer_formats(scan, costs, target)
+            config = _map_config(chosen, options)
+            measured = runner.score(ids, {"map": config}, "layer map").scores["map"]
+            if measured.ppl_increase_pct <= budget_pct or rounds == MAX_ROUNDS:
+                break
+            target /= 2
+    return LayerMap(
+        config=config,
+        formats=chosen,
+        budget_pct=budget_pct,
+        measured=measured,
+        baseline=baseline,
+        bytes_per_token=sum(costs[fmt] for fmt in chosen),
+        baseline_bytes_per_token=layer_costs(model, ("int8",), options.block_size)["int8"] * layers,
+        scan=scan,
+        rounds=rounds,
+    )
+
+
+def _map_config(chosen: Sequence[str], options: CheckOptions) -> QuantConfig:
+    """The chosen formats as one `QuantConfig`: int8 by default, each other layer named."""
+    base = options.config("int8")
+    names = {layer: _codec_name(fmt) for layer, fmt in enumerate(chosen)}
+    return QuantConfig(
+        bits=base.bits, fmt=base.fmt, residual=base.residual, sink_blocks=base.sink_blocks, layer_formats=names
+    )
+
+
+def _codec_name(fmt: str) -> str:
+    return fmt if fmt == FULL_PRECISION else QuantConfig(**FORMAT_OPTIONS[fmt]).codec_name

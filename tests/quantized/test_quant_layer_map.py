@@ -1,0 +1,91 @@
+"""`kvgov check-quant --recommend`: a format per layer for a perplexity budget.
+
+The choice rule on hand-made scans (exact formats), then the whole command on the tiny model saved as a
+local directory: the map it writes loads into a cache, and its measured loss is the one the file reports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_quant_check_cli import kvgov
+
+from hf_kvgov import QuantConfig
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.quality.layer_map import choose_layer_formats
+from tests.conftest import tiny_llama
+
+COSTS = {"int2": 1.0, "int4": 2.0, "int8": 4.0, "full": 8.0}
+
+
+def test_every_layer_stays_cheapest_when_the_sum_fits() -> None:
+    scan = {"int2": [0.1, 0.2, 0.1], "int4": [0.0, 0.0, 0.0], "int8": [0.0, 0.0, 0.0]}
+    assert choose_layer_formats(scan, COSTS, target_pct=0.5) == ("int2", "int2", "int2")
+
+
+def test_the_upgrade_that_saves_most_per_byte_goes_first() -> None:
+    # int2 sum 2.2 > 1.0. Layer 1: int2 -> int4 saves 1.5 for 1 byte; layer 0: saves 0.4 for 1 byte.
+    # After layer 1's upgrade the sum is 0.7 <= 1.0.
+    scan = {"int2": [0.5, 1.6, 0.1], "int4": [0.1, 0.1, 0.0], "int8": [0.0, 0.0, 0.0]}
+    assert choose_layer_formats(scan, COSTS, target_pct=1.0) == ("int2", "int4", "int2")
+    # A target of 0.2: then layer 0 to int4 (0.4 per byte; sum 0.3), then layer 2 to int4 (0.1 per byte, ahead of
+    # 0.05 per byte for either int8): sum 0.2, within the target.
+    assert choose_layer_formats(scan, COSTS, target_pct=0.2) == ("int4", "int4", "int4")
+
+
+def test_a_zero_budget_keeps_every_lossy_layer_lossless() -> None:
+    scan = {"int2": [0.3, -0.1], "int4": [0.1, -0.2], "int8": [0.05, 0.0]}
+    # Layer 1 never loses (negative increases count as 0); layer 0 must reach full precision.
+    assert choose_layer_formats(scan, COSTS, target_pct=0.0) == ("full", "int2")
+
+
+def test_scans_of_different_lengths_and_a_missing_full_are_refused() -> None:
+    with pytest.raises(ValueError, match="same layers"):
+        choose_layer_formats({"int2": [0.1], "int4": [0.1, 0.2]}, COSTS, 0.5)
+    with pytest.raises(ValueError, match="must include 'full'"):
+        choose_layer_formats({"int2": [0.1]}, {"int2": 1.0}, 0.5)
+
+
+@pytest.mark.parametrize("budget", ["1000", "0"])
+def test_the_command_writes_a_map_the_cache_loads(tiny_dir: Path, tmp_path: Path, budget: str) -> None:
+    out = tmp_path / "map.json"
+    argv = ["--model", str(tiny_dir), "--text", str(tiny_dir / "text.txt"), "--tokens", "120", "--block-size", "8"]
+    argv += [
+        "--scan-tokens",
+        "48",
+        "--formats",
+        "int8,int4,int2",
+        "--max-ppl-increase",
+        budget,
+        "--recommend",
+        str(out),
+    ]
+    status = kvgov(argv)
+    saved = json.loads(out.read_text())
+    assert status == (0 if saved["met"] else 1)
+    config = QuantConfig.load(out)
+    formats = saved["formats"]
+    assert len(formats) == 2 and set(formats) <= {"int8", "int4", "int2", "full"}
+    if budget == "1000":
+        assert formats == ["int2", "int2"] and saved["met"]  # everything fits: the cheapest everywhere
+    else:  # every layer whose scan lost anything is lossless
+        for layer, fmt in enumerate(formats):
+            assert fmt == "full" or saved["scan"][fmt][layer] <= 0
+    assert saved["bytes_per_token"] <= saved["int8"]["bytes_per_token"] or "full" in formats
+    cache = QuantizedCache.from_config(tiny_llama(), out, block_size=8)
+    assert cache.quant == config
+    with torch.inference_mode():
+        tiny_llama()(torch.arange(3, 40)[None], past_key_values=cache)
+    assert cache.get_seq_length() == 37
+
+
+def test_an_unwritable_map_path_is_refused_before_measuring(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kvgov(["--model", str(tiny_dir), "--recommend", str(tmp_path / "missing" / "map.json")]) == 2
+    assert "does not exist or cannot be written" in capsys.readouterr().err
+    assert kvgov(["--model", str(tiny_dir), "--recommend", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
