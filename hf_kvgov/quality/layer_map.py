@@ -11,8 +11,10 @@ How the map is chosen:
    summed increases exceed the target, the upgrade (a layer to its next dearer format, full precision last)
    that removes the most predicted loss per byte added is taken.
 3. A check on the whole text: single-layer losses only add up roughly, so the map is measured; if it exceeds the
-   budget, the target is halved and the choice made again (at most `MAX_ROUNDS` times). The result says whether
-   the measured loss met the budget, so a map that does not is never handed over silently.
+   budget, the target is scaled down by how far the prediction fell short and the choice made again (at most
+   `MAX_ROUNDS` maps measured). Of the measured maps and uniform int8, the one with the fewest bytes within the
+   budget is returned; when none is, the one with the smallest loss, marked as not meeting it, so a map that
+   misses is never handed over silently.
 
 Bytes per token and layer are the codecs' (`KVCodec.bytes_per_token` at the check's block size) and the model's
 dtype for a layer kept in full precision, so the choice ranks what the cache will hold.
@@ -35,7 +37,8 @@ from hf_kvgov.quality.check import FORMAT_OPTIONS, CheckOptions, ConfigRunner, t
 from hf_kvgov.quality.grouped_attention import grouped_sdpa_on_cpu
 from hf_kvgov.quality.lockstep import CacheScore
 
-MAX_ROUNDS = 4  # re-choices with a halved target before giving up
+MAX_ROUNDS = 6  # maps measured on the whole text before giving up
+CALIBRATION_MARGIN = 0.8  # after a miss, aim this far inside the budget the prediction's shortfall allows
 FIRST_TARGET = 0.5  # the share of the budget the summed single-layer losses may use in the first round
 
 
@@ -157,7 +160,7 @@ def recommend_layer_formats(
     layers = int(decoder_config(model).num_hidden_layers)
     every = tuple(range(layers))
     runner = ConfigRunner(model, options, None)
-    costs = layer_costs(model, formats, options.block_size)
+    costs = layer_costs(model, (*dict.fromkeys((*formats, "int8")),), options.block_size)  # int8: the baseline
     with contextlib.ExitStack() as stack:
         stack.enter_context(grouped_sdpa_on_cpu(model))
         scan_ids = ids[:, : options.scan_length(int(ids.shape[1]))]
@@ -169,15 +172,14 @@ def recommend_layer_formats(
         scanned = runner.score(scan_ids, configs, "per-layer scan").scores
         scan = {fmt: tuple(scanned[f"{fmt} layer {layer}"].ppl_increase_pct for layer in every) for fmt in formats}
         baseline = runner.score(ids, {"int8": options.config("int8")}, "int8").scores["int8"]
-        target, rounds = budget_pct * FIRST_TARGET, 0
-        while True:
-            rounds += 1
-            chosen = choose_layer_formats(scan, costs, target)
-            config = _map_config(chosen, options)
-            measured = runner.score(ids, {"map": config}, "layer map").scores["map"]
-            if measured.ppl_increase_pct <= budget_pct or rounds == MAX_ROUNDS:
-                break
-            target /= 2
+        tried = _search(runner, ids, scan, costs, budget_pct, options)
+    uniform = ("int8",) * layers
+    candidates = [*tried, (uniform, _map_config(uniform, options), baseline)]
+    met = [c for c in candidates if c[2].ppl_increase_pct <= budget_pct]
+    if met:  # the fewest bytes among the measured maps that held the budget
+        chosen, config, measured = min(met, key=lambda c: (sum(costs[f] for f in c[0]), c[2].ppl_increase_pct))
+    else:  # none held: the smallest loss, reported as not meeting the budget
+        chosen, config, measured = min(candidates, key=lambda c: c[2].ppl_increase_pct)
     return LayerMap(
         config=config,
         formats=chosen,
@@ -185,10 +187,44 @@ def recommend_layer_formats(
         measured=measured,
         baseline=baseline,
         bytes_per_token=sum(costs[fmt] for fmt in chosen),
-        baseline_bytes_per_token=layer_costs(model, ("int8",), options.block_size)["int8"] * layers,
+        baseline_bytes_per_token=costs["int8"] * layers,
         scan=scan,
-        rounds=rounds,
+        rounds=len(tried),
     )
+
+
+def _search(
+    runner: ConfigRunner,
+    ids: Any,
+    scan: Mapping[str, Sequence[float]],
+    costs: Mapping[str, float],
+    budget_pct: float,
+    options: CheckOptions,
+) -> list[tuple[tuple[str, ...], QuantConfig, CacheScore]]:
+    """Choose and measure maps until one holds the budget (at most `MAX_ROUNDS` measured).
+
+    The summed single-layer losses underestimate the joint loss (a layer's error also shifts what later layers
+    see), so after a miss the target is scaled by how far the prediction fell short, with a margin, and at least
+    halved.
+    """
+    tried: list[tuple[tuple[str, ...], QuantConfig, CacheScore]] = []
+    target = budget_pct * FIRST_TARGET
+    while len(tried) < MAX_ROUNDS:
+        chosen = choose_layer_formats(scan, costs, target)
+        if any(chosen == previous for previous, _, _ in tried):  # the target moved too little to change the map
+            target /= 2
+            if target < 1e-6:
+                break
+            continue
+        config = _map_config(chosen, options)
+        measured = runner.score(ids, {"map": config}, "layer map").scores["map"]
+        tried.append((chosen, config, measured))
+        if measured.ppl_increase_pct <= budget_pct:
+            break
+        predicted = sum(max(0.0, scan[f][layer]) for layer, f in enumerate(chosen) if f != FULL_PRECISION)
+        shortfall = measured.ppl_increase_pct / max(predicted, 1e-6)
+        target = min(target / 2, CALIBRATION_MARGIN * budget_pct / shortfall)
+    return tried
 
 
 def _map_config(chosen: Sequence[str], options: CheckOptions) -> QuantConfig:
