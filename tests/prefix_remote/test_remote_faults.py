@@ -78,7 +78,8 @@ def test_server_killed_mid_run_then_restarted(redis_server: LocalRedis) -> None:
         served = serve(NET, prefix, prompt)  # the lookup fails, then the publish finds the store down
     assert served.reused == 0 and served.new_tokens == reference(NET, prompt)
     stats = prefix.stats().remote
-    assert stats is not None and stats.connection_failures == 1 and stats.dropped_writes > 0
+    # At least the lookup's failure: the store is retried every 0.2 s, so a slow machine counts more attempts.
+    assert stats is not None and stats.connection_failures >= 1 and stats.dropped_writes > 0
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # one warning per outage, not one per request
         assert serve(NET, prefix, DOCUMENT + question(2)).reused == BLOCKS * BLOCK  # the local tree still serves
