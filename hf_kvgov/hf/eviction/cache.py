@@ -37,7 +37,7 @@ from torch import Tensor
 from hf_kvgov.hf.compat import kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, fraction_label
 from hf_kvgov.hf.eviction.layer import EvictionLayer
-from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_layer_budgets
+from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
 from hf_kvgov.hf.eviction.recall import (
@@ -440,24 +440,3 @@ class EvictionCache(GovernedCache):
                 budget = min(budget, layer.window - 1)
             caps.append(budget)
         return tuple(caps)
-
-
-def check_head_budgets(
-    owner: str,
-    head_budgets: object,
-    policy_for: PolicyFactory,
-    min_budget: int,
-    decode_policy: EvictionPolicy | None,
-) -> HeadAdaptive | None:
-    """``head_budgets`` once checked: None, or a `HeadAdaptive` whose policies can rank slots across heads."""
-    if head_budgets is None:
-        return None
-    if not isinstance(head_budgets, HeadAdaptive):
-        raise TypeError(
-            f"{owner}: head_budgets must be HeadAdaptive(floor=...) or None; got {head_budgets!r} of type "
-            f"{type(head_budgets).__name__}."
-        )
-    for chooser in (policy_for(max(min_budget, 1)), decode_policy):
-        if chooser is not None:
-            ranking_of(chooser, f"{owner} with head_budgets")
-    return head_budgets

@@ -6,14 +6,16 @@ and the policies for them, are fixed on construction (so a budget a policy canno
 fractions are resolved on the first forward (see ``budget_basis``) and forgotten again by ``reset``.
 
 ``layer_budgets=Pyramid()`` instead splits the cache's budget, once it is a number of slots, over the layers
-that evict (`hf_kvgov.policies.pyramid`): the same total, more in the lower layers.
+that evict (`hf_kvgov.policies.pyramid`): the same total, more in the lower layers. Within a layer,
+``head_budgets=HeadAdaptive()`` shares its budget among the KV heads; `check_head_budgets` checks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from hf_kvgov.policies import EvictionPolicy
+from hf_kvgov.policies import EvictionPolicy, HeadAdaptive
+from hf_kvgov.policies.base import ranking_of
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
 
@@ -122,3 +124,24 @@ class LayerBudgets:
         if budget not in policies:
             policies[budget] = self._policy_for(budget)
         self.budgets[layer], self.policies[layer] = budget, policies[budget]
+
+
+def check_head_budgets(
+    owner: str,
+    head_budgets: object,
+    policy_for: Callable[[int], EvictionPolicy],
+    min_budget: int,
+    decode_policy: EvictionPolicy | None,
+) -> HeadAdaptive | None:
+    """``head_budgets`` once checked: None, or a `HeadAdaptive` whose policies can rank slots across heads."""
+    if head_budgets is None:
+        return None
+    if not isinstance(head_budgets, HeadAdaptive):
+        raise TypeError(
+            f"{owner}: head_budgets must be HeadAdaptive(floor=...) or None; got {head_budgets!r} of type "
+            f"{type(head_budgets).__name__}."
+        )
+    for chooser in (policy_for(max(min_budget, 1)), decode_policy):
+        if chooser is not None:
+            ranking_of(chooser, f"{owner} with head_budgets")
+    return head_budgets
