@@ -139,6 +139,7 @@ class PooledSlotHome:
         self.tables: list[list[int]] = []
         self.count = 0  # slots per (row, KV head) of the working store, fillers included
         self.valid: Tensor | None = None  # bool [batch, kv_heads, count]: the slots the blocks hold
+        self._places: tuple[Tensor, Tensor] | None = None  # block and record of each valid slot (`_locate`)
         self._cached: SlotStore | None = None  # the store read this step, until the commit writes the next
 
     @property
@@ -185,24 +186,24 @@ class PooledSlotHome:
         ]
         spare = [block for need, table in zip(needs, old, strict=False) for block in table[need:]]
         spare += [block for table in old[rows:] for block in table]
-        self._write(store, valid, tables)
-        self.tables, self.count, self.valid, self._cached = tables, store.count, valid, None
+        places = _locate(valid, tables, self.per_block) if any(tables) else None
+        if places is not None:
+            self._write(store, valid, places)
+        self.tables, self.count, self.valid, self._places, self._cached = tables, store.count, valid, places, None
         if spare:
             self.pool.decref(spare)
 
     def release(self) -> None:
         """Give every block back to the pool."""
         held = [block for table in self.tables for block in table]
-        self.tables, self.count, self.valid, self._cached = [], 0, None, None
+        self.tables, self.count, self.valid, self._places, self._cached = [], 0, None, None, None
         if held:
             self.pool.decref(held)
 
-    def _write(self, store: SlotStore, valid: Tensor, tables: list[list[int]]) -> None:
+    def _write(self, store: SlotStore, valid: Tensor, places: tuple[Tensor, Tensor]) -> None:
         keys, values = self.records.to_records(store)  # [b, hk, s, width]
-        if not any(tables):
-            return
         width = self.records.width
-        blocks, within = self._places(valid, tables)
+        blocks, within = places
         with self.pool.lock:  # another request may grow the pool's tensors meanwhile
             for records, target in ((keys, self.pool.keys[self.layer]), (values, self.pool.values[self.layer])):
                 device = target.device
@@ -213,27 +214,15 @@ class PooledSlotHome:
     def _read(self) -> SlotStore:
         assert self.valid is not None
         parts = []
-        blocks, within = self._places(self.valid, self.tables)
         for source in (self.pool.keys[self.layer], self.pool.values[self.layer]):
             records = _record_view(source, self.per_block)
             shape = (*self.valid.shape, records.shape[-1])
             slots = records.new_zeros(shape)  # fillers read as zeros: attention never sees them
-            slots[self.valid.to(records.device)] = records[blocks.to(records.device), within.to(records.device)]
+            if self._places is not None:  # None: every row's slots are fillers, all zeros
+                blocks, within = (t.to(records.device) for t in self._places)
+                slots[self.valid.to(records.device)] = records[blocks, within]
             parts.append(slots)
         return self.records.from_records(parts[0], parts[1])
-
-    def _places(self, valid: Tensor, tables: list[list[int]]) -> tuple[Tensor, Tensor]:
-        """Block id and record index within it of each valid slot, in (row, head, slot) order.
-
-        A row's valid slots form one stream, head by head, ``per_block`` records to a block.
-        """
-        longest = max(len(table) for table in tables)
-        padded = torch.tensor([table + [0] * (longest - len(table)) for table in tables], dtype=torch.long)
-        flat = valid.reshape(valid.shape[0], -1).cpu()
-        order = flat.cumsum(dim=1) - 1  # each valid slot's place in its row's stream
-        rows = torch.arange(flat.shape[0])[:, None].expand_as(flat)
-        place, row = order[flat], rows[flat]
-        return padded[row, place // self.per_block], place % self.per_block
 
 
 def pooled_homes(
@@ -297,6 +286,21 @@ def _typed(records: Tensor, dtype: torch.dtype) -> Tensor:
 def _byte_view(pool_tensor: Tensor) -> Tensor:
     """A pool tensor ``[blocks, size, hk, head_dim]`` as bytes ``[blocks, size, hk, head_dim * element]``."""
     return pool_tensor.view(torch.uint8)
+
+
+def _locate(valid: Tensor, tables: list[list[int]], per_block: int) -> tuple[Tensor, Tensor]:
+    """Block id and record index within it of each valid slot, in (row, head, slot) order, on ``valid``'s device.
+
+    A row's valid slots form one stream, head by head, ``per_block`` records to a block. Computed once when the
+    slots are written; the reads of the next step reuse it.
+    """
+    longest = max(len(table) for table in tables)
+    padded = torch.tensor([table + [0] * (longest - len(table)) for table in tables], dtype=torch.long)
+    flat = valid.reshape(valid.shape[0], -1)
+    order = flat.cumsum(dim=1) - 1  # each valid slot's place in its row's stream
+    rows = torch.arange(flat.shape[0], device=valid.device)[:, None].expand_as(flat)
+    place, row = order[flat], rows[flat]
+    return padded.to(valid.device)[row, place // per_block], place % per_block
 
 
 def _record_view(pool_tensor: Tensor, per_block: int) -> Tensor:
