@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -64,7 +64,7 @@ from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
 from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, Forecast, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
-from hf_kvgov.policies.base import ranking_of
+from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention
@@ -347,7 +347,8 @@ class EvictionCache(GovernedCache):
             if not chooses:
                 keep, kept = newest(facts, positions, valid, budget), None
             elif self.head_budgets is not None:
-                priority = ranking_of(policy, type(self).__name__).priority(facts, positions, valid, budget)
+                # `check_head_budgets` made sure at construction that the policies rank: no check per step.
+                priority = cast(RankingPolicy, policy).priority(facts, positions, valid, budget)
                 keep, kept = self.head_budgets.select(priority, positions, valid, budget)
             else:
                 keep, kept = policy.select(facts, positions, valid, budget), None
