@@ -8,7 +8,7 @@ from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
 from hf_kvgov.policies.query_forecast import QueryForecast
-from hf_kvgov.policies.selection import kept_of, newest_valid, oldest_valid, select_by_priority
+from hf_kvgov.policies.selection import newest_valid, oldest_valid, select_within_budget
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,7 @@ class ExpectedAttention:
         Reads ``facts.expected_attention``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
         :mod:`hf_kvgov.policies.base`.
         """
-        return select_by_priority(
-            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
-        )
+        return select_within_budget(self.priority(facts, positions, valid, budget), positions, valid, budget)
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: the expected attention, +inf on sinks and window (`RankingPolicy`)."""

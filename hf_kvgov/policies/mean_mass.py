@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import kept_of, select_by_priority, window_first
+from hf_kvgov.policies.selection import kept_of, select_within_budget, window_first
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,7 @@ class MeanMass:
         Reads ``facts.mass``, float ``[batch, kv_heads, slots]``; ``positions``/``valid`` as in
         :mod:`hf_kvgov.policies.base`.
         """
-        return select_by_priority(
-            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
-        )
+        return select_within_budget(self.priority(facts, positions, valid, budget), positions, valid, budget)
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: mass per reader, +inf on the window (see `RankingPolicy`)."""

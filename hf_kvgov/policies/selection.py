@@ -65,6 +65,11 @@ def window_first(priority: Tensor, positions: Tensor, valid: Tensor, window: int
     return torch.where(newest_valid(positions, valid, window), float("inf"), priority)
 
 
+def select_within_budget(priority: Tensor, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
+    """`select_by_priority` keeping ``min(budget, slots)``: every `RankingPolicy`'s ``select``."""
+    return select_by_priority(priority, positions, valid, kept_of(positions, budget))
+
+
 def kept_of(positions: Tensor, budget: int) -> int:
     """How many slots a selection keeps per (row, head): ``min(budget, slots)``."""
     return min(budget, positions.shape[-1])

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import functional
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.selection import kept_of, newest_valid, select_by_priority
+from hf_kvgov.policies.selection import kept_of, newest_valid, select_within_budget
 
 _POOLS = ("max", "avg")
 
@@ -65,9 +65,7 @@ class SnapKV:
         Reads ``facts.recent_attention``, float ``[batch, kv_heads, slots]``: the attention of the step's
         last ``window`` queries; ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
-        return select_by_priority(
-            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
-        )
+        return select_within_budget(self.priority(facts, positions, valid, budget), positions, valid, budget)
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: the pooled window attention, +inf on the window (`RankingPolicy`)."""

@@ -8,7 +8,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget, check_slot_tensors
-from hf_kvgov.policies.selection import kept_of, select_by_priority
+from hf_kvgov.policies.selection import select_within_budget
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,7 @@ class TOVA:
         Reads ``facts.recent_attention``, float ``[batch, kv_heads, slots]``: the last query's attention;
         ``positions``/``valid`` as in :mod:`hf_kvgov.policies.base`.
         """
-        return select_by_priority(
-            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
-        )
+        return select_within_budget(self.priority(facts, positions, valid, budget), positions, valid, budget)
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: the last query's attention (see `RankingPolicy`)."""

@@ -20,7 +20,7 @@ from hf_kvgov.policies.base import (
     check_count,
     check_slot_tensors,
 )
-from hf_kvgov.policies.selection import kept_of, oldest_valid, select_by_priority
+from hf_kvgov.policies.selection import oldest_valid, select_within_budget
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,7 @@ class WithSinks:
 
     def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Return long ``[batch, kv_heads, min(budget, slots)]`` kept slot indices (facts as ``inner`` needs)."""
-        return select_by_priority(
-            self.priority(facts, positions, valid, budget), positions, valid, kept_of(positions, budget)
-        )
+        return select_within_budget(self.priority(facts, positions, valid, budget), positions, valid, budget)
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: +inf on the sinks, ``inner``'s priority among the other slots.
