@@ -28,6 +28,7 @@ from typing import Any
 from transformers import DynamicCache
 
 from hf_kvgov.hf.attention import paged_attention
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
@@ -301,8 +302,6 @@ INT2_VALUE_GROUP = 32
 def int2_kivi(model: Any, block_size: int = 32) -> QuantizedCache:
     """int2 as KIVI runs it: the newest tokens in full precision, values in groups of 32 channels (one group
     per head when head_dim is not a multiple of 32)."""
-    from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
-
     _, head_dim = kv_heads_and_head_dim(decoder_config(model))
     group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
     return QuantizedCache(model, bits=2, block_size=block_size, residual=INT2_RESIDUAL, group_size=group)

@@ -134,14 +134,15 @@ def test_a_full_pool_raises_and_leaves_the_first_request_untouched() -> None:
     expected = generate(model, PolicyCache(model, SnapKV(window=4), budget=12, head_budgets=HeadAdaptive()))
     assert torch.equal(generate(model, first).sequences, expected.sequences)
     held = pool.num_used
+    kept = [[t.clone() for t in layer.home._read().read()] for layer in first.layers]  # from the blocks
     second = PolicyCache(model, SnapKV(window=4), budget=12, head_budgets=HeadAdaptive(), pool=pool)
     with pytest.raises(PoolExhausted):
         generate(model, second)
     second.release()
     assert pool.num_used == held
-    assert [layer.positions.tolist() for layer in first.layers] != []  # first still reads its slots
-    for layer in first.layers:
-        assert layer.store is not None and layer.store.count == layer.positions.shape[-1]
+    for layer, (keys, values) in zip(first.layers, kept, strict=True):  # nothing of the first was overwritten
+        again = layer.home._read().read()  # read the blocks again, not the step's cached store
+        assert torch.equal(again[0], keys) and torch.equal(again[1], values)
 
 
 def test_what_is_evicted_is_spilled_nothing_lost(tmp_path: Any) -> None:
