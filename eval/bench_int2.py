@@ -46,12 +46,13 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_model(name: str) -> list[dict[str, Any]]:
+def run_model(name: str, settings: dict[str, dict[str, Any]] = SETTINGS) -> list[dict[str, Any]]:
+    """One row per setting (`QuantizedCache` options) on model `name`, all scored in one lockstep batch."""
     model, tokenizer = load_model(name)
     ids = tokenizer(TEXT.read_text(encoding="utf-8")[TEXT_START:], return_tensors="pt")["input_ids"][:, :TOKENS]
     built: dict[str, QuantizedCache] = {}
-    builders = {s: (lambda s=s: built.setdefault(s, QuantizedCache(model, **SETTINGS[s]))) for s in SETTINGS}
-    result = score_in_lockstep(model, ids, builders, CHUNK, 16, max_rows=len(SETTINGS), progress=name)
+    builders = {s: (lambda s=s: built.setdefault(s, QuantizedCache(model, **settings[s]))) for s in settings}
+    result = score_in_lockstep(model, ids, builders, CHUNK, 16, max_rows=len(settings), progress=name)
     fp16 = fp16_bytes_per_token(model)
     element = model.dtype.itemsize
     rows = []
@@ -60,7 +61,7 @@ def run_model(name: str) -> list[dict[str, Any]]:
         tokens = built[setting].get_seq_length() * fp16
         sixteen_bit = stats.sealed_bytes + stats.full_precision_bytes * 2 / element
         rows.append({
-            "model": name, "setting": setting, "options": SETTINGS[setting], "perplexity": score.perplexity,
+            "model": name, "setting": setting, "options": settings[setting], "perplexity": score.perplexity,
             "reference_perplexity": score.reference_perplexity, "ppl_increase_pct": score.ppl_increase_pct,
             "vs_fp16_as_stored": stats.bytes_used / tokens, "vs_fp16_16bit_model": sixteen_bit / tokens,
         })  # fmt: skip

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.codecs.base import KVCodec
+from hf_kvgov.codecs.grouping import GroupAxis
 from hf_kvgov.codecs.numerics import round_down, round_up
 
 
@@ -39,10 +40,11 @@ class AffineCodec(KVCodec):
     """Asymmetric integer codec with ``levels`` = 2**bits - 1 steps per group; codes are uint8."""
 
     levels: ClassVar[int]
-    has_zero: ClassVar[bool] = True
+    zero_axes: ClassVar[frozenset[GroupAxis]] = frozenset(GroupAxis)
     codes_dtype: ClassVar[torch.dtype] = torch.uint8
 
-    def _quantize(self, grouped: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _quantize(self, grouped: Tensor, dim: int, with_zero: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        assert with_zero, "affine codes carry a zero point on both groupings"
         lo, hi = torch.aminmax(grouped, dim=dim, keepdim=True)
         zero = round_down(lo, self.scale_dtype)
         step = round_up((hi - zero.float()) / self.levels, self.scale_dtype)

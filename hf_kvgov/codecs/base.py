@@ -33,8 +33,8 @@ class Encoded:
         codes: the codes, shape ``[*lead, T, H, D * bits // 8]`` (packing runs along head_dim only).
         scale: per-group scales, shape ``GroupLayout.stat_shape`` (``[*lead, 1, H, D]`` for keys,
             ``[*lead, T, H, D // group_size]`` for values), float16 or float32.
-        zero: per-group zero points with the shape and dtype of ``scale``, or None for formats
-            without one (fp8).
+        zero: per-group zero points with the shape and dtype of ``scale``, or None where the codec keeps
+            none for this grouping (fp8 values; see ``KVCodec.zero_axes``).
         shape: shape ``[*lead, T, H, D]`` of the tensor that was encoded.
         axis: ``GroupAxis.CHANNEL`` (keys, one scale per channel over the tokens) or
             ``GroupAxis.TOKEN`` (values, one scale per token and head_dim group).
@@ -98,7 +98,8 @@ class KVCodec(ABC):
 
     name: ClassVar[str]
     bits: ClassVar[int]
-    has_zero: ClassVar[bool]
+    zero_axes: ClassVar[frozenset[GroupAxis]]
+    """The groupings whose encodings carry a zero point: both for integer codes, keys only for fp8."""
     codes_dtype: ClassVar[torch.dtype]
 
     def __post_init__(self) -> None:
@@ -146,17 +147,23 @@ class KVCodec(ABC):
         self._check_head_dim(head_dim)
         group = head_dim if self.group_size is None else self.group_size
         check_group_size(group, head_dim)
-        stat_bytes = self.scale_dtype.itemsize * (2 if self.has_zero else 1)
         codes = 2 * num_kv_heads * head_dim * self.bits // 8
-        key_stats = num_kv_heads * head_dim * stat_bytes / block_size
-        value_stats = num_kv_heads * (head_dim // group) * stat_bytes
+        key_stats = num_kv_heads * head_dim * self._stat_bytes(GroupAxis.CHANNEL) / block_size
+        value_stats = num_kv_heads * (head_dim // group) * self._stat_bytes(GroupAxis.TOKEN)
         return codes + key_stats + value_stats
+
+    def _stat_bytes(self, axis: GroupAxis) -> int:
+        """Bytes of one group's statistics under ``axis``: a scale, and a zero point where the codec keeps one."""
+        return self.scale_dtype.itemsize * (2 if axis in self.zero_axes else 1)
 
     # ---- hooks for a number format ----------------------------------------------------------------
 
     @abstractmethod
-    def _quantize(self, grouped: Tensor, dim: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Float32 grouped view -> (codes, scale, zero), stats keepdim along ``dim``, in scale_dtype."""
+    def _quantize(self, grouped: Tensor, dim: int, with_zero: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Float32 grouped view -> (codes, scale, zero), stats keepdim along ``dim``, in scale_dtype.
+
+        ``with_zero``: this grouping carries a zero point (``zero_axes``); the zero is None otherwise.
+        """
 
     @abstractmethod
     def _dequantize(self, codes: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
@@ -189,7 +196,7 @@ class KVCodec(ABC):
         layout = GroupLayout.for_block(tuple(x.shape), axis, self.group_size)  # validates group_size
         if self.check_finite:
             require_finite(x, what, self.name)
-        codes, scale, zero = self._quantize(layout.to_groups(x.float()), layout.reduce_dim)
+        codes, scale, zero = self._quantize(layout.to_groups(x.float()), layout.reduce_dim, axis in self.zero_axes)
         stats = (scale,) if zero is None else (scale, zero)
         if self.check_finite:
             require_finite_stats(stats, what, self.name, self.scale_dtype)
@@ -211,8 +218,9 @@ class KVCodec(ABC):
                 f"{expected_last} for head_dim {enc.shape[-1]}; got {enc.codes.dtype} with last dim "
                 f"{enc.codes.shape[-1]}."
             )
-        if (enc.zero is None) == self.has_zero:
+        needs_zero = enc.axis in self.zero_axes
+        if (enc.zero is None) == needs_zero:
             raise ValueError(
-                f"The {self.name} codec {'needs' if self.has_zero else 'takes no'} zero points; got "
-                f"zero={'None' if enc.zero is None else 'a tensor'}."
+                f"The {self.name} codec {'needs' if needs_zero else 'takes no'} zero points for "
+                f"{enc.axis.value}-grouped codes; got zero={'None' if enc.zero is None else 'a tensor'}."
             )

@@ -6,7 +6,7 @@ names them (a leading sealed-id dim, then one block's shape)::
     codec formats ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"):
         key_codes    [capacity, block_size, H, D * bits // 8]   uint8, or float8 for fp8
         key_scale    [capacity, 1, H, D]                        one per channel per block (fp16 or fp32)
-        key_zero     same as key_scale                          int formats only
+        key_zero     same as key_scale                          int formats and fp8
         value_codes  [capacity, block_size, H, D * bits // 8]
         value_scale  [capacity, block_size, H, D // group]       one per token and head_dim group
         value_zero   same as value_scale                        int formats only

@@ -56,23 +56,24 @@ class KernelFormat:
     Attributes:
         code: the kernel's SEALED_FORMAT constexpr.
         codes_per_byte: codes packed into one byte along head_dim (2 for int4, 4 for int2).
-        has_zero: the format stores zero points.
+        key_zero / value_zero: the format stores zero points for keys / values (fp8: keys only).
         codes_dtype: dtype of the stored codes (None: raw values, any float dtype).
     """
 
     code: int
     codes_per_byte: int
-    has_zero: bool
+    key_zero: bool
+    value_zero: bool
     codes_dtype: torch.dtype | None
 
 
 KERNEL_FORMATS: dict[str, KernelFormat] = {
-    RAW_FORMAT: KernelFormat(SEALED_RAW.value, 1, False, None),
-    "int8": KernelFormat(SEALED_INT8.value, 1, True, torch.uint8),
-    "int4": KernelFormat(SEALED_INT4.value, 2, True, torch.uint8),
-    "int2": KernelFormat(SEALED_INT2.value, 4, True, torch.uint8),
-    "fp8_e4m3": KernelFormat(SEALED_FP8_E4M3.value, 1, False, torch.float8_e4m3fn),
-    "fp8_e5m2": KernelFormat(SEALED_FP8_E5M2.value, 1, False, torch.float8_e5m2),
+    RAW_FORMAT: KernelFormat(SEALED_RAW.value, 1, False, False, None),
+    "int8": KernelFormat(SEALED_INT8.value, 1, True, True, torch.uint8),
+    "int4": KernelFormat(SEALED_INT4.value, 2, True, True, torch.uint8),
+    "int2": KernelFormat(SEALED_INT2.value, 4, True, True, torch.uint8),
+    "fp8_e4m3": KernelFormat(SEALED_FP8_E4M3.value, 1, True, False, torch.float8_e4m3fn),
+    "fp8_e5m2": KernelFormat(SEALED_FP8_E5M2.value, 1, True, False, torch.float8_e5m2),
 }
 
 
@@ -99,8 +100,8 @@ def unsupported_reason(
 
 @dataclass(frozen=True)
 class _SealedOperands:
-    """The sealed pieces as the kernel takes them: fp8 codes as bytes; without zero points, the scales stand in
-    for them (never read)."""
+    """The sealed pieces as the kernel takes them: fp8 codes as bytes; where there are no zero points (fp8
+    values), the scales stand in for them (never read)."""
 
     key_codes: torch.Tensor
     key_scale: torch.Tensor
@@ -167,7 +168,7 @@ def quantized_paged_attention_triton(
         *block_table.stride(), *rows.stride(),
         GROUP=group, BLOCK_H=block_h(group), HEAD_DIM=head_dim, PAGE=key_cache.shape[1], BLOCK_N=BLOCK_N,
         MASK_MODE=mask_mode, USE_SOFTCAP=softcap is not None,
-        SEALED_FORMAT=fmt.code, HAS_ZERO=fmt.has_zero, VALUE_GROUP=pieces.value_group,
+        SEALED_FORMAT=fmt.code, KEY_ZERO=fmt.key_zero, VALUE_ZERO=fmt.value_zero, VALUE_GROUP=pieces.value_group,
         **dot_options(query.dtype),
     )  # fmt: skip
     return combine_splits(m, denom, acc, query.dtype)
@@ -195,10 +196,11 @@ def _sealed_operands(sealed: SealedBlocks, key_cache: torch.Tensor) -> _SealedOp
     key_stats, value_stats = (capacity, 1, heads, head_dim), (capacity, block_size, heads, groups)
     key_scale = _statistic(sealed, "key_scale", key_stats, key_cache.device)
     value_scale = _statistic(sealed, "value_scale", value_stats, key_cache.device)
-    key_zero, value_zero = key_scale, value_scale  # stand-ins: HAS_ZERO=False never reads them
-    if fmt.has_zero:
-        device = key_cache.device
+    key_zero, value_zero = key_scale, value_scale  # stand-ins: KEY_ZERO / VALUE_ZERO False never read them
+    device = key_cache.device
+    if fmt.key_zero:
         key_zero = _statistic(sealed, "key_zero", key_stats, device, sealed.piece("key_scale").stride())
+    if fmt.value_zero:
         value_zero = _statistic(sealed, "value_zero", value_stats, device, sealed.piece("value_scale").stride())
     if value_codes.stride() != key_codes.stride():
         raise ValueError("key_codes and value_codes must share one memory layout (strides).")

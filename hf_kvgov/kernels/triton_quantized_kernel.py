@@ -128,7 +128,7 @@ def paged_decode_sealed_split_kernel(
     stride_tb, stride_tn, stride_mb, stride_mt,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    SEALED_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, VALUE_GROUP: tl.constexpr,
+    SEALED_FORMAT: tl.constexpr, KEY_ZERO: tl.constexpr, VALUE_ZERO: tl.constexpr, VALUE_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (row, KV head, split) over mixed blocks; writes m, l, acc as
@@ -160,7 +160,7 @@ def paged_decode_sealed_split_kernel(
         k = _mixed_tile(
             k_ptr + kv_head * stride_kh, block * stride_kb + slot * stride_ks, stride_kd,
             kc_ptr + kv_head * stride_ch, ks_ptr + kv_head * stride_ksh, kz_ptr + kv_head * stride_ksh,
-            code_offsets, sealed_id * stride_ksb, dims, dims, full_ok, sealed_ok, SEALED_FORMAT, HAS_ZERO,
+            code_offsets, sealed_id * stride_ksb, dims, dims, full_ok, sealed_ok, SEALED_FORMAT, KEY_ZERO,
         )  # fmt: skip
         s = _logits(
             q, k.to(q.dtype), scale, softcap, mask_ptr, row, stride_mb, stride_mt, tokens, valid,
@@ -170,7 +170,7 @@ def paged_decode_sealed_split_kernel(
             v_ptr + kv_head * stride_vh, block * stride_vb + slot * stride_vs, stride_vd,
             vc_ptr + kv_head * stride_ch, vs_ptr + kv_head * stride_vsh, vz_ptr + kv_head * stride_vsh,
             code_offsets, sealed_id * stride_vsb + slot * stride_vss, dims // VALUE_GROUP, dims, full_ok, sealed_ok,
-            SEALED_FORMAT, HAS_ZERO,
+            SEALED_FORMAT, VALUE_ZERO,
         )  # fmt: skip
         m_i, l_i, acc = _online_softmax_update(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION, WIDEN_BF16)
     _store_partial(m_ptr, l_ptr, acc_ptr, row, q_head, head_ok, m_i, l_i, acc, GROUP, HEAD_DIM)

@@ -8,7 +8,7 @@ keys and values. Per block and KV head::
                                                + K scale & zero per channel:  D       x 2 x s
                                                + V scale & zero per token:    T x D/g x 2 x s
     fp8 (e4m3):                                K codes T*D     + V codes T*D
-                                               + K scale per channel:         D       x s
+                                               + K scale & zero per channel:  D       x 2 x s
                                                + V scale per token:           T x D/g x s
 
 ``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
@@ -18,6 +18,8 @@ time, so a codec groups each slot on its own, keys as values. Per kept slot and 
 
     int8/4/2:      K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
     fp8:           K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
+
+(a slot's keys are grouped per token, like values, so fp8 slots keep no zero point).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class IntegerKIVI:
 
 @dataclass(frozen=True)
 class Float8:
-    """One byte per element; symmetric scales (no zero point): keys per channel, values per (token, group)."""
+    """One byte per element: keys centred per channel (a scale and a zero), values a symmetric scale per
+    (token, group)."""
 
     name: str
     scale_bytes: int = 2
@@ -89,9 +92,9 @@ class Float8:
 
     def block_bytes(self, block_size: int, head_dim: int) -> int:
         group = _check_group(self.group_size, head_dim)
-        key_scales = head_dim * self.scale_bytes
+        key_stats = head_dim * 2 * self.scale_bytes
         value_scales = block_size * (head_dim // group) * self.scale_bytes
-        return 2 * block_size * head_dim + key_scales + value_scales
+        return 2 * block_size * head_dim + key_stats + value_scales
 
 
 # Codec name -> factory(scale_bytes, group_size). A registry, so a new codec is one entry, not a branch.

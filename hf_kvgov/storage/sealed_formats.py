@@ -5,7 +5,7 @@ named *pieces*, each a tensor with one leading dim per block. A `SealedFormat` s
 needs (`layout`), turns K/V blocks into pieces (`encode`) and back (`decode`); it holds no data.
 
     CodecFormat(Int8Codec())  ->  key_codes, key_scale, key_zero, value_codes, value_scale, value_zero
-    CodecFormat(Fp8E4M3Codec()) ->  key_codes, key_scale, value_codes, value_scale        (no zero point)
+    CodecFormat(Fp8E4M3Codec()) ->  key_codes, key_scale, key_zero, value_codes, value_scale  (no value zero)
     RawFormat(torch.float32)  ->  keys, values                      (a layer kept in full precision)
 
 The piece shapes come from the codec itself (one dummy block is encoded at construction), so the

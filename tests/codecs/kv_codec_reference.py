@@ -49,16 +49,17 @@ def affine_bound(x: Tensor, lo: Tensor, hi: Tensor, levels: int) -> Tensor:
     return step / 2 + 2**-21 * torch.maximum(lo.abs(), hi.abs())
 
 
-def fp8_bound(x: Tensor, amax: Tensor, name: str) -> Tensor:
-    """Largest allowed |x - x'| for an fp8 format with per-group scale ``amax / max``.
+def fp8_bound(x: Tensor, dev: Tensor, amax: Tensor, name: str, offset: Tensor) -> Tensor:
+    """Largest allowed |x - x'| for an fp8 format: ``dev`` = |x - zero|, ``amax`` its group maximum.
 
-    Round to nearest with ``m`` mantissa bits: relative error 2**-(m+1) for normal numbers, absolute
-    half of the smallest subnormal, 2**(e_min - m - 1), times the scale below; float16 scale round-up
-    adds at most one ulp to the scale.
+    Round to nearest with ``m`` mantissa bits: relative error 2**-(m+1) of ``dev`` for normal numbers,
+    absolute half of the smallest subnormal, 2**(e_min - m - 1), times the scale ``amax / max`` below;
+    float16 scale round-up adds at most one ulp to the scale; float32 arithmetic on the ``offset``
+    (the zero point's magnitude, 0 for values) adds its rounding.
     """
     mantissa, e_min, fmax = FP8_FORMATS[name]
     scale = amax / fmax * (1 + 2**-9) + 2**-24
-    return 2.0 ** -(mantissa + 1) * x.abs() * (1 + 2**-20) + 2.0 ** (e_min - mantissa - 1) * scale
+    return 2.0 ** -(mantissa + 1) * dev * (1 + 2**-20) + 2.0 ** (e_min - mantissa - 1) * scale + 2**-22 * offset
 
 
 def error_bound(name: str, x: Tensor, axis: str, group_size: int) -> Tensor:
@@ -66,4 +67,9 @@ def error_bound(name: str, x: Tensor, axis: str, group_size: int) -> Tensor:
     lo, hi, amax = group_stats(x, axis, group_size)
     if name in INT_LEVELS:
         return affine_bound(x.double(), lo, hi, INT_LEVELS[name])
-    return fp8_bound(x.double(), amax, name)
+    if axis != "keys":
+        return fp8_bound(x.double(), x.double().abs(), amax, name, torch.zeros_like(amax))
+    # Keys are centred on their channel's midpoint, stored in float16 (within 2**-11 of it).
+    mid = (lo + hi) / 2
+    slack = 2**-11 * mid.abs()
+    return fp8_bound(x.double(), (x.double() - mid).abs() + slack, (hi - lo) / 2 + slack, name, mid.abs())

@@ -29,9 +29,11 @@ def test_layout_shapes(name: str, lead: tuple[int, ...]) -> None:
     assert (keys.axis, keys.group_size) == (GroupAxis.CHANNEL, 5)
     assert (values.axis, values.group_size) == (GroupAxis.TOKEN, 4)
     assert keys.shape == values.shape == (*lead, 5, 2, 8)
+    # Integer codes carry a zero point on both; fp8 centres keys only (values are symmetric).
+    assert keys.zero is not None
+    assert (values.zero is not None) == (name in ("int8", "int4", "int2"))
     for enc in (keys, values):
         assert enc.scale.dtype == torch.float16
-        assert (enc.zero is not None) == (name in ("int8", "int4", "int2"))
         assert enc.zero is None or enc.zero.shape == enc.scale.shape
 
 
@@ -174,8 +176,8 @@ HAND_BLOCK_BYTES = {
     "int8": (256 + 2 * 32, 256 + 2 * 64),
     "int4": (128 + 2 * 32, 128 + 2 * 64),
     "int2": (64 + 2 * 32, 64 + 2 * 64),
-    "fp8_e4m3": (256 + 32, 256 + 64),
-    "fp8_e5m2": (256 + 32, 256 + 64),
+    "fp8_e4m3": (256 + 2 * 32, 256 + 64),  # keys: a scale and a zero per channel; values: a scale per token
+    "fp8_e5m2": (256 + 2 * 32, 256 + 64),
 }
 
 
@@ -211,10 +213,10 @@ def test_bytes_per_token_matches_an_encoded_full_block(
 
 def test_bytes_per_token_for_a_llama_like_layer() -> None:
     # 8 KV heads x 128 channels, blocks of 16, float16 stats. K+V codes: 2*8*128*bits/8 bytes;
-    # key stats 8*128 per block / 16 tokens; value stats 8 per token; x2 with a zero point.
+    # key stats 8*128 per block / 16 tokens; value stats 8 per token; x2 with a zero point (fp8: keys only).
     expected = {
         "int8": 2048 + 2 * 128 + 2 * 16, "int4": 1024 + 2 * 128 + 2 * 16, "int2": 512 + 2 * 128 + 2 * 16,
-        "fp8_e4m3": 2048 + 128 + 16,
+        "fp8_e4m3": 2048 + 2 * 128 + 16,
     }  # fmt: skip
     for name, value in expected.items():
         assert get_codec(name).bytes_per_token(num_kv_heads=8, head_dim=128, block_size=16) == value

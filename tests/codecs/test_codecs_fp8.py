@@ -49,10 +49,26 @@ def test_e4m3_scale_maps_amax_to_448_and_rounds_to_nearest_even() -> None:
 
 
 def test_e5m2_scales_amax_onto_57344() -> None:
-    k = torch.tensor([3.5, -7.0, 1.0]).reshape(3, 1, 1)  # one channel, three tokens: amax 7
-    enc = Fp8E5M2Codec(scale_dtype=torch.float32).encode_keys(k)
+    v = torch.tensor([3.5, -7.0, 1.0]).reshape(1, 1, 3)  # one token's values: symmetric, amax 7
+    enc = Fp8E5M2Codec(scale_dtype=torch.float32).encode_values(v)
+    assert enc.zero is None
     assert enc.scale.item() == pytest.approx(7.0 / 57344, rel=2**-23)
     assert Fp8E5M2Codec().decode(enc, torch.float32).flatten().tolist() == pytest.approx([3.5, -7.0, 1.0])
+
+
+def test_keys_are_centred_so_a_steady_channel_offset_costs_no_precision() -> None:
+    # One key channel at 15 +- 2 over four tokens. Centred: zero 15, deviations -2, 0, 2, -0.5 on the scale
+    # 2 / 448, i.e. codes -448, 0, 448, -112, all on the e4m3 grid, so the channel decodes exactly.
+    k = torch.tensor([13.0, 15.0, 17.0, 14.5]).reshape(4, 1, 1)
+    enc = Fp8E4M3Codec(scale_dtype=torch.float32).encode_keys(k)
+    assert enc.zero is not None and enc.zero.item() == 15.0
+    assert enc.scale.item() == pytest.approx(2.0 / 448, rel=2**-23)
+    assert enc.codes.float().flatten().tolist() == [-448.0, 0.0, 448.0, -112.0]
+    assert Fp8E4M3Codec().decode(enc, torch.float32).flatten().tolist() == pytest.approx([13, 15, 17, 14.5], rel=1e-6)
+    # Scaled symmetrically (as a value), 14.5 lands on the grid step of 17: 14.5 * 448 / 17 = 382.1 -> 384.
+    as_value = Fp8E4M3Codec(scale_dtype=torch.float32).encode_values(k.reshape(1, 1, 4))
+    decoded = Fp8E4M3Codec().decode(as_value, torch.float32).flatten()
+    assert decoded[3].item() == pytest.approx(384 * 17 / 448, rel=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(FP8_FORMATS))

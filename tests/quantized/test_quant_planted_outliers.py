@@ -12,7 +12,7 @@ token's other channels. Measured on this machine, 1,024 tokens from character 30
 block per step (perplexity increase against the same model's full cache; unplanted -> planted):
 
     int8  +0.037% -> +0.026%    int4  +0.479% -> +0.726%    int2 (KIVI settings)  +3.337% -> +3.499%
-    fp8   +0.727% -> +0.806%
+    fp8   -0.083% -> +0.022%    (keys centred per channel; with symmetric key scales it was +0.727% -> +0.806%)
 
 (A factor of 64 would give identical numbers: a power of two only moves each per-channel scale's exponent.)
 The test asks each format to stay within 2x its unplanted loss, plus 0.05 points of float noise.

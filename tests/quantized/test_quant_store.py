@@ -29,8 +29,9 @@ def test_bytes_per_sealed_block_by_hand() -> None:
     # Per layer, block_size 2, 1 head, head_dim 4, float16 scales and zero points:
     #   int8: key codes 2*4 = 8, key scale + zero 2 * 4 ch * 2 B = 16,
     #         value codes 8, value scale + zero 2 * 2 tokens * 2 B = 8
-    #   int4: key codes 2*2 = 4, 16, value codes 4, 8;  fp8: 8 + 8 (scale only) + 8 + 4;  raw fp32: 2 * 2*4*4 = 64
-    expected = {"int8": 40, "int4": 32, "fp8": 28, "raw": 64}
+    #   int4: key codes 2*2 = 4, 16, value codes 4, 8;  raw fp32: 2 * 2*4*4 = 64
+    #   fp8: 8 + 16 (keys centred: a scale and a zero) + 8 + 4 (values: a scale only)
+    expected = {"int8": 40, "int4": 32, "fp8": 36, "raw": 64}
     formats = {
         "int8": CodecFormat(Int8Codec()),
         "int4": CodecFormat(Int4Codec()),
