@@ -18,6 +18,8 @@ from typing import Any
 from hf_kvgov.planner.chain import (
     DEFAULT_CHAIN,
     DEFAULT_H2O_BUDGET,
+    DEFAULT_RECALL_PAGE_TOKENS,
+    DEFAULT_RECALL_PAGES,
     DEFAULT_SHARED_FRACTION,
     ChainOptions,
     parse_chain,
@@ -90,6 +92,8 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--h2o-budget", float, DEFAULT_H2O_BUDGET, "fraction of each layer's tokens H2O keeps"),
         ("--h2o-recent", int, DEFAULT_H2O_RECENT, "recent tokens H2O always keeps"),
         ("--spill-hot", int, DEFAULT_SPILL_HOT_TOKENS, "recent tokens per layer kept on the accelerator"),
+        ("--recall-pages", int, DEFAULT_RECALL_PAGES, "pages of evicted tokens recalled per step ('recall' step)"),
+        ("--recall-page-tokens", int, DEFAULT_RECALL_PAGE_TOKENS, "tokens per page of evicted tokens"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
     ]
@@ -130,6 +134,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         h2o_budget=args.h2o_budget,
         h2o_recent=args.h2o_recent,
         spill_hot_tokens=args.spill_hot,
+        recall_pages=args.recall_pages,
+        recall_page_tokens=args.recall_page_tokens,
         sink_blocks=args.sink_blocks,
         group_size=args.group_size,
     )

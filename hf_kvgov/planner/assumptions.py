@@ -68,8 +68,9 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
         )
     if codec == "fp8":
         lines.append(
-            f"fp8: one byte per element, one fp{8 * o.scale_bytes} scale per token and head group; first "
-            "and tail blocks stay in full precision. Quality loss is not modelled."
+            f"fp8: one byte per element; keys centred per channel (an fp{8 * o.scale_bytes} scale and zero "
+            "point each), values one scale per token and head group; first and tail blocks stay in full "
+            "precision. Quality loss is not modelled."
         )
     if "h2o" in names:
         lines.append(
@@ -80,6 +81,15 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
         )
     if "spill" in names:
         lines.extend(_spill_lines(plan, ssd_bytes_per_s))
+    if "recall" in names:
+        lines.append(
+            "Recall: H2O keeps per-head slots in pool blocks (with each slot's position and validity, 9 B per "
+            "KV head); every evicted token is written once to a disk page of "
+            f"{o.recall_page_tokens} tokens per layer and KV head, whose key range (min and max) stays "
+            f"resident with a pending page in {o.kv_dtype}, and {o.recall_pages} pages per layer come back "
+            "per decode step into a buffer counted here. Reads are capped at those pages, not the whole "
+            "spilled history."
+        )
     return lines
 
 

@@ -4,6 +4,11 @@ A chain is a comma-separated list of technique names, e.g. ``static,paged,prefix
 default) or the article's order ``static,paged,prefix,h2o,int8,spill``. Each technique is a registry
 entry that turns the previous step's setup into the next one; ``static`` can only come first, and every
 other technique works on paged blocks, so it needs ``paged`` before it.
+
+``spill`` moves cold blocks to disk (what `DiskOffloadCache` does). ``recall`` is what hf_kvgov builds for a
+policy with ``spill=Disk(path)``: H2O keeps per-head slots in pool blocks (`CacheSetup.eviction_slots`), each
+evicted token goes to a disk page once, and ``recall_pages`` pages come back per step into a bounded buffer
+(`hf_kvgov.hf.eviction.recall`). It needs ``h2o`` before it, and excludes ``spill``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from hf_kvgov.planner.setup import (
 DEFAULT_CHAIN = ("static", "paged", "prefix", "int8", "h2o", "spill")
 DEFAULT_SHARED_FRACTION = 0.5
 DEFAULT_H2O_BUDGET = 0.2
+# `hf_kvgov.tiers.recall_pages.Recall`'s defaults (a test keeps them equal; the planner imports no torch).
+DEFAULT_RECALL_PAGES = 8
+DEFAULT_RECALL_PAGE_TOKENS = 16
+# What hf_kvgov's eviction caches keep per slot and KV head besides K/V: H2O's fp32 attention mass, and the
+# RoPE position (int64) with a validity flag (bool).
+SLOT_SCORE_BYTES = 4
+SLOT_METADATA_BYTES = 8 + 1
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,8 @@ class ChainOptions:
     sink_blocks: int = 1
     scale_bytes: int = 2
     group_size: int | None = None
+    recall_pages: int = DEFAULT_RECALL_PAGES
+    recall_page_tokens: int = DEFAULT_RECALL_PAGE_TOKENS
 
     def __post_init__(self) -> None:
         # Every knob is checked up front, even for techniques the chain leaves out.
@@ -54,6 +68,13 @@ class ChainOptions:
             sink_blocks=self.sink_blocks,
             scale_bytes=self.scale_bytes,
             group_size=self.group_size,
+        )
+        # The recall knobs are checked as a recalling setup takes them.
+        CacheSetup(
+            h2o_budget=self.h2o_budget,
+            eviction_slots=True,
+            recall_pages=self.recall_pages,
+            recall_page_tokens=self.recall_page_tokens,
         )
 
 
@@ -95,6 +116,18 @@ def _spill(s: CacheSetup, o: ChainOptions) -> CacheSetup:
     return dataclasses.replace(s, spill_hot_tokens=o.spill_hot_tokens)
 
 
+def _recall(s: CacheSetup, o: ChainOptions) -> CacheSetup:
+    # H2O as hf_kvgov's eviction caches hold it (per-head slots in pool blocks), plus the recall tier.
+    return dataclasses.replace(
+        s,
+        eviction_slots=True,
+        h2o_score_bytes=SLOT_SCORE_BYTES,
+        h2o_metadata_bytes=SLOT_METADATA_BYTES,
+        recall_pages=o.recall_pages,
+        recall_page_tokens=o.recall_page_tokens,
+    )
+
+
 TECHNIQUES: dict[str, Technique] = {
     t.name: t
     for t in (
@@ -107,6 +140,11 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("fp8", lambda o: "+ fp8", _codec("fp8")),
         Technique("h2o", lambda o: f"+ H2O {o.h2o_budget:.0%}", _h2o),
         Technique("spill", lambda o: f"+ disk spill (hot {o.spill_hot_tokens:,} tokens)", _spill),
+        Technique(
+            "recall",
+            lambda o: f"+ evicted tokens to disk, {o.recall_pages} pages of {o.recall_page_tokens} recalled per step",
+            _recall,
+        ),
     )
 }
 _CODECS = {"int8", "int4", "int2", "fp8"}
@@ -128,6 +166,15 @@ def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if len(_CODECS.intersection(names)) > 1:
         raise ValueError(
             f"The chain {','.join(names)} has more than one codec; pick one of {', '.join(sorted(_CODECS))}."
+        )
+    if "recall" in names and ("h2o" not in names or names.index("h2o") > names.index("recall")):
+        raise ValueError(
+            f"'recall' brings back what H2O evicted, so 'h2o' must come before it; got {','.join(names)}."
+        )
+    if {"recall", "spill"} <= set(names):
+        raise ValueError(
+            "'spill' moves cold blocks to disk and 'recall' moves H2O's evicted tokens there; an eviction cache "
+            f"does one of them, so list one; got {','.join(names)}."
         )
     first_paged = names.index("paged") if "paged" in names else len(names)
     early = [n for n in names[:first_paged] if n != "static"]

@@ -1,0 +1,76 @@
+"""`kvgov plan`'s ``recall`` step: the chain models what hf_kvgov builds for a policy with ``spill=Disk(path)``.
+
+That cache (`GovernedCache(pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=Disk(path))`) keeps H2O's
+slots in pool blocks and writes what it evicts to disk pages it recalls from; the chain's step must count the
+same bytes as the planner's model of that very cache object (`planner_setup`, which the chain bench checks
+against the cache's own bytes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_kvgov import GovernedCache
+from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
+from hf_kvgov.chain import Disk, HeavyHitter, Paging
+from hf_kvgov.planner.accounting import sequence_bytes
+from hf_kvgov.planner.chain import (
+    DEFAULT_RECALL_PAGE_TOKENS,
+    DEFAULT_RECALL_PAGES,
+    ChainOptions,
+    build_chain,
+    parse_chain,
+)
+from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS
+from hf_kvgov.tiers.recall_pages import DEFAULT_RECALL_PAGES as TIER_RECALL_PAGES
+from tests.conftest import tiny_llama
+from tests.planner.test_planner_cli import _run
+
+
+def test_the_planner_defaults_are_the_recall_tier_defaults() -> None:
+    assert (DEFAULT_RECALL_PAGES, DEFAULT_RECALL_PAGE_TOKENS) == (TIER_RECALL_PAGES, DEFAULT_PAGE_TOKENS)
+
+
+def test_recall_needs_h2o_before_it_and_excludes_block_spill() -> None:
+    assert parse_chain("static,paged,int8,h2o,recall")[-1] == "recall"
+    with pytest.raises(ValueError, match="'h2o' must come before it"):
+        parse_chain("paged,int8,recall")
+    with pytest.raises(ValueError, match="'h2o' must come before it"):
+        parse_chain("paged,recall,h2o")
+    with pytest.raises(ValueError, match="list one"):
+        parse_chain("paged,h2o,spill,recall")
+    with pytest.raises(ValueError, match="recall_pages must be an int >= 0"):
+        ChainOptions(max_len=4096, recall_pages=-1)
+
+
+@pytest.mark.parametrize("length", [40, 333, 1000])
+def test_the_recall_step_counts_what_the_built_cache_holds(tmp_path: Path, length: int) -> None:
+    model = tiny_llama()
+    cache = GovernedCache(
+        model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=Disk(path=str(tmp_path))
+    )
+    built = planner_setup(cache, "fp32")
+    geometry = planner_geometry(model)
+    assert built is not None and geometry is not None and built.recall_pages == DEFAULT_RECALL_PAGES
+    options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent)
+    steps = {name: setup for name, _, setup in build_chain(parse_chain("paged,int8,h2o,recall"), options)}
+    planned = sequence_bytes(geometry, steps["recall"], length)
+    assert planned == sequence_bytes(geometry, built, length)
+    # Past the first page of evicted tokens the recall tier holds bytes on disk and on the accelerator.
+    if length >= 333:
+        assert planned.disk > 0 and planned.device > sequence_bytes(geometry, steps["h2o"], length).device / 2
+
+
+def test_kvgov_plan_prints_the_recall_step(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "SmolLM2-135M", "--chain", "static,paged,int8,h2o,recall", "--recall-pages", "4"]
+    assert _run([*argv, "--lengths", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "+ evicted tokens to disk, 4 pages of 16 recalled per step" in out
+
+
+def test_kvgov_plan_refuses_recall_without_h2o_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(["--model", "SmolLM2-135M", "--chain", "paged,recall"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'h2o' must come before it" in err
