@@ -15,16 +15,16 @@ from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 
 # The block size for the most compact sealed blocks. Keys carry one scale (and zero point) per channel per
-# block, so their cost per token falls as 1 / block_size; values carry theirs per token. Per KV head and
-# token, as a fraction of float16 K + V (4 x head_dim bytes), with fp16 scales:
+# block, so their cost per token falls as 1 / block_size; values carry theirs per token (fp8 values: a scale
+# only). Per KV head and token, as a fraction of float16 K + V (4 x head_dim bytes), with fp16 scales:
 #
-#     int8  1/2 + 1/block_size + 1/head_dim        fp8  1/2 + 1/(2 block_size) + 1/(2 head_dim)
+#     int8  1/2 + 1/block_size + 1/head_dim        fp8  1/2 + 1/block_size + 1/(2 head_dim)
 #     int4  1/4 + 1/block_size + 1/head_dim
 #
 # At head_dim 64 (SmolLM2) blocks of 16 (QuantizedCache's default, like PagedCache's) give int8 0.578, fp8
-# 0.539, int4 0.328; blocks of 128 give 0.523, 0.512 and 0.273, within 0.53 / 0.53 / 0.30 for head_dim >= 64
-# (blocks of 64 leave int8 at 0.531). Quality does not suffer: on SmolLM2, 2,048 tokens, int8 +0.00%, fp8
-# +0.35%, int4 +0.27% perplexity. The price is a larger full-precision sink and tail per row (up to 2 x 128
+# 0.570, int4 0.328; blocks of 128 give 0.523, 0.516 and 0.273, within 0.53 / 0.53 / 0.30 for head_dim >= 64
+# (blocks of 64 leave int8 at 0.531). Quality does not suffer: on SmolLM2, 2,048 tokens, int8 +0.00%, int4
+# +0.27% perplexity (fp8 at blocks of 128: `eval/bench_fp8.py`). The price is a larger full-precision sink and tail per row (up to 2 x 128
 # tokens), which is why it is not the default: a short prompt would then hold nothing sealed.
 COMPACT_BLOCK_SIZE = 128
 
