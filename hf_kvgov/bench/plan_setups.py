@@ -11,8 +11,9 @@ A block cache on a hybrid model frees what left a sliding window (its layer grou
 Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
 the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
 planner counts one layer of the spilled blocks, up to it, as the caches allocate).
-What the planner does not model, and so shows up as a gap between prediction and measurement:
-quantized caches' `residual` window and full-precision layers.
+A quantized cache's per-layer formats (`QuantConfig.layer_formats`, ``full_precision_layers``) are modelled layer
+by layer. What the planner does not model, and so shows up as a gap between prediction and measurement:
+quantized caches' `residual` window.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from transformers import DynamicCache
 from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
 from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner.config_loading import geometry_from_config
@@ -99,11 +101,19 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
         block_size=cache.pool.block_size,
         kv_dtype=kv_dtype,
         codec=codec,
+        layer_codecs=_layer_codecs(cache.quant),
         scale_bytes=_SCALE_BYTES,
         group_size=cache.quant.group_size,
         sink_blocks=cache.quant.sink_blocks,
         window_frees=_frees(cache),
     )
+
+
+def _layer_codecs(quant: QuantConfig) -> tuple[tuple[int, str | None], ...]:
+    """A per-layer map's overrides in the planner's codec names; full-precision layers as None."""
+    pairs: dict[int, str | None] = {layer: _PLANNER_CODECS[name] for layer, name in quant.layer_formats}
+    pairs.update(dict.fromkeys(quant.full_precision_layers))
+    return tuple(sorted(pairs.items()))
 
 
 def _read_ahead_bytes(cache: DiskOffloadCache | QuantizedDiskCache) -> int:

@@ -24,8 +24,9 @@ from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 # At head_dim 64 (SmolLM2) blocks of 16 (QuantizedCache's default, like PagedCache's) give int8 0.578, fp8
 # 0.570, int4 0.328; blocks of 128 give 0.523, 0.516 and 0.273, within 0.53 / 0.53 / 0.30 for head_dim >= 64
 # (blocks of 64 leave int8 at 0.531). Quality does not suffer: on SmolLM2, 2,048 tokens, int8 +0.00%, int4
-# +0.27% perplexity (fp8 at blocks of 128: `eval/bench_fp8.py`). The price is a larger full-precision sink and tail per row (up to 2 x 128
-# tokens), which is why it is not the default: a short prompt would then hold nothing sealed.
+# +0.27% perplexity (fp8 at blocks of 128: `eval/bench_fp8.py`). The price is a larger full-precision sink
+# and tail per row (up to 2 x 128 tokens), which is why it is not the default: a short prompt would then hold
+# nothing sealed.
 COMPACT_BLOCK_SIZE = 128
 
 # (fmt, bits) -> codec name. "fp8" is e4m3: one more mantissa bit than e5m2, and K/V never need e5m2's range

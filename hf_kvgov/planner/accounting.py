@@ -48,6 +48,31 @@ def layer_kinds(geometry: ModelGeometry) -> list[tuple[int, int | None]]:
     return [(count, window) for count, window in kinds if count]
 
 
+def layer_setups(geometry: ModelGeometry, setup: CacheSetup) -> list[tuple[int, int | None, CacheSetup]]:
+    """(number of layers, window or None, the setup those layers store with), one entry per distinct pair.
+
+    Without ``layer_codecs`` these are `layer_kinds` with ``setup`` itself; with them, a layer given its own
+    codec (or full precision) is counted with ``setup`` under that codec.
+    """
+    if not setup.layer_codecs:
+        return [(count, window, setup) for count, window in layer_kinds(geometry)]
+    outside = [layer for layer, _ in setup.layer_codecs if layer >= geometry.num_layers]
+    if outside:
+        raise ValueError(
+            f"layer_codecs names layers {outside}, but {geometry.name} has layers 0..{geometry.num_layers - 1}."
+        )
+    own = dict(setup.layer_codecs)
+    sliding = set(geometry.sliding_layers)
+    counts: dict[tuple[int | None, str | None], int] = {}
+    for layer in range(geometry.num_layers):
+        key = (geometry.sliding_window if layer in sliding else None, own.get(layer, setup.codec))
+        counts[key] = counts.get(key, 0) + 1
+    return [
+        (count, window, dataclasses.replace(setup, codec=codec, layer_codecs=()))
+        for (window, codec), count in counts.items()
+    ]
+
+
 def held_window(setup: CacheSetup, window: int | None) -> int | None:
     """The window that bounds the blocks a layer holds: None when the cache keeps every token anyway."""
     return window if setup.window_frees or setup.h2o_budget is not None else None
@@ -138,8 +163,8 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
         return SequenceBytes(device=_static_bytes(geometry, setup), disk=0, shared_tokens=0)
     prefix = shared_prefix_tokens(setup, length)
     device = disk = one_layer_disk = 0
-    for count, window in layer_kinds(geometry):
-        own = _own_layer_bytes(setup, length, prefix, held_window(setup, window), geometry.head_dim)
+    for count, window, layer_setup in layer_setups(geometry, setup):
+        own = _own_layer_bytes(layer_setup, length, prefix, held_window(setup, window), geometry.head_dim)
         layer_device, layer_disk = own
         device += count * geometry.num_kv_heads * layer_device
         disk += count * geometry.num_kv_heads * layer_disk
@@ -214,11 +239,11 @@ def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) 
     if not setup.paged or prefix == 0:
         return 0
     bs, total = setup.block_size, 0
-    for count, kind_window in layer_kinds(geometry):
+    for count, kind_window, layer_setup in layer_setups(geometry, setup):
         window = held_window(setup, kind_window)
         tokens = prefix if window is None else min(prefix, (math.ceil(window / bs) + 1) * bs)
         # An eviction cache reads a tree of full-precision blocks (the prefix as computed), whatever its slots.
-        stored = dataclasses.replace(setup, codec=None) if setup.eviction_slots else setup
+        stored = dataclasses.replace(layer_setup, codec=None) if setup.eviction_slots else layer_setup
         per_head = run_bytes(Run(tokens, at_sink=True), stored, geometry.head_dim)
         total += count * geometry.num_kv_heads * per_head
     return total

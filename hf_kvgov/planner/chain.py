@@ -168,9 +168,7 @@ def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
             f"The chain {','.join(names)} has more than one codec; pick one of {', '.join(sorted(_CODECS))}."
         )
     if "recall" in names and ("h2o" not in names or names.index("h2o") > names.index("recall")):
-        raise ValueError(
-            f"'recall' brings back what H2O evicted, so 'h2o' must come before it; got {','.join(names)}."
-        )
+        raise ValueError(f"'recall' brings back what H2O evicted, so 'h2o' must come before it; got {','.join(names)}.")
     if {"recall", "spill"} <= set(names):
         raise ValueError(
             "'spill' moves cold blocks to disk and 'recall' moves H2O's evicted tokens there; an eviction cache "

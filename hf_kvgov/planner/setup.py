@@ -31,6 +31,9 @@ class CacheSetup:
         block_size: tokens per block; a sequence of L tokens holds ceil(L / block_size) blocks.
         kv_dtype: full-precision element type ('fp32', 'fp16', 'bf16').
         codec: quantization of sealed blocks ('int8', 'int4', 'int2', 'fp8') or None.
+        layer_codecs: per-layer overrides of ``codec``, sorted ``(layer, codec or None)`` pairs (None: that
+            layer's blocks stay in full precision), as a `QuantConfig`'s ``layer_formats`` and
+            ``full_precision_layers`` give them.
         scale_bytes / group_size: size of a quantization scale (fp16: 2) and the value group along
             head_dim (None: one group per head).
         sink_blocks: leading blocks a quantized cache keeps in full precision.
@@ -67,6 +70,7 @@ class CacheSetup:
     block_size: int = DEFAULT_BLOCK_SIZE
     kv_dtype: str = "fp16"
     codec: str | None = None
+    layer_codecs: tuple[tuple[int, str | None], ...] = ()
     scale_bytes: int = 2
     group_size: int | None = None
     sink_blocks: int = 1
@@ -89,6 +93,7 @@ class CacheSetup:
         self._check_ints()
         if self.codec is not None and self.codec not in CODEC_FORMATS:
             raise ValueError(f"Unknown KV codec {self.codec!r}; accepted: {', '.join(CODEC_FORMATS)}, or None.")
+        self._check_layer_codecs()
         if not 0.0 <= self.shared_fraction < 1.0:
             raise ValueError(
                 "shared_fraction is the part of each sequence that is a shared prefix and must lie in "
@@ -104,6 +109,22 @@ class CacheSetup:
                 "hf_kvgov applies quantization, prefix sharing, H2O and spill to paged blocks; a static "
                 "(pre-allocated) setup takes none of them. Set paged=True first."
             )
+
+    def _check_layer_codecs(self) -> None:
+        pairs = self.layer_codecs
+        shape_ok = isinstance(pairs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs)
+        if not shape_ok:
+            raise TypeError(f"CacheSetup.layer_codecs must be a tuple of (layer, codec) pairs; got {pairs!r}.")
+        layers = [layer for layer, _ in pairs]
+        bad = any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in layers)
+        if bad or len(set(layers)) < len(layers):
+            raise ValueError(f"CacheSetup.layer_codecs must name distinct layer indices >= 0; got {pairs!r}.")
+        unknown = [codec for _, codec in pairs if codec is not None and codec not in CODEC_FORMATS]
+        if unknown:
+            accepted = ", ".join(CODEC_FORMATS)
+            raise ValueError(f"layer_codecs names unknown codecs {unknown}; accepted: {accepted}, or None.")
+        if pairs and not self.paged:
+            raise ValueError("layer_codecs quantize paged blocks; a static (pre-allocated) setup takes none.")
 
     def _check_ints(self) -> None:
         positive = {"block_size": self.block_size, "max_len": self.max_len, "share_group": self.share_group}

@@ -165,3 +165,32 @@ def test_block_caches_match_stats(model: Any, make: Callable[[Any], Any]) -> Non
     else:
         expected = (full_layers * math.ceil(61 / 16) + sliding_layers) * fp_block
     assert cache.stats().bytes_used == expected
+
+
+MIXED: dict[str, dict[str, Any]] = {
+    "int8, layer 0 int4": {"bits": 8, "layer_formats": {0: "int4"}},
+    "int4, layer 1 full": {"bits": 4, "layer_formats": {1: "full"}},
+    "fp8, layer 0 int2": {"bits": 8, "fmt": "fp8", "layer_formats": {0: "int2"}},
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_per_layer_formats_are_planned_layer_by_layer(model: Any, name: str) -> None:
+    options = MIXED[name]
+    cache = _run(model, QuantizedCache(model, **options), 61, evicting=False)
+    assert _predicted(model, cache, 61) == cache.stats().bytes_used
+    # The map matters: the uniform cache holds other bytes, and the planner tells them apart.
+    uniform_options = {k: v for k, v in options.items() if k != "layer_formats"}
+    uniform = _run(model, QuantizedCache(model, **uniform_options), 61, evicting=False)
+    assert uniform.stats().bytes_used != cache.stats().bytes_used == _predicted(model, cache, 61)
+
+
+def test_layer_codecs_name_layers_of_the_model() -> None:
+    geometry = ModelGeometry("g", 2, 1, 8, 4096)
+    setup = CacheSetup(codec="int8", layer_codecs=((3, "int4"),))
+    with pytest.raises(ValueError, match=r"layer_codecs names layers \[3\], but g has layers 0..1"):
+        sequence_bytes(geometry, setup, 100)
+    with pytest.raises(ValueError, match="unknown codecs"):
+        CacheSetup(codec="int8", layer_codecs=((0, "int3"),))
+    with pytest.raises(ValueError, match="distinct layer indices"):
+        CacheSetup(codec="int8", layer_codecs=((0, "int4"), (0, None)))

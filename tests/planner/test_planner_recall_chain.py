@@ -48,9 +48,7 @@ def test_recall_needs_h2o_before_it_and_excludes_block_spill() -> None:
 @pytest.mark.parametrize("length", [40, 333, 1000])
 def test_the_recall_step_counts_what_the_built_cache_holds(tmp_path: Path, length: int) -> None:
     model = tiny_llama()
-    cache = GovernedCache(
-        model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=Disk(path=str(tmp_path))
-    )
+    cache = GovernedCache(model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=Disk(path=str(tmp_path)))
     built = planner_setup(cache, "fp32")
     geometry = planner_geometry(model)
     assert built is not None and geometry is not None and built.recall_pages == DEFAULT_RECALL_PAGES
