@@ -4,11 +4,17 @@
 dropped and counted (the earliest blocks of a chain are kept, as they serve the most prompts). The thread
 encodes each batch (host copy, checksum) and hands it to `store`; an exception there is counted and the
 thread goes on with the next batch, so it never dies silently (`alive` says whether it runs).
+
+The thread is a daemon (a process must be able to exit while the store is unreachable), so at interpreter
+exit every writer still open writes what is queued first, for up to `EXIT_FLUSH_SECONDS`: a process that
+ends without `close()` does not lose the blocks it already offered.
 """
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -17,6 +23,9 @@ from hf_kvgov.tiers.remote_stats import RemoteCounters
 
 # Stores (key, value) pairs, all or nothing; returns the bytes written.
 Store = Callable[[list[bytes], list[bytes]], int]
+# How long interpreter exit waits for each open writer's queue.
+EXIT_FLUSH_SECONDS = 10.0
+_OPEN: weakref.WeakSet[RemoteWriter] = weakref.WeakSet()
 
 
 class Snapshot(Protocol):
@@ -42,6 +51,7 @@ class RemoteWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvgov-remote-writer", daemon=True)
         self._thread.start()
+        _OPEN.add(self)
 
     @property
     def pending(self) -> int:
@@ -77,6 +87,7 @@ class RemoteWriter:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        _OPEN.discard(self)
 
     def _run(self) -> None:
         while True:
@@ -99,3 +110,10 @@ class RemoteWriter:
             self._counters.error(f"write: {type(error).__name__}: {error}", write_errors=1, dropped_writes=len(keys))
             return
         self._counters.add(blocks_written=len(keys), bytes_written=written)
+
+
+@atexit.register
+def _close_open_writers() -> None:
+    # atexit runs before daemon threads are stopped, so each writer's thread can still drain its queue.
+    for writer in list(_OPEN):
+        writer.close(EXIT_FLUSH_SECONDS)

@@ -3,9 +3,12 @@ counters say what happened. Two trees over two pools stand for two processes (se
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 import redis
@@ -201,3 +204,29 @@ def test_a_request_racing_another_for_the_same_blocks_uses_the_cached_ones(redis
     assert served.new_tokens == reference(NET, prompt)
     assert pool.num_used == len(prefix.tree)  # the loaded copies went back: only the tree's blocks are held
     assert tier.flush(10)
+
+
+# A process that offers blocks to a slow store and exits without close(): the exit must write them first.
+_EXITING_WITHOUT_CLOSE = """
+import sys, time
+import torch
+from hf_kvgov.tiers.remote_stats import RemoteCounters
+from hf_kvgov.tiers.remote_values import BlockSnapshot
+from hf_kvgov.tiers.remote_writer import RemoteWriter
+
+def store(keys, values):
+    time.sleep(0.3)  # slower than the process's exit
+    with open(sys.argv[1], "a") as out:
+        out.write("".join(key.decode() + "\\n" for key in keys))
+    return sum(map(len, values))
+
+writer = RemoteWriter(store, RemoteCounters(), max_pending=8)
+for batch in ("a", "b", "c"):
+    writer.offer([f"{batch}1".encode(), f"{batch}2".encode()], BlockSnapshot(0, [torch.zeros(2, 4)]))
+"""
+
+
+def test_a_process_that_exits_without_close_still_writes_what_it_queued(tmp_path: Path) -> None:
+    written = tmp_path / "written.txt"
+    subprocess.run([sys.executable, "-c", _EXITING_WITHOUT_CLOSE, str(written)], check=True, timeout=60)
+    assert sorted(written.read_text().split()) == ["a1", "a2", "b1", "b2", "c1", "c2"]
