@@ -15,7 +15,8 @@ block per step (perplexity increase against the same model's full cache; unplant
     fp8   -0.083% -> +0.022%    (keys centred per channel; with symmetric key scales it was +0.727% -> +0.806%)
 
 (A factor of 64 would give identical numbers: a power of two only moves each per-channel scale's exponent.)
-The test asks each format to stay within 2x its unplanted loss, plus 0.05 points of float noise.
+The test asks each format to stay within 2x its unplanted loss, plus 0.05 points of float noise; run it
+with ``-s`` to print the figures.
 """
 
 from __future__ import annotations
@@ -106,4 +107,5 @@ def test_planting_leaves_the_model_unchanged_and_the_keys_outlying(measured: dic
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_each_format_stays_within_twice_its_unplanted_loss(measured: dict[str, Any], name: str) -> None:
     plain, planted_loss = measured["plain"][name], measured["planted"][name]
+    print(f"{name}: {plain:+.3f}% unplanted -> {planted_loss:+.3f}% planted")  # the docstring's figures (-s)
     assert planted_loss <= 2 * max(plain, 0.0) + 0.05, f"{name}: {plain:+.3f}% unplanted, {planted_loss:+.3f}% planted"
