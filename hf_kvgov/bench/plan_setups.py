@@ -196,7 +196,12 @@ def _slot_codec(cache: Any) -> dict[str, Any]:
     quant = getattr(cache, "quant", None)
     if quant is None:
         return {}
-    return {"codec": _PLANNER_CODECS[quant.codec_name], "scale_bytes": _SCALE_BYTES, "group_size": quant.group_size}
+    return {
+        "codec": _PLANNER_CODECS[quant.codec_name],
+        "layer_codecs": _layer_codecs(quant),  # a per-layer map's slots hold each layer's own format
+        "scale_bytes": _SCALE_BYTES,
+        "group_size": quant.group_size,
+    }
 
 
 @planner_setup.register

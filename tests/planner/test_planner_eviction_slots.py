@@ -16,6 +16,7 @@ import torch
 
 from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes, shared_store_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS
@@ -194,3 +195,13 @@ def test_layer_codecs_name_layers_of_the_model() -> None:
         CacheSetup(codec="int8", layer_codecs=((0, "int3"),))
     with pytest.raises(ValueError, match="distinct layer indices"):
         CacheSetup(codec="int8", layer_codecs=((0, "int4"), (0, None)))
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_eviction_slots_of_a_per_layer_map_are_planned_layer_by_layer(model: Any, name: str) -> None:
+    quant = QuantConfig(**{"bits": 8, **MIXED[name]})
+    cache = _run(model, HeavyHitterCache(model, budget=0.5, codec=quant, budget_of=PROMPT), 61, evicting=True)
+    uniform_quant = QuantConfig(bits=quant.bits, fmt=quant.fmt)  # the map's default codec on every layer
+    uniform = _run(model, HeavyHitterCache(model, budget=0.5, codec=uniform_quant, budget_of=PROMPT), 61, evicting=True)
+    # The map changes what the slots hold, and the planner counts the map's formats, not the default codec's.
+    assert uniform.stats().bytes_used != cache.stats().bytes_used == _predicted(model, cache, 61)
