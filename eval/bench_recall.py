@@ -13,6 +13,7 @@ range per written page together (`Recall.kept_within`). Sliding-window layers ke
 
     python eval/bench_recall.py --models gemma3-270m --tasks passkey --lengths 4096,8192 --samples 10
     python eval/bench_recall.py --models smollm2,gemma3-270m --tasks stream
+    python eval/bench_recall.py --models gemma3-270m --tasks passkey --lengths 8192 --pages 16 --summary centroid
 
 Prints Markdown tables; ``--json`` writes every row.
 """
@@ -188,11 +189,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--pages", type=int, default=8, help="pages recalled per (sequence, layer, KV head) per step")
     parser.add_argument("--page-tokens", type=int, default=16)
+    parser.add_argument("--summary", default="bounds", help="page summary ranking recalls: bounds or centroid")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"passkey configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    recall = Recall(pages=args.pages, page_tokens=args.page_tokens)
+    recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary)
     tasks = args.tasks.split(",")
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):

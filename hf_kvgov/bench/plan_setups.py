@@ -189,7 +189,9 @@ def _slot_block(cache: Any) -> int:
 
 def _recall(cache: Any) -> dict[str, Any]:
     recall = getattr(cache, "recall", None)
-    return {} if recall is None else {"recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens}
+    if recall is None:
+        return {}
+    return {"recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens, "recall_summary": recall.summary}
 
 
 def _slot_codec(cache: Any) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from hf_kvgov.planner.geometry import ModelGeometry
-from hf_kvgov.planner.setup import CacheSetup
+from hf_kvgov.planner.setup import RECALL_SUMMARY_ROWS, CacheSetup
 from hf_kvgov.planner.units import KV_DTYPE_BYTES
 from hf_kvgov.storage.layer_groups import LayerGroup
 
@@ -204,8 +204,8 @@ def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, i
     """(resident, disk) bytes of one layer and KV head's recall tier once ``evicted`` tokens were evicted.
 
     As the cache holds them after a decode step: nothing before the first eviction; then one pending page
-    (K/V in the model's dtype, positions, its count), one key range (min and max: a token's K/V bytes),
-    handle and newest position per written page, spare table entries, and the recall buffer of up to
+    (K/V in the model's dtype, positions, its count), one summary (min and max: a token's K/V bytes; a
+    centroid: half), handle and newest position per written page, spare table entries, and the recall buffer of up to
     ``recall_pages`` written pages (K/V and positions). On disk: each written page's K/V and positions.
     """
     assert setup.recall_pages is not None
@@ -217,7 +217,8 @@ def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, i
     pending = size * token + _INDEX_BYTES
     table = _INDEX_BYTES
     if written:
-        table += (written + _RECALL_SPARE_PAGES) * (token - _INDEX_BYTES + 2 * _INDEX_BYTES)
+        summary = RECALL_SUMMARY_ROWS[setup.recall_summary] * head_dim * KV_DTYPE_BYTES[setup.kv_dtype]
+        table += (written + _RECALL_SPARE_PAGES) * (summary + 2 * _INDEX_BYTES)
     buffer = min(setup.recall_pages, written) * size * token
     return pending + table + buffer, written * size * token
 

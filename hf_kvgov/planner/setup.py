@@ -18,6 +18,9 @@ from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_H2O_RECENT = 64
 DEFAULT_SPILL_HOT_TOKENS = 512
+# Key rows each written recall page leaves resident, by summary (`hf_kvgov.tiers.recall_pages.SUMMARY_ROWS`;
+# a test keeps them equal, the planner imports no torch).
+RECALL_SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,10 @@ class CacheSetup:
         recall_pages: with eviction slots, what the policy evicts goes to disk pages of
             ``recall_page_tokens`` tokens and ``recall_pages`` of them are recalled per step (None: evicted
             tokens are dropped). Resident per layer and KV head besides the kept slots: one pending page,
-            the recalled pages, and one key range (min and max) per written page with its table entry
+            the recalled pages, and one summary per written page with its table entry
             (`hf_kvgov.hf.eviction.recall`); on disk: every evicted token in a full page.
+        recall_summary: what each written page leaves resident: "bounds" (its keys' per-channel min and max)
+            or "centroid" (its mean key), as `Recall.summary`.
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
@@ -83,6 +88,7 @@ class CacheSetup:
     eviction_slots: bool = False
     recall_pages: int | None = None
     recall_page_tokens: int = 16
+    recall_summary: str = "bounds"
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0
@@ -156,6 +162,11 @@ class CacheSetup:
                 raise ValueError(f"CacheSetup.recall_pages must be an int >= 0 or None; got {pages!r}.")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"CacheSetup.recall_page_tokens must be a positive int; got {size!r}.")
+            if self.recall_summary not in RECALL_SUMMARY_ROWS:
+                raise ValueError(
+                    f"CacheSetup.recall_summary must be one of {', '.join(RECALL_SUMMARY_ROWS)}; got "
+                    f"{self.recall_summary!r}."
+                )
             if not self.eviction_slots:
                 raise ValueError("recall_pages recalls what an eviction cache evicts: it needs eviction_slots=True.")
         if self.scale_bytes not in (2, 4):

@@ -16,6 +16,7 @@ a disk cache's blocks do; `read` names the layer and the tokens of a damaged pag
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,9 @@ from hf_kvgov.tiers.slot_file import check_writable
 DEFAULT_EXTENT_PAGES = 256
 DEFAULT_RECALL_PAGES = 8
 DEFAULT_PAGE_TOKENS = 16
+# What each written page leaves resident, and how many key rows it takes: Quest's per-channel min and max
+# ("bounds", an upper bound on a page's attention), or the mean key ("centroid", half the bytes).
+SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 
 
 @dataclass(frozen=True)
@@ -45,14 +49,20 @@ class Recall:
         page_tokens: evicted tokens per page (Quest's pages are 16).
         max_write_bytes: cap on the bytes ever written (SSD wear budget); None: no cap. Past it a spill
             raises `SpillSpaceExhausted`.
+        summary: how pages are ranked: "bounds" (Quest's bound from each page's per-channel key min and max)
+            or "centroid" (the query's score on each page's mean key; one key row per page instead of two).
+            See `hf_kvgov.policies.page_bounds`.
     """
 
     path: str | None = None
     pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
     max_write_bytes: int | None = None
+    summary: str = "bounds"
 
     def __post_init__(self) -> None:
+        if self.summary not in SUMMARY_ROWS:
+            raise ValueError(f"Recall: summary must be one of {', '.join(SUMMARY_ROWS)}; got {self.summary!r}.")
         for name, minimum in (("pages", 0), ("page_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -69,18 +79,24 @@ class Recall:
     def kept_within(self, resident_slots: int, tokens: int) -> int:
         """The budget that keeps one (sequence, layer, KV head) within ``resident_slots`` token-equivalents of
         K/V memory over ``tokens`` tokens, recall included: the budget, one pending page, ``pages`` recalled
-        pages and one key range (min and max: the bytes of one token's key and value) per written page.
+        pages and one summary per written page (min and max: the bytes of one token's key and value; a
+        centroid: half of them).
 
         Raises ValueError when recall's own pages already take ``resident_slots``.
         """
         fixed = (self.pages + 1) * self.page_tokens
         kept = resident_slots - fixed
-        while kept > 0 and kept + fixed + -(-(tokens - kept) // self.page_tokens) > resident_slots:
+        rows = SUMMARY_ROWS[self.summary]  # key rows per page; two are one token's K/V
+
+        def summaries(kept: int) -> int:  # token-equivalents of the summaries of the pages the rest fills
+            return math.ceil(math.ceil((tokens - kept) / self.page_tokens) * rows / 2)
+
+        while kept > 0 and kept + fixed + summaries(kept) > resident_slots:
             kept -= 1
         if kept < 1:
             raise ValueError(
                 f"Recall(pages={self.pages}, page_tokens={self.page_tokens}) holds {fixed} slots of pages per "
-                f"(sequence, layer, KV head) plus key ranges, more than {resident_slots} resident slots over "
+                f"(sequence, layer, KV head) plus page summaries, more than {resident_slots} resident slots over "
                 f"{tokens} tokens; recall fewer pages or give a larger budget."
             )
         return kept

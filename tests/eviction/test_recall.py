@@ -59,11 +59,13 @@ def largest_logit_gap(first: Any, second: Any) -> float:
 # ------------------------------------------------------------------ exact against the full cache
 
 
+@pytest.mark.parametrize("summary", ["bounds", "centroid"])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3 (sliding layers)"])
-def test_recalling_every_page_equals_the_full_cache(make: Any) -> None:
+def test_recalling_every_page_equals_the_full_cache(make: Any, summary: str) -> None:
     model = make()
     full = generate(model, DynamicCache(config=model.config))
-    cache = HeavyHitterCache(model, budget=BUDGET, recent=2, recall=EVERY_PAGE)
+    every_page = Recall(pages=EVERY_PAGE.pages, page_tokens=PAGE, summary=summary)
+    cache = HeavyHitterCache(model, budget=BUDGET, recent=2, recall=every_page)
     recalled = generate(model, cache)
     alone = generate(model, HeavyHitterCache(model, budget=BUDGET, recent=2))
     assert torch.equal(recalled.sequences, full.sequences)
@@ -278,13 +280,15 @@ def test_the_registry_names_h2o_with_recall() -> None:
         get_cache_spec("h2o@0.2+spill")
 
 
-def test_the_planner_counts_recall_bytes_as_the_cache_holds_them() -> None:
+@pytest.mark.parametrize("summary", ["bounds", "centroid"])
+def test_the_planner_counts_recall_bytes_as_the_cache_holds_them(summary: str) -> None:
     model = tiny_llama()  # full attention only
-    cache = HeavyHitterCache(model, budget=BUDGET, recall=Recall(pages=2, page_tokens=PAGE))
+    cache = HeavyHitterCache(model, budget=BUDGET, recall=Recall(pages=2, page_tokens=PAGE, summary=summary))
     generate(model, cache, rows=1, new=3)
     setup = CacheSetup(
-        block_size=1, kv_dtype="fp32", h2o_budget=0.5, eviction_slots=True, recall_pages=2, recall_page_tokens=PAGE
-    )
+        block_size=1, kv_dtype="fp32", h2o_budget=0.5, eviction_slots=True, recall_pages=2, recall_page_tokens=PAGE,
+        recall_summary=summary,
+    )  # fmt: skip
     evicted = PROMPT + 3 - 1 - BUDGET
     resident, disk = recall_bytes(setup, evicted, head_dim=16)
     layers_times_heads = 2 * 2

@@ -2,10 +2,10 @@
 
 An eviction cache built with ``recall=Recall(...)`` keeps its budget of slots as before, but an evicted
 token is not dropped: it joins its (sequence, layer, KV head)'s pending page, and a full page is written
-once to the disk tier (`hf_kvgov.tiers.recall_pages`). Each written page leaves a small resident summary,
-the per-channel min and max of its keys. At every step, before attention, the layer ranks its pages by
-Quest's bound on the attention the step's queries can pay them (`hf_kvgov.policies.page_bounds`) and
-attends, beside its kept slots, to::
+once to the disk tier (`hf_kvgov.tiers.recall_pages`). Each written page leaves a small resident summary
+of its keys (`Recall.summary`): the per-channel min and max, or the mean key. At every step, before
+attention, the layer ranks its pages by Quest's bound on the attention the step's queries can pay them, or by
+their scores on the mean keys (`hf_kvgov.policies.page_bounds`), and attends, beside its kept slots, to::
 
     the pending page          < page_tokens evicted tokens not yet written (always resident)
     the recalled pages        the ``pages`` pages with the highest bound, per (sequence, KV head)
@@ -13,11 +13,11 @@ attends, beside its kept slots, to::
 Recalled pages live in a bounded buffer: a page chosen at the previous step is not read again, so a run of
 decode steps asking about the same passage reads it once. Reads per layer step are therefore at most
 ``pages`` per (sequence, KV head), and the stats report how many were read. What is resident per
-(sequence, layer, KV head) is the budget, one pending page, ``pages`` recalled pages and one key range per
-written page (``2 x head_dim`` values per ``page_tokens`` tokens). Recalled slots are attended, never
-kept: the policy's choice of kept slots is the same as without recall, and their attention mass is not
-counted. With every page recalled (``pages`` >= pages written) attention reads every token the sequence
-ever had, which the tests use to check recall exactly against a full cache.
+(sequence, layer, KV head) is the budget, one pending page, ``pages`` recalled pages and one summary per
+written page (``2 x head_dim`` values per ``page_tokens`` tokens for bounds, ``head_dim`` for a centroid).
+Recalled slots are attended, never kept: the policy's choice of kept slots is the same as without recall, and
+their attention mass is not counted. With every page recalled (``pages`` >= pages written) attention reads
+every token the sequence ever had, which the tests use to check recall exactly against a full cache.
 
 A sliding-window layer spills only the tokens it evicts inside its window (those that leave the window
 are invisible to every later query, as in `DynamicCache`), and never recalls a page wholly older than the
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies import gather_kept
-from hf_kvgov.policies.page_bounds import page_upper_bounds
-from hf_kvgov.tiers.recall_pages import PageTier, Recall
+from hf_kvgov.policies.page_bounds import page_centroid_scores, page_upper_bounds
+from hf_kvgov.tiers.recall_pages import SUMMARY_ROWS, PageTier, Recall
 
 GROWTH_PAGES = 16
 
@@ -102,10 +102,14 @@ class RecallCounters:
 class LayerRecall:
     """One layer's pending pages, page table with key ranges, and recall buffer (see the module docstring)."""
 
-    def __init__(self, tier: PageTier, layer: int, pages: int, counters: RecallCounters) -> None:
+    def __init__(
+        self, tier: PageTier, layer: int, pages: int, counters: RecallCounters, summary: str = "bounds"
+    ) -> None:
         self.tier = tier
         self.layer = layer
         self.pages = pages
+        self.summary = summary
+        self.summary_rows = SUMMARY_ROWS[summary]
         self.counters = counters
         self.page_tokens = tier.page_tokens
         self._clear()
@@ -116,8 +120,7 @@ class LayerRecall:
         self.pending_positions: Tensor | None = None  # long [b, hk, page_tokens]
         self.pending_count: Tensor | None = None  # long [b, hk]
         self.handles = torch.empty(0, 0, 0, dtype=torch.long)  # long [b, hk, pages], -1: empty (CPU)
-        self.page_min: Tensor | None = None  # [b, hk, pages, d]
-        self.page_max: Tensor | None = None
+        self.page_summary: Tensor | None = None  # [b, hk, pages, rows, d]: (min, max) or (mean,) of the keys
         self.page_last: Tensor | None = None  # long [b, hk, pages]: each page's newest position
         self.page_count: Tensor | None = None  # long [b, hk]
         self.buffer: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
@@ -171,15 +174,13 @@ class LayerRecall:
         self.pending_positions = torch.zeros(batch, heads, size, dtype=torch.long, device=device)
         self.pending_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
         self.handles = torch.full((batch, heads, 0), -1, dtype=torch.long)
-        self.page_min = like.new_zeros(batch, heads, 0, head_dim)
-        self.page_max = like.new_zeros(batch, heads, 0, head_dim)
+        self.page_summary = like.new_zeros(batch, heads, 0, self.summary_rows, head_dim)
         self.page_last = torch.zeros(batch, heads, 0, dtype=torch.long, device=device)
         self.page_count = torch.zeros(batch, heads, dtype=torch.long, device=device)
 
     def _write_pages(self, keys: Tensor, values: Tensor, positions: Tensor, full: Tensor) -> None:
         """Write the first ``full[b, h]`` pages of each (row, head) of the compacted stream; record them."""
-        assert self.page_count is not None and self.page_min is not None and self.page_max is not None
-        assert self.page_last is not None
+        assert self.page_count is not None and self.page_summary is not None and self.page_last is not None
         batch, heads, slots, head_dim = keys.shape
         size = self.page_tokens
         per_row = slots // size
@@ -192,22 +193,26 @@ class LayerRecall:
         slot = self.page_count[rows, head_index] + rank
         self._grow(int((self.page_count + full).max()))
         self.handles[rows.cpu(), head_index.cpu(), slot.cpu()] = torch.tensor(handles, dtype=torch.long)
-        self.page_min[rows, head_index, slot] = page_keys.amin(dim=1)
-        self.page_max[rows, head_index, slot] = page_keys.amax(dim=1)
+        self.page_summary[rows, head_index, slot] = self._summarise(page_keys)
         self.page_last[rows, head_index, slot] = page_positions.amax(dim=1)
         self.page_count = self.page_count + full
+
+    def _summarise(self, page_keys: Tensor) -> Tensor:
+        """``[pages, page_tokens, d]`` keys -> ``[pages, rows, d]`` summaries (min and max, or the mean)."""
+        if self.summary == "centroid":
+            return page_keys.float().mean(dim=1, keepdim=True).to(page_keys.dtype)
+        return torch.stack((page_keys.amin(dim=1), page_keys.amax(dim=1)), dim=1)
 
     def _grow(self, needed: int) -> None:
         """Widen the page table to ``needed`` pages per (row, head) and ``GROWTH_PAGES`` more: growth is rare
         (a decode step fills a page every ``page_tokens`` steps) and the spare key ranges stay small."""
-        assert self.page_min is not None and self.page_max is not None and self.page_last is not None
+        assert self.page_summary is not None and self.page_last is not None
         have = self.handles.shape[-1]
         if needed <= have:
             return
         extra = needed + GROWTH_PAGES - have
         self.handles = torch.cat((self.handles, self.handles.new_full((*self.handles.shape[:2], extra), -1)), -1)
-        self.page_min = _widen(self.page_min, extra)
-        self.page_max = _widen(self.page_max, extra)
+        self.page_summary = _widen(self.page_summary, extra)
         self.page_last = torch.cat((self.page_last, self.page_last.new_zeros(*self.page_last.shape[:2], extra)), -1)
 
     # ------------------------------------------------------------------ recalling
@@ -231,16 +236,19 @@ class LayerRecall:
     def _best_pages(
         self, query: Tensor, first_query: Tensor, window: int | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        assert self.page_count is not None and self.page_min is not None and self.page_max is not None
-        assert self.page_last is not None
+        assert self.page_count is not None and self.page_summary is not None and self.page_last is not None
         table = self.handles.shape[-1]
         if self.pages == 0 or table == 0 or int(self.page_count.max()) == 0:
             return None
         written = torch.arange(table, device=self.page_count.device) < self.page_count[..., None]
         if window is not None:
             written = written & (self.page_last > first_query[:, None, None] - window)
-        bounds = page_upper_bounds(query, self.page_min, self.page_max, written)
-        best, index = bounds.topk(min(self.pages, table), dim=-1)  # [b, hk, k]
+        summary = self.page_summary
+        if self.summary == "centroid":
+            scores = page_centroid_scores(query, summary[..., 0, :], written)
+        else:
+            scores = page_upper_bounds(query, summary[..., 0, :], summary[..., 1, :], written)
+        best, index = scores.topk(min(self.pages, table), dim=-1)  # [b, hk, k]
         chosen = self.handles.gather(-1, index.cpu())
         chosen = chosen.masked_fill(~torch.isfinite(best).cpu(), -1)
         keys, values, positions = self._fetch(chosen)
@@ -291,7 +299,7 @@ class LayerRecall:
         self.handles = old.index_select(0, rows.cpu())
         self.tier.incref(self.handles[self.handles >= 0].tolist())
         self.tier.decref(old[old >= 0].tolist())
-        for name in ("pending_keys", "pending_values", "pending_positions", "pending_count", "page_min", "page_max",
+        for name in ("pending_keys", "pending_values", "pending_positions", "pending_count", "page_summary",
                      "page_last", "page_count"):  # fmt: skip
             tensor = getattr(self, name)
             setattr(self, name, tensor.index_select(0, rows.to(tensor.device)))
@@ -305,10 +313,10 @@ class LayerRecall:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: pending pages, key ranges, page table and the recall buffer."""
+        """Bytes held in memory: pending pages, page summaries, page table and the recall buffer."""
         tensors = [
             self.pending_keys, self.pending_values, self.pending_positions, self.pending_count, self.handles,
-            self.page_min, self.page_max, self.page_last, self.page_count,
+            self.page_summary, self.page_last, self.page_count,
         ]  # fmt: skip
         buffered = [tensor for page in self.buffer.values() for tensor in page]
         return sum(t.numel() * t.element_size() for t in (*tensors, *buffered) if t is not None)
