@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
-from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_RECALL_PAGES, Recall
+from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_RECALL_PAGES, SUMMARY_ROWS, Recall
 
 ON_FULL: tuple[str, ...] = ("raise", "keep_resident")
 DEFAULT_HOT_TOKENS = 512
@@ -23,7 +23,8 @@ class DiskCacheConfig:
 
     In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
     (`hf_kvgov.hf.eviction.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
-    recalled per (sequence, layer, KV head) at each step and a page holds ``page_tokens`` tokens; the block
+    recalled per (sequence, layer, KV head) at each step, a page holds ``page_tokens`` tokens and
+    ``recall_summary`` ranks them (`Recall.summary`: "bounds" or "centroid"); the block
     fields (``hot_tokens``, ``max_resident_bytes``, ``read_buffer_bytes``, ``prefetch``, ``on_full``,
     ``extent_blocks``) have no meaning there and must stay at their defaults.
     """
@@ -38,6 +39,7 @@ class DiskCacheConfig:
     extent_blocks: int = DEFAULT_EXTENT_SLOTS
     recall_pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
+    recall_summary: str = "bounds"
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
@@ -49,6 +51,8 @@ class DiskCacheConfig:
         for name in ("max_resident_bytes", "max_write_bytes", "read_buffer_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1 if name != "read_buffer_bytes" else 0)
+        if self.recall_summary not in SUMMARY_ROWS:
+            raise ValueError(f"recall_summary must be one of {', '.join(SUMMARY_ROWS)}; got {self.recall_summary!r}.")
         if self.on_full not in ON_FULL:
             raise ValueError(f"on_full must be one of {ON_FULL}; got {self.on_full!r}.")
         if self.max_resident_bytes is not None and self.buffer_bytes >= self.max_resident_bytes:
@@ -59,14 +63,14 @@ class DiskCacheConfig:
 
     def recall(self) -> Recall:
         """The recall tier an eviction chain builds from this spill part."""
-        return Recall(self.path, self.recall_pages, self.page_tokens, self.max_write_bytes)
+        return Recall(self.path, self.recall_pages, self.page_tokens, self.max_write_bytes, self.recall_summary)
 
     @classmethod
     def of_recall(cls, recall: Recall) -> DiskCacheConfig:
         """The spill part of an eviction cache built with ``recall=``."""
         return cls(
             path=recall.path, max_write_bytes=recall.max_write_bytes, recall_pages=recall.pages,
-            page_tokens=recall.page_tokens,
+            page_tokens=recall.page_tokens, recall_summary=recall.summary,
         )  # fmt: skip
 
     def block_fields_changed(self) -> list[str]:
@@ -78,7 +82,8 @@ class DiskCacheConfig:
     def recall_fields_changed(self) -> list[str]:
         """The recall fields set away from their defaults (meaningless without an eviction policy)."""
         default = DiskCacheConfig()
-        return [name for name in ("recall_pages", "page_tokens") if getattr(self, name) != getattr(default, name)]
+        fields = ("recall_pages", "page_tokens", "recall_summary")
+        return [name for name in fields if getattr(self, name) != getattr(default, name)]
 
     @property
     def buffer_bytes(self) -> int:

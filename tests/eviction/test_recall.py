@@ -258,6 +258,20 @@ def test_the_chain_builds_h2o_with_recall_and_its_preset_is_the_same_cache(tmp_p
     assert "spill" in preset.parts.present
 
 
+def test_a_centroid_summary_survives_the_round_trip_between_preset_and_chain(tmp_path: Path) -> None:
+    model = tiny_llama()
+    recall = Recall(path=str(tmp_path), pages=3, summary="centroid")
+    preset = HeavyHitterCache(model, budget=BUDGET, recent=2, recall=recall)
+    spill = Disk(path=str(tmp_path), recall_pages=3, recall_summary="centroid")
+    composed = GovernedCache(model, policy=HeavyHitter(BUDGET, recent=2), spill=spill)
+    assert isinstance(composed, HeavyHitterCache) and composed.recall == preset.recall == recall
+    assert composed.parts == preset.parts and preset.parts.spill is not None
+    assert preset.parts.spill.recall() == recall
+    assert torch.equal(generate(model, composed).sequences, generate(model, preset).sequences)
+    with pytest.raises(ValueError, match="recall_summary must be one of bounds, centroid; got 'mean'"):
+        Disk(recall_summary="mean")
+
+
 @pytest.mark.parametrize(
     ("parts", "message"),
     [
