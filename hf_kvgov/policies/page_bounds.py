@@ -17,6 +17,8 @@ score ``q . mean(k)`` (`page_centroid_scores`) is no bound but tracks where the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -36,8 +38,8 @@ def page_upper_bounds(query: Tensor, page_min: Tensor, page_max: Tensor, valid: 
         float ``[batch, kv_heads, pages]``: the largest ``bound(q, page)`` over the group's query heads and
         the step's queries; ``-inf`` where ``valid`` is False.
     """
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads, pages = page_min.shape[1], page_min.shape[2]
+    q_heads, head_dim = query.shape[1], query.shape[-1]
+    kv_heads = page_min.shape[1]
     if page_min.shape != page_max.shape or page_min.shape[-1] != head_dim or q_heads % kv_heads:
         raise ValueError(
             f"page bounds need query [batch, q_heads, q_len, head_dim] and page ranges [batch, kv_heads, pages, "
@@ -45,14 +47,8 @@ def page_upper_bounds(query: Tensor, page_min: Tensor, page_max: Tensor, valid: 
             f"{tuple(page_min.shape)}, max {tuple(page_max.shape)}."
         )
     work = torch.promote_types(query.dtype, torch.float32)
-    rows = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim).to(work)
     low, high = page_min.to(work).transpose(-1, -2), page_max.to(work).transpose(-1, -2)  # [b, hk, d, pages]
-    best = torch.full((batch, kv_heads, pages), float("-inf"), dtype=work, device=query.device)
-    for start in range(0, rows.shape[2], QUERY_ROWS):
-        chunk = rows[:, :, start : start + QUERY_ROWS]
-        bound = chunk.clamp(min=0) @ high + chunk.clamp(max=0) @ low  # [b, hk, rows, pages]
-        best = torch.maximum(best, bound.amax(dim=2))
-    return best.masked_fill(~valid, float("-inf"))
+    return _best_over_group(query, kv_heads, valid, lambda rows: rows.clamp(min=0) @ high + rows.clamp(max=0) @ low)
 
 
 def page_centroid_scores(query: Tensor, centroids: Tensor, valid: Tensor) -> Tensor:
@@ -66,18 +62,25 @@ def page_centroid_scores(query: Tensor, centroids: Tensor, valid: Tensor) -> Ten
     Returns:
         float ``[batch, kv_heads, pages]``; ``-inf`` where ``valid`` is False.
     """
-    batch, q_heads, q_len, head_dim = query.shape
-    kv_heads, pages = centroids.shape[1], centroids.shape[2]
+    q_heads, head_dim = query.shape[1], query.shape[-1]
+    kv_heads = centroids.shape[1]
     if centroids.shape[-1] != head_dim or q_heads % kv_heads:
         raise ValueError(
             f"page centroid scores need query [batch, q_heads, q_len, head_dim] and centroids [batch, kv_heads, "
             f"pages, head_dim] with q_heads a multiple of kv_heads; got query {tuple(query.shape)}, centroids "
             f"{tuple(centroids.shape)}."
         )
+    means = centroids.to(torch.promote_types(query.dtype, torch.float32)).transpose(-1, -2)  # [b, hk, d, pages]
+    return _best_over_group(query, kv_heads, valid, lambda rows: rows @ means)
+
+
+def _best_over_group(query: Tensor, kv_heads: int, valid: Tensor, score: Callable[[Tensor], Tensor]) -> Tensor:
+    """The largest ``score(rows)`` ``[b, hk, rows, pages]`` over each KV head's query rows (its group's query heads
+    times the step's queries, `QUERY_ROWS` at a time, in float32 or wider); ``-inf`` where ``valid`` is False."""
+    batch, q_heads, q_len, head_dim = query.shape
     work = torch.promote_types(query.dtype, torch.float32)
     rows = query.reshape(batch, kv_heads, (q_heads // kv_heads) * q_len, head_dim).to(work)
-    means = centroids.to(work).transpose(-1, -2)  # [b, hk, d, pages]
-    best = torch.full((batch, kv_heads, pages), float("-inf"), dtype=work, device=query.device)
+    best = torch.full(valid.shape, float("-inf"), dtype=work, device=query.device)
     for start in range(0, rows.shape[2], QUERY_ROWS):
-        best = torch.maximum(best, (rows[:, :, start : start + QUERY_ROWS] @ means).amax(dim=2))
+        best = torch.maximum(best, score(rows[:, :, start : start + QUERY_ROWS]).amax(dim=2))
     return best.masked_fill(~valid, float("-inf"))

@@ -370,10 +370,8 @@ def test_a_spill_of_codes_writes_and_reads_the_codec_share_of_a_full_precision_s
     for each in caches:
         for start in range(0, 160, 32):
             model(ids[:, start : start + 32], past_key_values=each)
-        # The last layer reads the next step's first layer ahead on the reader thread: wait for it, so both
-        # caches' counts include that read (stats() alone would race it).
-        assert each.prefetcher is not None
-        each.prefetcher.close()
+        assert each.prefetcher is not None  # the last layer read layer 0 ahead on the reader thread:
+        each.prefetcher.close()  # wait for it, so both counts include that read (stats() alone raced it)
     raw, codes = (each.stats() for each in caches)
     assert raw.spills == codes.spills == 2  # last step start: 128 tokens, (128 - 32) // 32 = 3: blocks 1, 2
     assert codes.bytes_written / raw.bytes_written == segment / full  # int8 0.547, int4 0.297

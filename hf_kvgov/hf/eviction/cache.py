@@ -188,9 +188,7 @@ class EvictionCache(GovernedCache):
         self._page_tier = None if recall is None else page_tier_for(recall, model, self.head_dim, read_keys, name)
         for layer in self._eviction_layers:
             if self._page_tier is not None and recall is not None:
-                layer.recall = LayerRecall(
-                    self._page_tier, layer.index, recall.pages, self._recall_counters, recall.summary
-                )
+                layer.recall = LayerRecall(self._page_tier, layer.index, recall, self._recall_counters)
         self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self._min_budget, decode_policy)
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)

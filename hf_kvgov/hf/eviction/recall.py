@@ -102,14 +102,12 @@ class RecallCounters:
 class LayerRecall:
     """One layer's pending pages, page table with key ranges, and recall buffer (see the module docstring)."""
 
-    def __init__(
-        self, tier: PageTier, layer: int, pages: int, counters: RecallCounters, summary: str = "bounds"
-    ) -> None:
+    def __init__(self, tier: PageTier, layer: int, recall: Recall, counters: RecallCounters) -> None:
         self.tier = tier
         self.layer = layer
-        self.pages = pages
-        self.summary = summary
-        self.summary_rows = SUMMARY_ROWS[summary]
+        self.pages = recall.pages
+        self.summary = recall.summary
+        self.summary_rows = SUMMARY_ROWS[recall.summary]
         self.counters = counters
         self.page_tokens = tier.page_tokens
         self._clear()
