@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--pages", type=int, default=8, help="pages recalled per (sequence, layer, KV head) per step")
     parser.add_argument("--page-tokens", type=int, default=16)
-    parser.add_argument("--summary", default="bounds", help="page summary ranking recalls: bounds or centroid")
+    parser.add_argument("--summary", default="centroid", help="page summary ranking recalls: centroid or bounds")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"passkey configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)

@@ -180,7 +180,7 @@ STEPS: tuple[ChainStep, ...] = (
     ChainStep(
         "spill", "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step)",
         evicting(recall_parts), shared_eviction_bytes,
-        _SHARED_EVICTION.format(recall=", pending page, key ranges, recall buffer"), shares_document=True,
+        _SHARED_EVICTION.format(recall=", pending page, page summaries, recall buffer"), shares_document=True,
         numerics="h2o@{h2o_budget}:int8+recall", refusals=_policy_with_a_tree,
     ),
     ChainStep(

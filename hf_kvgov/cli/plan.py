@@ -94,6 +94,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--spill-hot", int, DEFAULT_SPILL_HOT_TOKENS, "recent tokens per layer kept on the accelerator"),
         ("--recall-pages", int, DEFAULT_RECALL_PAGES, "pages of evicted tokens recalled per step ('recall' step)"),
         ("--recall-page-tokens", int, DEFAULT_RECALL_PAGE_TOKENS, "tokens per page of evicted tokens"),
+        ("--recall-summary", str, "centroid", "what ranks a page of evicted tokens: centroid or bounds"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
     ]
@@ -136,6 +137,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         spill_hot_tokens=args.spill_hot,
         recall_pages=args.recall_pages,
         recall_page_tokens=args.recall_page_tokens,
+        recall_summary=args.recall_summary,
         sink_blocks=args.sink_blocks,
         group_size=args.group_size,
     )

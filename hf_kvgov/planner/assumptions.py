@@ -5,6 +5,8 @@ from __future__ import annotations
 from hf_kvgov.planner.planner import Plan
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, format_bytes
 
+_SUMMARY_WORDS = {"centroid": "mean key", "bounds": "key range (min and max)"}  # what a page leaves resident
+
 # Sequential read bandwidth of a PCIe 4.0 NVMe SSD, used to price reading spilled KV back.
 DEFAULT_SSD_READ_BYTES_PER_S = 7e9
 
@@ -85,7 +87,7 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
         lines.append(
             "Recall: H2O keeps per-head slots in pool blocks (with each slot's position and validity, 9 B per "
             "KV head); every evicted token is written once to a disk page of "
-            f"{o.recall_page_tokens} tokens per layer and KV head, whose key range (min and max) stays "
+            f"{o.recall_page_tokens} tokens per layer and KV head, whose {_SUMMARY_WORDS[o.recall_summary]} stays "
             f"resident with a pending page in {o.kv_dtype}, and {o.recall_pages} pages per layer come back "
             "per decode step into a buffer counted here. Reads are capped at those pages, not the whole "
             "spilled history."

@@ -53,6 +53,7 @@ class ChainOptions:
     group_size: int | None = None
     recall_pages: int = DEFAULT_RECALL_PAGES
     recall_page_tokens: int = DEFAULT_RECALL_PAGE_TOKENS
+    recall_summary: str = "centroid"
 
     def __post_init__(self) -> None:
         # Every knob is checked up front, even for techniques the chain leaves out.
@@ -75,6 +76,7 @@ class ChainOptions:
             eviction_slots=True,
             recall_pages=self.recall_pages,
             recall_page_tokens=self.recall_page_tokens,
+            recall_summary=self.recall_summary,
         )
 
 
@@ -125,6 +127,7 @@ def _recall(s: CacheSetup, o: ChainOptions) -> CacheSetup:
         h2o_metadata_bytes=SLOT_METADATA_BYTES,
         recall_pages=o.recall_pages,
         recall_page_tokens=o.recall_page_tokens,
+        recall_summary=o.recall_summary,
     )
 
 

@@ -58,8 +58,8 @@ class CacheSetup:
             tokens are dropped). Resident per layer and KV head besides the kept slots: one pending page,
             the recalled pages, and one summary per written page with its table entry
             (`hf_kvgov.hf.eviction.recall`); on disk: every evicted token in a full page.
-        recall_summary: what each written page leaves resident: "bounds" (its keys' per-channel min and max)
-            or "centroid" (its mean key), as `Recall.summary`.
+        recall_summary: what each written page leaves resident: "centroid" (its mean key) or "bounds" (its
+            keys' per-channel min and max), as `Recall.summary`.
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
@@ -88,7 +88,7 @@ class CacheSetup:
     eviction_slots: bool = False
     recall_pages: int | None = None
     recall_page_tokens: int = 16
-    recall_summary: str = "bounds"
+    recall_summary: str = "centroid"
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0

@@ -33,8 +33,8 @@ from hf_kvgov.tiers.slot_file import check_writable
 DEFAULT_EXTENT_PAGES = 256
 DEFAULT_RECALL_PAGES = 8
 DEFAULT_PAGE_TOKENS = 16
-# What each written page leaves resident, and how many key rows it takes: Quest's per-channel min and max
-# ("bounds", an upper bound on a page's attention), or the mean key ("centroid", half the bytes).
+# What each written page leaves resident, and how many key rows it takes: the mean key ("centroid", the
+# default) or Quest's per-channel min and max ("bounds", an upper bound on a page's attention, twice the bytes).
 SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 
 
@@ -49,16 +49,18 @@ class Recall:
         page_tokens: evicted tokens per page (Quest's pages are 16).
         max_write_bytes: cap on the bytes ever written (SSD wear budget); None: no cap. Past it a spill
             raises `SpillSpaceExhausted`.
-        summary: how pages are ranked: "bounds" (Quest's bound from each page's per-channel key min and max)
-            or "centroid" (the query's score on each page's mean key; one key row per page instead of two).
-            See `hf_kvgov.policies.page_bounds`.
+        summary: how pages are ranked: "centroid" (the query's score on each page's mean key, one key row
+            resident per page) or "bounds" (Quest's upper bound from each page's per-channel key min and max,
+            two rows). The centroid is the default: it answered more passkeys on Gemma-3 at 4k and 8k and lost
+            less streaming perplexity on SmolLM2 (`eval/RESULTS.md`), where the bound's worst case over
+            wide heads ranks spread-out pages first. See `hf_kvgov.policies.page_bounds`.
     """
 
     path: str | None = None
     pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
     max_write_bytes: int | None = None
-    summary: str = "bounds"
+    summary: str = "centroid"
 
     def __post_init__(self) -> None:
         if self.summary not in SUMMARY_ROWS:

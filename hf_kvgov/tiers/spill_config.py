@@ -24,7 +24,7 @@ class DiskCacheConfig:
     In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
     (`hf_kvgov.hf.eviction.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
     recalled per (sequence, layer, KV head) at each step, a page holds ``page_tokens`` tokens and
-    ``recall_summary`` ranks them (`Recall.summary`: "bounds" or "centroid"); the block
+    ``recall_summary`` ranks them (`Recall.summary`: "centroid" or "bounds"); the block
     fields (``hot_tokens``, ``max_resident_bytes``, ``read_buffer_bytes``, ``prefetch``, ``on_full``,
     ``extent_blocks``) have no meaning there and must stay at their defaults.
     """
@@ -39,7 +39,7 @@ class DiskCacheConfig:
     extent_blocks: int = DEFAULT_EXTENT_SLOTS
     recall_pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
-    recall_summary: str = "bounds"
+    recall_summary: str = "centroid"
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():

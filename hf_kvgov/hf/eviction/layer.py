@@ -144,7 +144,7 @@ class EvictionLayer(CacheLayerMixin):
 
     @property
     def recall_bytes(self) -> int:
-        """Bytes its recall holds in memory: pending pages, key ranges, page table, recall buffer."""
+        """Bytes its recall holds in memory: pending pages, page summaries, page table, recall buffer."""
         return 0 if self.recall is None else self.recall.nbytes
 
     def reset(self) -> None:

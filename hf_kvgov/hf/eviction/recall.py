@@ -3,18 +3,19 @@
 An eviction cache built with ``recall=Recall(...)`` keeps its budget of slots as before, but an evicted
 token is not dropped: it joins its (sequence, layer, KV head)'s pending page, and a full page is written
 once to the disk tier (`hf_kvgov.tiers.recall_pages`). Each written page leaves a small resident summary
-of its keys (`Recall.summary`): the per-channel min and max, or the mean key. At every step, before
-attention, the layer ranks its pages by Quest's bound on the attention the step's queries can pay them, or by
-their scores on the mean keys (`hf_kvgov.policies.page_bounds`), and attends, beside its kept slots, to::
+of its keys (`Recall.summary`): the mean key, or the per-channel min and max. At every step, before
+attention, the layer ranks its pages by the step's queries' scores on their mean keys, or by Quest's bound on
+the attention those queries can pay them (`hf_kvgov.policies.page_bounds`), and attends, beside its kept
+slots, to::
 
     the pending page          < page_tokens evicted tokens not yet written (always resident)
-    the recalled pages        the ``pages`` pages with the highest bound, per (sequence, KV head)
+    the recalled pages        the ``pages`` pages with the highest score, per (sequence, KV head)
 
 Recalled pages live in a bounded buffer: a page chosen at the previous step is not read again, so a run of
 decode steps asking about the same passage reads it once. Reads per layer step are therefore at most
 ``pages`` per (sequence, KV head), and the stats report how many were read. What is resident per
 (sequence, layer, KV head) is the budget, one pending page, ``pages`` recalled pages and one summary per
-written page (``2 x head_dim`` values per ``page_tokens`` tokens for bounds, ``head_dim`` for a centroid).
+written page (``head_dim`` values per ``page_tokens`` tokens for a centroid, ``2 x head_dim`` for bounds).
 Recalled slots are attended, never kept: the policy's choice of kept slots is the same as without recall, and
 their attention mass is not counted. With every page recalled (``pages`` >= pages written) attention reads
 every token the sequence ever had, which the tests use to check recall exactly against a full cache.
@@ -70,7 +71,7 @@ class RecallStats:
     ``write_amplification`` is bytes written over the bytes of the tokens spilled (1.0: each evicted token
     written once, nothing rewritten). ``pages_read`` counts reads from disk; ``pages_recalled`` the pages
     attended (read, or reused from the buffer); ``max_pages_read_per_step`` the most one layer step read.
-    ``resident_bytes`` is what recall holds in memory: pending pages, key ranges, page tables, the buffer.
+    ``resident_bytes`` is what recall holds in memory: pending pages, page summaries, page tables, the buffer.
     """
 
     path: str | None
@@ -100,7 +101,7 @@ class RecallCounters:
 
 
 class LayerRecall:
-    """One layer's pending pages, page table with key ranges, and recall buffer (see the module docstring)."""
+    """One layer's pending pages, page table with key summaries, and recall buffer (see the module docstring)."""
 
     def __init__(self, tier: PageTier, layer: int, recall: Recall, counters: RecallCounters) -> None:
         self.tier = tier
@@ -203,7 +204,7 @@ class LayerRecall:
 
     def _grow(self, needed: int) -> None:
         """Widen the page table to ``needed`` pages per (row, head) and ``GROWTH_PAGES`` more: growth is rare
-        (a decode step fills a page every ``page_tokens`` steps) and the spare key ranges stay small."""
+        (a decode step fills a page every ``page_tokens`` steps) and the spare summaries stay small."""
         assert self.page_summary is not None and self.page_last is not None
         have = self.handles.shape[-1]
         if needed <= have:

@@ -38,7 +38,7 @@ class EvictionStats:
     cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
         ``bytes_used`` is everything the cache holds in memory: ``kv_bytes`` (keys and values as stored: codes
         and scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass) plus
-        ``recall_bytes`` (with recall: pending pages, page key ranges and tables, the recall buffer); what
+        ``recall_bytes`` (with recall: pending pages, page summaries and tables, the recall buffer); what
         recall wrote to and read from disk is in ``recall``.
     """
 
