@@ -72,3 +72,39 @@ def test_kvgov_plan_refuses_recall_without_h2o_in_one_line(capsys: pytest.Captur
     assert _run(["--model", "SmolLM2-135M", "--chain", "paged,recall"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "'h2o' must come before it" in err
+
+
+def test_the_recall_summary_follows_the_built_cache_and_a_centroid_is_one_key_row_per_page(tmp_path: Path) -> None:
+    model = tiny_llama()
+    geometry = planner_geometry(model)
+    assert geometry is not None
+    length = 1000
+    planned = {}
+    for summary in ("centroid", "bounds"):
+        cache = GovernedCache(
+            model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2),
+            spill=Disk(path=str(tmp_path / summary), recall_summary=summary),
+        )  # fmt: skip
+        built = planner_setup(cache, "fp32")
+        assert built is not None and built.recall_summary == summary
+        options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent, recall_summary=summary)
+        steps = {name: setup for name, _, setup in build_chain(parse_chain("paged,int8,h2o,recall"), options)}
+        planned[summary] = sequence_bytes(geometry, steps["recall"], length)
+        assert planned[summary] == sequence_bytes(geometry, built, length)
+    # H2O keeps 200 of 1,000 tokens, so 800 are evicted: 50 pages written per layer and KV head, plus 16 spare
+    # table entries. Bounds keep a second key row (head_dim fp32 values) for each.
+    layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    extra = layers * kv_heads * (50 + 16) * head_dim * 4
+    assert planned["bounds"].device - planned["centroid"].device == extra
+    assert planned["bounds"].disk == planned["centroid"].disk
+
+
+def test_kvgov_plan_takes_the_recall_summary_and_refuses_an_unknown_one(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "SmolLM2-135M", "--chain", "paged,int8,h2o,recall", "--lengths", "2048"]
+    assert _run([*argv, "--recall-summary", "bounds"]) == 0
+    assert "key range (min and max)" in capsys.readouterr().out
+    assert _run(argv) == 0
+    assert "whose mean key stays resident" in capsys.readouterr().out
+    assert _run([*argv, "--recall-summary", "mean"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "recall_summary must be one of bounds, centroid; got 'mean'" in err
