@@ -89,6 +89,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "bytes whose measured perplexity increase stays within --max-ppl-increase, and write it to PATH as JSON "
         "(QuantizedCache.from_config(model, PATH) loads it); exit 1 when no map meets the budget",
     )
+    parser.add_argument(
+        "--passages",
+        type=int,
+        default=1,
+        help="with --recommend: choose the map on this many consecutive passages of --tokens tokens of the text, "
+        "measuring every candidate on each, so it must hold on all of them (default: %(default)s)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -147,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be at least 1; got {args.threads}.")
         text = args.text.read_text(encoding="utf-8") if args.text is not None else None
+        if args.passages < 1:
+            raise ValueError(f"--passages must be at least 1; got {args.passages}.")
+        if args.passages != 1 and args.recommend is None:
+            raise ValueError("--passages applies to --recommend only; the check scores one passage.")
         if args.recommend is not None:
             _check_writable(Path(args.recommend))
     except (ValueError, OSError) as error:
@@ -175,7 +186,13 @@ def _recommend(args: argparse.Namespace, options: CheckOptions, text: str | None
         print(f"[kvgov] loading {args.model} ({threads} torch threads) ...", file=sys.stderr, flush=True)
         model, tokenizer = models.load_model(args.model)
         print(f"[kvgov] scanning {', '.join(options.formats)} one layer at a time ...", file=sys.stderr, flush=True)
-        layer_map = recommend_layer_formats(model, tokenizer, text, options.tolerance_pct, options.formats, options)
+        try:
+            layer_map = recommend_layer_formats(
+                model, tokenizer, text, options.tolerance_pct, options.formats, options, passages=args.passages
+            )
+        except ValueError as error:  # a text too short for the passages asked for
+            print(f"kvgov check-quant: {error}", file=sys.stderr)
+            return 2
     layer_map.save(args.recommend)
     print(layer_map.render())
     print(f"Written to {args.recommend}: QuantizedCache.from_config(model, {str(args.recommend)!r})")
