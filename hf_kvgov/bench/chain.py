@@ -120,7 +120,7 @@ def _measure(ctx: Context, step: ChainStep, geometry: ModelGeometry | None, dtyp
     setup = planner_setup(probe.cache, dtype) if dtype is not None else None
     if setup is None or geometry is None:
         return row, probe
-    if step.shares_document and probe.reads_document:
+    if step.shares_document:
         setup = with_shared_prefix(setup, c.shared_tokens, c.length)
     plan = predict(geometry, setup, fixed(c.length), c.budget_bytes)
     ratio = count / plan.concurrent if plan.concurrent else None

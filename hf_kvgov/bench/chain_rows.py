@@ -10,7 +10,7 @@ prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk 
 are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
 The eviction steps are the whole chain: request 1 reads the document from the tree as computed, and H2O's
 budget governs its own tokens, whose int8 slots live in an eviction pool's blocks (on a model whose tree has
-layer groups the rules refuse the tree, and the steps run without it, the sentence shown as a note). Their
+layer groups, the document's cost is the blocks a request reads: its sliding layers' window of it). Their
 numerics are the registry cache's on one sequence (no document to share).
 """
 
@@ -38,7 +38,6 @@ from hf_kvgov.bench.chain_steps import (
     shared_pool_refused,
     written,
 )
-from hf_kvgov.chain.build import prefix_tree
 from hf_kvgov.chain.parts import Paging
 from hf_kvgov.hf.disk_prefix import tree_held
 from hf_kvgov.hf.paged_stats import live_entries
@@ -141,13 +140,6 @@ class ChainStep:
     side: bool = False
 
 
-def _policy_with_a_tree(ctx: Context) -> list[Parts]:
-    """H2O on the document's tree: refused with its reason where the tree has layer groups (the probe then
-    runs without it), built elsewhere (the probe reads the tree)."""
-    own = ctx.config.length - ctx.config.shared_tokens - 1
-    return [h2o_parts(ctx, own) | {"prefix": prefix_tree(ctx.model, pool=Paging(ctx.config.block_size))}]
-
-
 _SHARED_EVICTION = (
     "measured bytes: (budget - the document's tree blocks) / one request's own bytes (stats().bytes_used: pool "
     "blocks of slot rows + per-slot metadata{recall})"
@@ -175,13 +167,13 @@ STEPS: tuple[ChainStep, ...] = (
     ChainStep(
         "h2o", "+ H2O {h2o_budget:.0%} of own tokens (int8 slots in pool blocks)", evicting(h2o_parts),
         shared_eviction_bytes, _SHARED_EVICTION.format(recall=""), shares_document=True,
-        numerics="h2o@{h2o_budget}:int8", refusals=_policy_with_a_tree,
+        numerics="h2o@{h2o_budget}:int8",
     ),
     ChainStep(
         "spill", "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step)",
         evicting(recall_parts), shared_eviction_bytes,
         _SHARED_EVICTION.format(recall=", pending page, page summaries, recall buffer"), shares_document=True,
-        numerics="h2o@{h2o_budget}:int8+recall", refusals=_policy_with_a_tree,
+        numerics="h2o@{h2o_budget}:int8+recall",
     ),
     ChainStep(
         "disk", "side row: paged + disk spill (hot {spill_hot_tokens:,} tokens)", written(disk_parts),

@@ -157,7 +157,6 @@ class Probe:
     companions: tuple[Any, ...] = ()  # caches it shares blocks with (the request that published them)
     matched: frozenset[int] = frozenset()  # the blocks its `match` took from the tree (the shared document)
     shared_bytes: int = 0  # the tree's blocks it reads that its own stats leave out (an eviction cache's prefix)
-    reads_document: bool = True  # False: a sharing step that ran without its tree (the rules refused it)
 
     def step(self, model: Any) -> float:
         """One decode step; returns its seconds."""
@@ -235,19 +234,12 @@ def shared(codec: str | None, parts: Callable[[Context], Parts] = lambda ctx: {}
 
 def evicting(parts: Callable[[Context, int], Parts]) -> Callable[[Context], Probe]:
     """Request 1 of the shared document through an eviction chain (`parts(ctx, own_tokens)`) that reads the
-    document from a full-precision tree, once a PagedCache stored and published request 0 there. A tree over
-    layer groups is not read by eviction caches (the rules refuse it): the probe then holds request 0's
-    tokens but the last in the eviction cache alone."""
+    document from a full-precision tree, once a PagedCache stored and published request 0 there. Over layer
+    groups the document's cost is the blocks it reads: every full-attention block, a sliding group's window."""
 
     def probe(ctx: Context) -> Probe:
         c = ctx.config
         prefix = prefix_tree(ctx.model, pool=Paging(c.block_size))
-        if prefix.grouped is not None:
-            prefix.close()
-            cache, ids = ctx.build(**parts(ctx, c.length - 1)), ctx.ids(0)
-            with eviction_attention(ctx.model):
-                forward(ctx.model, cache, ids[:, :-1])
-            return Probe(cache, ids[:, -1:], eviction_attention, reads_document=False)
         first = ctx.sharing(None, "paged")(prefix)  # stored through `update` only: no gather needed
         alloc.write_tokens(first, ctx.kv, 0, c.length)
         first.publish(ctx.ids(0))
@@ -257,7 +249,7 @@ def evicting(parts: Callable[[Context, int], Parts]) -> Callable[[Context], Prob
         cache.match(ids)
         with eviction_attention(ctx.model):
             forward(ctx.model, cache, ids[:, cache.get_seq_length() : -1])
-        document = cache.shared_prefix_tokens[0] // c.block_size * prefix.pool.bytes_per_block
+        document = cache.shared_prefix_blocks[0] * prefix.pool.bytes_per_block
         return Probe(cache, ids[:, -1:], eviction_attention, companions=(first,), shared_bytes=document)
 
     return probe

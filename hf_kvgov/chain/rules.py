@@ -122,12 +122,6 @@ def _check_pool(parts: ChainParts) -> None:
 
 def _check_prefix_with_policy(parts: ChainParts) -> None:
     assert parts.prefix is not None
-    if parts.prefix.grouped is not None:
-        raise ChainRefused(
-            "This prefix tree's pool has layer groups (a model with sliding-window layers), and an eviction cache "
-            "reads a tree whose entries are one block of every layer; share prefixes with an eviction policy on "
-            "models whose layers all keep the same tokens, or use a block cache (PagedCache) on this one."
-        )
     if isinstance(parts.policy, Sink):
         raise ChainRefused(
             "Sink(...) keeps a sequence's first tokens as attention sinks, and with prefix= those are the shared "

@@ -235,14 +235,21 @@ def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:
 def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) -> int:
     """Bytes of one stored copy of a ``prefix``-token shared prefix (on the accelerator, never evicted).
 
-    In a sliding layer only the blocks that can still overlap some sequence's window are counted.
+    In a sliding layer only the blocks that can still overlap some sequence's window are counted. An eviction
+    cache's hit at ``prefix`` reads (and references) its window's blocks only, from the one holding the first
+    token its next query sees; the tree lets go of the older sliding blocks when the pool needs room.
     """
     if not setup.paged or prefix == 0:
         return 0
     bs, total = setup.block_size, 0
     for count, kind_window, layer_setup in layer_setups(geometry, setup):
         window = held_window(setup, kind_window)
-        tokens = prefix if window is None else min(prefix, (math.ceil(window / bs) + 1) * bs)
+        if window is None:
+            tokens = prefix
+        elif setup.eviction_slots:
+            tokens = prefix - LayerGroup((), window).first_kept(prefix, bs)
+        else:
+            tokens = min(prefix, (math.ceil(window / bs) + 1) * bs)
         # An eviction cache reads a tree of full-precision blocks (the prefix as computed), whatever its slots.
         stored = dataclasses.replace(layer_setup, codec=None) if setup.eviction_slots else layer_setup
         per_head = run_bytes(Run(tokens, at_sink=True), stored, geometry.head_dim)

@@ -2,7 +2,8 @@
 
 A block cache publishes the document; eviction requests match it. With a budget covering their own tokens
 they compute what DynamicCache computes on the whole prompt (the prefix is read exactly as computed); with
-a small one the prefix is still read in full at every step and only their own tokens are evicted.
+a small one the prefix is still read in full at every step and only their own tokens are evicted. On a
+hybrid model (a tree whose pool has layer groups) a sliding layer reads the prefix's blocks inside its window.
 """
 
 from __future__ import annotations
@@ -152,10 +153,55 @@ def test_the_issue_chain_builds_and_generates(tmp_path: Any) -> None:
     assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+def test_on_a_hybrid_model_a_request_with_room_equals_the_full_cache(beams: int) -> None:
+    model = tiny_gemma3()  # layers: sliding (window 8), full, sliding
+    document = tokens(DOCUMENT, seed=1)
+    tree = published(model, document)
+    assert tree.grouped is not None
+    hit = torch.cat((document, tokens(6, seed=4)), dim=1)
+    miss = tokens(DOCUMENT + 2, seed=5)
+    ids = torch.cat((hit, torch.cat((torch.zeros(1, 4, dtype=torch.long), miss), dim=1)), dim=0)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    full = run(model, DynamicCache(config=model.config), ids, mask, num_beams=beams)
+    for cache in (
+        HeavyHitterCache(model, budget=100, prefix=tree),
+        PolicyCache(model, SnapKV(window=4), budget=100, prefix=tree),
+        GovernedCache(model, prefix=tree, pool=Paging(BLOCK), policy=HeavyHitter(100)),  # slots in pool blocks
+    ):
+        out = run(model, cache, ids, mask, num_beams=beams)
+        assert cache._shared is not None and cache._shared.tokens[:1] == [DOCUMENT]
+        assert largest_gap(out, full) < 1e-5
+        assert torch.equal(out.sequences[:, -NEW:], full.sequences[:, -NEW:])
+        cache.release()
+    tree.clear()
+    assert tree.pool.num_used == 0  # every entry's lock and every block's reference went back
+
+
+def test_two_requests_on_a_hybrid_document_read_it_in_full_where_their_layers_can_see_it() -> None:
+    model = tiny_gemma3()
+    document = tokens(DOCUMENT, seed=1)
+    tree = published(model, document)
+    for seed in (2, 3):
+        prompt = torch.cat((document, tokens(7, seed=seed)), dim=1)
+        cache = HeavyHitterCache(model, budget=4, recent=2, prefix=tree)
+        seen = counted_prefix_slots(cache)
+        out = run(model, cache, prompt)
+        assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
+        # Per layer step and both KV heads: the full layer reads all 24 document tokens; a sliding layer the
+        # blocks from the one holding token 24 - 8 + 1 = 17 (tokens 16..23), the first its next query sees.
+        assert seen[:3] == [2 * 8, 2 * DOCUMENT, 2 * 8] and set(seen) == {2 * 8, 2 * DOCUMENT}
+        assert cache.stats().kept == ((4, 4),) * 3  # the budget holds the request's own tokens only
+        assert cache.get_seq_length() == DOCUMENT + 7 + NEW - 1 and out.sequences.shape[1] == DOCUMENT + 7 + NEW
+        cache.release()
+    tree.clear()
+    assert tree.pool.num_used == 0
+
+
 def test_trees_an_eviction_cache_cannot_read_are_refused() -> None:
-    with pytest.raises(ValueError, match="layer groups"):
-        model = tiny_gemma3()
-        HeavyHitterCache(model, prefix=prefix_tree(model, pool=Paging(BLOCK)))
+    with pytest.raises(ValueError, match=r"layer groups keep windows \[8, None, 8\].*have \[4, None, 4\]"):
+        HeavyHitterCache(tiny_gemma3(window=4), prefix=prefix_tree(tiny_gemma3(), pool=Paging(BLOCK)))
     model = tiny_llama()
     with pytest.raises(ValueError, match="sealed blocks as codes"):
         HeavyHitterCache(model, prefix=prefix_tree(model, pool=Paging(BLOCK), codec="int8"))

@@ -199,7 +199,7 @@ class EvictionCache(GovernedCache):
                 layer.home = home
         self.prefix = None if prefix is None else check_prefix(prefix, name)
         if self.prefix is not None:
-            check_prefix_geometry(self.prefix, len(windows), self.num_kv_heads, self.head_dim, name)
+            check_prefix_geometry(self.prefix, windows, self.num_kv_heads, self.head_dim, name)
         if not isinstance(namespace, str):
             raise TypeError(f"{name}: namespace must be a str (a tenant salt); got {namespace!r}.")
         self.namespace = namespace
@@ -278,6 +278,12 @@ class EvictionCache(GovernedCache):
     def shared_prefix_tokens(self) -> list[int]:
         """Tokens each row reads from the prefix tree (empty before `match`)."""
         return [] if self._shared is None else self._shared.tokens
+
+    @property
+    def shared_prefix_blocks(self) -> list[int]:
+        """Pool blocks of the tree each row reads, over every layer group (empty before `match`): with layer
+        groups a sliding group's blocks are only those of its window, so the tokens do not say it."""
+        return [] if self._shared is None else self._shared.blocks
 
     def _started(self, layer: EvictionLayer) -> bool:
         """Whether the layer has stored a chunk of its own (the tokens after a matched prefix)."""

@@ -12,10 +12,17 @@ Rows that hit different lengths are laid out as a prefix-sharing `PagedCache` la
 M, and the row's own tokens follow, so positions (from the attention mask) are each row's own. The tree's
 blocks stay locked and referenced until `release()` or `reset()`; beams index the matched rows, so a row
 duplicated by beam search shares them without new references.
+
+A tree over a pool with layer groups (a hybrid sliding-window model, `hf_kvgov.prefix.grouped_blocks`) is
+matched with `match_groups`: a full-attention layer reads every block of the hit, a sliding layer its
+group's blocks from the one holding the first token the next query sees (the earlier ones are no longer in
+any query's window, and the tree need not hold them). The attention's window mask, which reads each slot's
+position, keeps a sliding layer's later queries off the prefix tokens that leave the window.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,42 +30,60 @@ from torch import Tensor
 
 from hf_kvgov.hf.eviction.recall import RecalledSlots
 from hf_kvgov.hf.prefix_layout import layouts, middle_padded, real_tokens
+from hf_kvgov.prefix.grouped_blocks import Blocks
 from hf_kvgov.prefix.sharing import PrefixCache
 
 
 class SharedPrefix:
-    """The blocks each matched row took from ``prefix`` (``hits[i]``: pool ids), read in full by every layer."""
+    """The blocks each matched row took from ``prefix``, read by every layer.
 
-    def __init__(self, prefix: PrefixCache, hits: list[list[int]]) -> None:
+    ``hits[i][g]`` is row i's hit in layer group g, one pool id per block position (None: a sliding group's
+    block before its window); a pool without groups has the one group of every layer. ``locks`` is what the
+    tree gives back on `release`: the hit's blocks, or with layer groups its entries.
+    """
+
+    def __init__(self, prefix: PrefixCache, hits: list[list[Blocks]], locks: list[int]) -> None:
         self.prefix = prefix
         self.hits = hits
+        self.locks = locks
         self.rows = list(range(len(hits)))  # batch row -> matched row (beam search reorders and repeats)
-        self.longest = max((len(hit) for hit in hits), default=0) * prefix.block_size
+        self.longest = max((len(hit[0]) for hit in hits), default=0) * prefix.block_size
 
     @property
     def tokens(self) -> list[int]:
         """Tokens each batch row reads from the tree."""
-        return [len(self.hits[row]) * self.prefix.block_size for row in self.rows]
+        return [len(self.hits[row][0]) * self.prefix.block_size for row in self.rows]
+
+    @property
+    def blocks(self) -> list[int]:
+        """Pool blocks each batch row reads from the tree, over every layer group (a sliding group's window)."""
+        return [sum(block is not None for blocks in self.hits[row] for block in blocks) for row in self.rows]
 
     def slots(self, layer: int) -> RecalledSlots:
-        """The prefix as attention reads it: ``[batch, kv_heads, M, head_dim]``, masked past each row's hit.
+        """The prefix as attention reads it: ``[batch, kv_heads, M, head_dim]``, masked past each row's hit
+        (and, in a sliding layer, before its group's first block).
 
         Gathered from the tree's blocks at every step and dropped after it: a copy kept per request would
         undo the sharing.
         """
         pool = self.prefix.pool
         keys, values = pool.keys[layer], pool.values[layer]
-        size, longest = pool.block_size, self.longest
+        size, longest, group = pool.block_size, self.longest, pool.group_of(layer)
         rows_k, rows_v, valid = [], [], []
         for row in self.rows:
-            blocks = self.hits[row]
-            index = torch.tensor(blocks, dtype=torch.long, device=keys.device)
-            k = keys[index].reshape(len(blocks) * size, *keys.shape[2:])  # [tokens, hk, d]
-            v = values[index].reshape(len(blocks) * size, *values.shape[2:])
+            blocks = self.hits[row][group]
+            present = torch.tensor([block is not None for block in blocks], dtype=torch.bool, device=keys.device)
+            index = torch.tensor([0 if block is None else block for block in blocks], dtype=torch.long)
+            index = index.to(keys.device)
+            held = present.repeat_interleave(size)[:, None, None]  # [tokens, 1, 1]: a block the hit has
+            # A block the hit lacks is read as zeros, not as whatever the pool's block 0 holds: masked slots
+            # still multiply their values, and a stale non-finite value would poison the output.
+            k = keys[index].reshape(len(blocks) * size, *keys.shape[2:]).where(held, 0)  # [tokens, hk, d]
+            v = values[index].reshape(len(blocks) * size, *values.shape[2:]).where(held, 0)
             missing = longest - k.shape[0]
             rows_k.append(torch.cat((k, k.new_zeros(missing, *k.shape[1:]))))
             rows_v.append(torch.cat((v, v.new_zeros(missing, *v.shape[1:]))))
-            valid.append(torch.arange(longest, device=keys.device) < k.shape[0])
+            valid.append(torch.cat((held[:, 0, 0], held.new_zeros(missing))))
         batch, heads = len(self.rows), keys.shape[2]
         positions = torch.arange(longest, device=keys.device).expand(batch, heads, longest)
         mask = torch.stack(valid)[:, None, :].expand(batch, heads, longest)
@@ -80,12 +105,14 @@ class SharedPrefix:
         self.rows = [self.rows[int(r)] for r in rows.tolist()]
 
     def release(self) -> None:
-        """Give the tree's blocks back: one pool reference and one tree lock per matched block."""
-        held = [block for hit in self.hits for block in hit]
-        self.hits, self.rows = [], []
+        """Give the tree's blocks back: one pool reference per matched block, and the tree's locks."""
+        held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
+        locks = self.locks
+        self.hits, self.rows, self.locks = [], [], []
         if held:
             self.prefix.pool.decref(held)
-            self.prefix.unlock(held)
+        if locks:
+            self.prefix.unlock(locks)
 
 
 def check_prefix(prefix: Any, owner: str) -> PrefixCache:
@@ -94,12 +121,6 @@ def check_prefix(prefix: Any, owner: str) -> PrefixCache:
 
     if not isinstance(prefix, PrefixCache):
         raise TypeError(f"{owner}: prefix must be a PrefixCache (hf_kvgov.prefix_tree(model)); got {prefix!r}.")
-    if prefix.grouped is not None:
-        raise ValueError(
-            f"{owner}: this prefix tree's pool has layer groups (a model with sliding-window layers), whose "
-            "entries an eviction cache does not read; eviction caches share prefixes on models whose layers "
-            "all keep the same tokens."
-        )
     if isinstance(prefix.pool, QuantizedBlockPool):
         raise ValueError(
             f"{owner}: this prefix tree keeps sealed blocks as codes; an eviction cache attends the shared "
@@ -108,14 +129,24 @@ def check_prefix(prefix: Any, owner: str) -> PrefixCache:
     return prefix
 
 
-def check_prefix_geometry(prefix: PrefixCache, layers: int, heads: int, head_dim: int, owner: str) -> None:
-    """Refuse a tree whose blocks are not this model's K/V."""
+def check_prefix_geometry(
+    prefix: PrefixCache, windows: Sequence[int | None], heads: int, head_dim: int, owner: str
+) -> None:
+    """Refuse a tree whose blocks are not this model's K/V, or whose layer groups are not its windows."""
     geometry = prefix.pool.geometry
+    layers = len(windows)
     if (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) != (layers, heads, head_dim):
         raise ValueError(
             f"{owner}: the prefix tree's pool holds {geometry.num_layers} layers x {geometry.num_kv_heads} KV heads "
             f"x {geometry.head_dim}, but the model has {layers} x {heads} x {head_dim}; build the tree with "
             "prefix_tree(model) for this model."
+        )
+    pool = prefix.pool
+    tree_windows = [pool.groups[pool.group_of(layer)].window for layer in range(layers)]
+    if prefix.grouped is not None and tree_windows != list(windows):
+        raise ValueError(
+            f"{owner}: the prefix tree's layer groups keep windows {tree_windows} per layer, but the model's "
+            f"layers have {list(windows)}; build the tree with prefix_tree(model) for this model."
         )
 
 
@@ -137,11 +168,17 @@ def match_rows(
     """Each row's longest cached prefix (whole blocks, at least one token left to compute) and generate's
     inputs laid out around the hits (the inputs unchanged when no row hits)."""
     rows = real_tokens(input_ids, attention_mask)
-    hits = [prefix.match(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
-    shared = SharedPrefix(prefix, hits)
+    if prefix.grouped is None:
+        found = [prefix.match(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
+        hits: list[list[Blocks]] = [[[*blocks]] for blocks in found]  # the one group of every layer
+        shared = SharedPrefix(prefix, hits, [block for blocks in found for block in blocks])
+    else:
+        matched = [prefix.match_groups(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
+        locks = [entry for entries, _ in matched for entry in entries]
+        shared = SharedPrefix(prefix, [tables for _, tables in matched], locks)
     if not shared.longest:
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         return shared, {"input_ids": input_ids, "attention_mask": mask}
-    plan = layouts(rows, [len(hit) * prefix.block_size for hit in hits])
+    plan = layouts(rows, shared.tokens)
     ids, mask = middle_padded(plan, pad_token_id)
     return shared, {"input_ids": ids.to(input_ids.device), "attention_mask": mask.to(input_ids.device)}
