@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--chosen-on", type=_offsets, default=[30_000], help="characters where passages start")
     parser.add_argument("--checked-on", type=_offsets, default=[200_000], help="characters of the unseen passages")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--save-map", type=Path, help="also write the map as `kvgov check-quant --recommend` does")
     args = parser.parse_args()
     text = pride_and_prejudice_path().read_text(encoding="utf-8")
     model, tokenizer = load_model(args.model)
@@ -44,6 +45,8 @@ def main() -> None:
     chosen_on = [text[start : start + TEXT_CHARS] for start in args.chosen_on]
     layer_map = recommend_layer_formats(model, tokenizer, chosen_on, args.budget, options.formats, options)
     print(layer_map.render(), flush=True)
+    if args.save_map is not None:
+        layer_map.save(args.save_map)  # loads as a cache: QuantizedCache.from_config, or the name quant@PATH
     checked: dict[int, dict[str, float]] = {}
     for start in args.checked_on:
         ids = tokenize(tokenizer, text[start : start + TEXT_CHARS], options.max_tokens, options.block_size)

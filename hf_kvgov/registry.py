@@ -12,7 +12,8 @@ its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`) or over e
 AdaKV does (`snapkv@0.2+ada`),
 any registered policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`,
 through `PolicyCache`), `int8@64` / `int4@64` / `int2@16` / `fp8@64` / `paged@64` (block size), `disk@128`
-(hot tokens). Each family is one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
+(hot tokens), `quant@map.json` (a per-layer format map from `kvgov check-quant --recommend`). Each family is
+one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from transformers import DynamicCache
@@ -32,6 +34,7 @@ from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.policies import make_policy
@@ -318,6 +321,17 @@ def _parse_int2(argument: str) -> CacheSpec:
     )
 
 
+def _parse_layer_map(argument: str) -> CacheSpec:
+    """`quant@map.json`: the file is read when the name is, so a bad path fails before any model runs."""
+    config = QuantConfig.load(Path(argument))
+    return CacheSpec(
+        f"quant@{argument}",
+        f"QuantizedCache from the per-layer map {argument}: {config.describe()}",
+        functools.partial(QuantizedCache.from_config, quant=config),
+        False,
+    )
+
+
 def _parse_paged(argument: str) -> CacheSpec:
     block_size = _count(f"paged@{argument}", argument, "the block size in tokens")
     description = f"PagedCache, {block_size}-token blocks, contiguous K/V for any attention"
@@ -352,6 +366,7 @@ for _family in (
     CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4", 4, "int")),
     CacheFamily("int2", "int2@<block size> (int2@16), KIVI's residual and value groups as int2", _parse_int2),
     CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8", 8, "fp8")),
+    CacheFamily("quant", "quant@<map.json>, a format per layer (kvgov check-quant --recommend)", _parse_layer_map),
     CacheFamily("paged", "paged@<block size> (paged@64)", _parse_paged),
     CacheFamily("disk", "disk@<hot tokens> (disk@128)", _parse_disk),
 ):

@@ -17,7 +17,7 @@ def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
     for name in ("dynamic", "paged", "paged-attn", "int8", "int4", "int2", "fp8", "h2o", "sink", "disk"):
         assert get_cache_spec(name) is CACHES[name]
     eviction = {"h2o", "sink", "snapkv", "tova", "key_norm", "mean_mass", "expected_attention"}
-    assert set(FAMILIES) == eviction | {"int8", "int4", "int2", "fp8", "paged", "disk"}
+    assert set(FAMILIES) == eviction | {"int8", "int4", "int2", "fp8", "quant", "paged", "disk"}
 
 
 def test_int2_runs_as_kivi_does() -> None:
@@ -169,3 +169,17 @@ def test_unknown_names_list_the_fixed_names_and_the_families(name: str) -> None:
     text = str(raised.value)
     assert text.startswith(f"Unknown cache {name!r}; available caches: dynamic, paged, paged-attn,")
     assert "h2o@<budget>" in text and "sink@<sinks>+<window>" in text and "disk@<hot tokens>" in text
+
+
+def test_a_layer_map_file_names_a_cache_with_its_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hf_kvgov import QuantConfig
+
+    path = tmp_path / "map.json"
+    path.write_text('{"quant_config": {"bits": 8, "layer_formats": {"1": "int4"}}}', encoding="utf-8")
+    spec = get_cache_spec(f"quant@{path}")
+    cache = spec.build(tiny_llama())
+    assert isinstance(cache, QuantizedCache) and not spec.lossless
+    assert cache.quant == QuantConfig(bits=8, layer_formats={1: "int4"})
+    assert "int4" in spec.description
+    with pytest.raises(ValueError, match=r"Cannot read a QuantConfig from .*missing\.json"):
+        get_cache_spec(f"quant@{tmp_path / 'missing.json'}")
