@@ -189,11 +189,13 @@ def test_the_chain_puts_a_policy_on_a_capped_pool() -> None:
     assert_identical(generate(model, cache), generate(model, HeavyHitterCache(model, budget=10, codec="int8")))
 
 
-def test_threads_on_one_pool_and_one_tree_stay_consistent() -> None:
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-layer-groups"])
+def test_threads_on_one_pool_and_one_tree_stay_consistent(make: Any) -> None:
     from hf_kvgov import PagedCache, prefix_tree
 
-    model = tiny_llama()
+    model = make()
     tree = prefix_tree(model, pool=Paging(BLOCK))
+    assert (tree.grouped is not None) == (make is tiny_gemma3)
     document = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(1))
     publisher = PagedCache(model, prefix=tree)
     out = model.generate(**publisher.match(document), cache=publisher, max_new_tokens=1, do_sample=False)
