@@ -18,6 +18,7 @@ from torch import Tensor
 from hf_kvgov.codecs.grouping import GroupAxis, GroupLayout, check_block_shape, check_group_size
 from hf_kvgov.codecs.numerics import (
     SCALE_DTYPES,
+    ZERO_DTYPES,
     check_input_dtype,
     check_output_dtype,
     require_finite,
@@ -33,8 +34,9 @@ class Encoded:
         codes: the codes, shape ``[*lead, T, H, D * bits // 8]`` (packing runs along head_dim only).
         scale: per-group scales, shape ``GroupLayout.stat_shape`` (``[*lead, 1, H, D]`` for keys,
             ``[*lead, T, H, D // group_size]`` for values), float16 or float32.
-        zero: per-group zero points with the shape and dtype of ``scale``, or None where the codec keeps
-            none for this grouping (fp8 values; see ``KVCodec.zero_axes``).
+        zero: per-group zero points with the shape of ``scale``, in the codec's ``zero_dtype`` (the scale's
+            dtype, or float8_e4m3fn for fp8 keys), or None where the codec keeps none for this grouping
+            (fp8 values; see ``KVCodec.zero_axes``).
         shape: shape ``[*lead, T, H, D]`` of the tensor that was encoded.
         axis: ``GroupAxis.CHANNEL`` (keys, one scale per channel over the tokens) or
             ``GroupAxis.TOKEN`` (values, one scale per token and head_dim group).
@@ -60,8 +62,10 @@ class Encoded:
                     f"The {label} tensor of a {self.axis.value}-grouped encoding of shape {self.shape} must "
                     f"have shape {layout.stat_shape}; got {tuple(stat.shape)}."
                 )
-            if stat.dtype not in SCALE_DTYPES:
-                raise ValueError(f"The {label} tensor must be float16 or float32; got {stat.dtype}.")
+            accepted = SCALE_DTYPES if label == "scale" else ZERO_DTYPES
+            if stat.dtype not in accepted:
+                names = ", ".join(str(d).removeprefix("torch.") for d in accepted)
+                raise ValueError(f"The {label} tensor must be one of {names}; got {stat.dtype}.")
         if tuple(self.codes.shape[:-1]) != self.shape[:-1]:
             raise ValueError(
                 f"The codes must share all but the last dim with the encoded shape {self.shape}; got codes "
@@ -87,7 +91,8 @@ class KVCodec(ABC):
     Attributes:
         group_size: head_dim elements per value scale (None: the whole head_dim). Keys always use one
             scale per channel over the block's tokens. Must divide head_dim (checked on encode).
-        scale_dtype: storage dtype of scales and zero points, torch.float16 (default) or torch.float32.
+        scale_dtype: storage dtype of scales (and of zero points, unless the format says otherwise:
+            ``zero_dtype``), torch.float16 (default) or torch.float32.
         check_finite: reject NaN/inf input with a ValueError (one reduction and host sync per call);
             turn off on hot paths that already guarantee finite K/V.
     """
@@ -118,6 +123,11 @@ class KVCodec(ABC):
     def encode_values(self, v: Tensor) -> Encoded:
         """Encode values ``[*lead, T, H, D]`` with one scale per (token, head, head_dim group)."""
         return self._encode(v, GroupAxis.TOKEN, "values")
+
+    @property
+    def zero_dtype(self) -> torch.dtype:
+        """Storage dtype of zero points: the scale's, unless a format stores them more compactly."""
+        return self.scale_dtype
 
     def decode(self, enc: Encoded, dtype: torch.dtype) -> Tensor:
         """Decode ``enc`` to a ``[*lead, T, H, D]`` tensor of ``dtype`` (math in float32)."""
@@ -154,7 +164,7 @@ class KVCodec(ABC):
 
     def _stat_bytes(self, axis: GroupAxis) -> int:
         """Bytes of one group's statistics under ``axis``: a scale, and a zero point where the codec keeps one."""
-        return self.scale_dtype.itemsize * (2 if axis in self.zero_axes else 1)
+        return self.scale_dtype.itemsize + (self.zero_dtype.itemsize if axis in self.zero_axes else 0)
 
     # ---- hooks for a number format ----------------------------------------------------------------
 
@@ -223,4 +233,9 @@ class KVCodec(ABC):
             raise ValueError(
                 f"The {self.name} codec {'needs' if needs_zero else 'takes no'} zero points for "
                 f"{enc.axis.value}-grouped codes; got zero={'None' if enc.zero is None else 'a tensor'}."
+            )
+        if enc.zero is not None and enc.zero.dtype not in (self.zero_dtype, enc.scale.dtype):
+            raise ValueError(
+                f"The {self.name} codec stores zero points as {self.zero_dtype} (or the scale's dtype); got "
+                f"{enc.zero.dtype}."
             )

@@ -2,7 +2,7 @@
 
 Keys are centred per channel, values scaled symmetrically per token (``grouping``)::
 
-    zero  = float16((lo + hi) / 2)       keys only: the middle of the channel's range over the block
+    zero  = e4m3(clamp((lo + hi) / 2, -448, 448))   keys only: near the middle of the channel's range
     dev   = x - zero                     values: dev = x, no zero point
     scale = round_up_to_scale_dtype(amax(|dev|) / finfo(fp8).max)       # 1 for an all-zero group
     code  = fp8(clamp(dev / scale, -finfo.max, finfo.max))               # round to nearest even
@@ -17,14 +17,19 @@ perplexity to about 0% (``eval/RESULTS.md``). Values have no channel offsets and
 from a zero point, so they keep none. A scale per channel rather than per head costs nothing in precision
 (fp8 keeps its relative step across 15 binades) but is what the contract and kernels share with int8.
 
-No zero point for values also keeps the value bytes of the symmetric format; the keys' zero point adds one
-fp16 per channel per block: ``2 / block_size`` bytes per key element.
+No zero point for values also keeps the value bytes of the symmetric format. The keys' zero point is one
+byte per channel per block (``1 / block_size`` bytes per key element), e4m3 whatever the codes' format: any
+zero is exact, because the deviation is taken from the stored zero, so it need only land near the middle.
+e4m3 rounds the middle by at most 1/16 of its magnitude, which widens the deviation a channel's scale must
+cover by that much (a channel at 15 +- 2 by at most 0.94), still far inside the uncentred 17; the clamp to
+e4m3's +-448 only stops centring a channel beyond it. An fp16 zero cost +5.8% bytes over the symmetric format
+at 16-token blocks (SmolLM2's 64-channel heads); one byte costs +2.9%.
 
 Layout for a block ``[*lead, T, H, D]``::
 
     codes  float8 [*lead, T, H, D]       torch.float8_e4m3fn or torch.float8_e5m2, one byte each
     scale  fp16   keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
-    zero   fp16   keys [*lead, 1, H, D]  values: none
+    zero   e4m3   keys [*lead, 1, H, D]  values: none    (torch.float8_e4m3fn, one byte each)
 
 Codes are kept as the float8 dtype (Triton loads them as ``tl.float8e4nv`` / ``tl.float8e5``);
 ``codes.view(torch.uint8)`` gives the raw bytes for storage or kernels without float8 support:
@@ -52,6 +57,9 @@ from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.grouping import GroupAxis
 from hf_kvgov.codecs.numerics import round_up
 
+ZERO_DTYPE = torch.float8_e4m3fn  # the keys' zero points, whatever the codes' format (see the module docstring)
+_ZERO_MAX = torch.finfo(ZERO_DTYPE).max
+
 
 class Float8Codec(KVCodec):
     """Keys centred per channel, values symmetric per token; codes stored as ``codes_dtype`` (a float8 dtype)."""
@@ -59,14 +67,18 @@ class Float8Codec(KVCodec):
     bits: ClassVar[int] = 8
     zero_axes: ClassVar[frozenset[GroupAxis]] = frozenset({GroupAxis.CHANNEL})
 
+    @property
+    def zero_dtype(self) -> torch.dtype:
+        return ZERO_DTYPE
+
     def _quantize(self, grouped: Tensor, dim: int, with_zero: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         fmax = torch.finfo(self.codes_dtype).max
         zero = None
         if with_zero:
             lo, hi = torch.aminmax(grouped, dim=dim, keepdim=True)
             # Any zero is exact: the deviation is taken from the stored (rounded) value.
-            zero = (lo / 2 + hi / 2).to(self.scale_dtype)
-            grouped = grouped - zero.float()
+            zero = (lo / 2 + hi / 2).clamp_(-_ZERO_MAX, _ZERO_MAX).to(ZERO_DTYPE)
+            grouped = grouped - float8_to_float32(zero)
         amax = grouped.abs().amax(dim=dim, keepdim=True)
         step = round_up(amax / fmax, self.scale_dtype)
         # An all-zero group: any positive scale encodes it as exact zeros.
@@ -77,7 +89,7 @@ class Float8Codec(KVCodec):
         return codes, scale, zero
 
     def _dequantize(self, codes: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:
-        decoded = float8_to_float32(codes).mul_(scale)
+        decoded = float8_to_float32(codes).mul_(scale)  # zero: already float32 (`KVCodec.decode`)
         return decoded if zero is None else decoded.add_(zero)
 
 

@@ -100,8 +100,8 @@ def unsupported_reason(
 
 @dataclass(frozen=True)
 class _SealedOperands:
-    """The sealed pieces as the kernel takes them: fp8 codes as bytes; where there are no zero points (fp8
-    values), the scales stand in for them (never read)."""
+    """The sealed pieces as the kernel takes them: fp8 codes and fp8 keys' e4m3 zero points as bytes; where
+    there are no zero points (fp8 values), the scales stand in for them (never read)."""
 
     key_codes: torch.Tensor
     key_scale: torch.Tensor
@@ -200,6 +200,10 @@ def _sealed_operands(sealed: SealedBlocks, key_cache: torch.Tensor) -> _SealedOp
     device = key_cache.device
     if fmt.key_zero:
         key_zero = _statistic(sealed, "key_zero", key_stats, device, sealed.piece("key_scale").stride())
+        if fmt.codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the kernel decodes e4m3 bytes itself
+            if key_zero.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{sealed.format} key_zero must be torch.float8_e4m3fn; got {key_zero.dtype}.")
+            key_zero = key_zero.view(torch.uint8)
     if fmt.value_zero:
         value_zero = _statistic(sealed, "value_zero", value_stats, device, sealed.piece("value_scale").stride())
     if value_codes.stride() != key_codes.stride():

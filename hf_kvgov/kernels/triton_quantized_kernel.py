@@ -8,6 +8,7 @@ two places, with masked loads, so no byte is read twice::
     entry >= 0  ->  k_cache[entry, t % PAGE, head, :]                     (query's dtype: sink, tail)
     entry <  0  ->  sealed id s = -1 - entry:
                     key   = codes[s, t % PAGE, head, d] * key_scale[s, 0, head, d] (+ key_zero[s, 0, head, d])
+                            (fp8 formats: key_zero is an e4m3 byte, decoded like a code)
                     value = codes[s, t % PAGE, head, d] * value_scale[s, t % PAGE, head, d // VALUE_GROUP]
                             (+ value_zero[...])
 
@@ -97,7 +98,12 @@ def _sealed_tile(
         stat = stat_offsets[:, None] + stat_cols[None, :]
         x = x * tl.load(scale_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
         if HAS_ZERO:
-            x = x + tl.load(zero_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
+            # The jitted code compares constexprs one at a time, as the rest of this file does.
+            if SEALED_FORMAT == SEALED_FP8_E4M3 or SEALED_FORMAT == SEALED_FP8_E5M2:  # noqa: SIM109
+                zero_bits = tl.load(zero_ptr + stat, mask=ok[:, None], other=0).to(tl.int32)
+                x = x + _fp8_e4m3_to_float(zero_bits)  # fp8 keys' zero points: e4m3 bytes
+            else:
+                x = x + tl.load(zero_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
     return x
 
 

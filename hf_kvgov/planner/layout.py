@@ -8,7 +8,7 @@ keys and values. Per block and KV head::
                                                + K scale & zero per channel:  D       x 2 x s
                                                + V scale & zero per token:    T x D/g x 2 x s
     fp8 (e4m3):                                K codes T*D     + V codes T*D
-                                               + K scale & zero per channel:  D       x 2 x s
+                                               + K scale & zero per channel:  D       x (s + 1)   (e4m3 zero)
                                                + V scale per token:           T x D/g x s
 
 ``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
@@ -81,10 +81,13 @@ class IntegerKIVI:
         return codes + key_stats + value_stats
 
 
+FP8_ZERO_BYTES = 1  # an fp8 key zero point is one e4m3 byte (`hf_kvgov.codecs.fp8`)
+
+
 @dataclass(frozen=True)
 class Float8:
-    """One byte per element: keys centred per channel (a scale and a zero), values a symmetric scale per
-    (token, group)."""
+    """One byte per element: keys centred per channel (a scale and a one-byte e4m3 zero), values a symmetric
+    scale per (token, group)."""
 
     name: str
     scale_bytes: int = 2
@@ -92,7 +95,7 @@ class Float8:
 
     def block_bytes(self, block_size: int, head_dim: int) -> int:
         group = _check_group(self.group_size, head_dim)
-        key_stats = head_dim * 2 * self.scale_bytes
+        key_stats = head_dim * (self.scale_bytes + FP8_ZERO_BYTES)
         value_scales = block_size * (head_dim // group) * self.scale_bytes
         return 2 * block_size * head_dim + key_stats + value_scales
 

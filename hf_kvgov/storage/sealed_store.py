@@ -9,6 +9,8 @@ Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (i
     pieces[layer]["value_scale"] : fp16  [capacity, block_size, H, D // g]
     pieces[layer]["value_zero"]  : fp16  [capacity, block_size, H, D // g]
 
+(fp8: float8 codes, a one-byte e4m3 `key_zero` and no `value_zero`.)
+
     sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
 
 With layer groups (`BlockPool(groups=...)`, hybrid sliding-window models) a sealed id spans the layers of

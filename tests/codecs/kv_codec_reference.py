@@ -69,7 +69,8 @@ def error_bound(name: str, x: Tensor, axis: str, group_size: int) -> Tensor:
         return affine_bound(x.double(), lo, hi, INT_LEVELS[name])
     if axis != "keys":
         return fp8_bound(x.double(), x.double().abs(), amax, name, torch.zeros_like(amax))
-    # Keys are centred on their channel's midpoint, stored in float16 (within 2**-11 of it).
+    # Keys are centred on their channel's midpoint clamped to +-448 and stored in e4m3: within 2**-4 of it
+    # relative (3 mantissa bits), or half of e4m3's smallest subnormal (2**-10) near 0, plus what the clamp cut.
     mid = (lo + hi) / 2
-    slack = 2**-11 * mid.abs()
+    slack = 2**-4 * mid.abs().clamp(max=448) + 2**-10 + (mid.abs() - 448).clamp(min=0)
     return fp8_bound(x.double(), (x.double() - mid).abs() + slack, (hi - lo) / 2 + slack, name, mid.abs())

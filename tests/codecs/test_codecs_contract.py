@@ -176,8 +176,9 @@ HAND_BLOCK_BYTES = {
     "int8": (256 + 2 * 32, 256 + 2 * 64),
     "int4": (128 + 2 * 32, 128 + 2 * 64),
     "int2": (64 + 2 * 32, 64 + 2 * 64),
-    "fp8_e4m3": (256 + 2 * 32, 256 + 64),  # keys: a scale and a zero per channel; values: a scale per token
-    "fp8_e5m2": (256 + 2 * 32, 256 + 64),
+    # keys: a 2-byte scale and a 1-byte e4m3 zero per channel; values: a scale per token
+    "fp8_e4m3": (256 + 2 * 16 + 16, 256 + 64),
+    "fp8_e5m2": (256 + 2 * 16 + 16, 256 + 64),
 }
 
 
@@ -216,7 +217,7 @@ def test_bytes_per_token_for_a_llama_like_layer() -> None:
     # key stats 8*128 per block / 16 tokens; value stats 8 per token; x2 with a zero point (fp8: keys only).
     expected = {
         "int8": 2048 + 2 * 128 + 2 * 16, "int4": 1024 + 2 * 128 + 2 * 16, "int2": 512 + 2 * 128 + 2 * 16,
-        "fp8_e4m3": 2048 + 2 * 128 + 16,
+        "fp8_e4m3": 2048 + 128 + 64 + 16,  # fp8 key zero points are one e4m3 byte: half a scale's cost
     }  # fmt: skip
     for name, value in expected.items():
         assert get_codec(name).bytes_per_token(num_kv_heads=8, head_dim=128, block_size=16) == value

@@ -42,9 +42,9 @@ def test_int8_sealed_block_bytes_by_hand() -> None:
     assert codec_format("int8").block_bytes(16, 128) == 4672
     # int4 packs two codes per byte: 2 x 16 x 128 / 2 = 2048 codes, same scales.
     assert codec_format("int4").block_bytes(16, 128) == 2048 + 512 + 64
-    # fp8: 2 x 16 x 128 codes + keys centred per channel (scale and zero, 128 x 2 x 2) + a symmetric value
-    # scale per token (16 x 2).
-    assert codec_format("fp8").block_bytes(16, 128) == 4096 + 512 + 32
+    # fp8: 2 x 16 x 128 codes + keys centred per channel (an fp16 scale and an e4m3 zero, 128 x (2 + 1)) + a
+    # symmetric value scale per token (16 x 2).
+    assert codec_format("fp8").block_bytes(16, 128) == 4096 + 384 + 32
     # Value groups of 32 channels: 4 scale/zero pairs per token instead of one.
     assert codec_format("int8", group_size=32).block_bytes(16, 128) == 4096 + 512 + 16 * 4 * 2 * 2
 

@@ -8,7 +8,8 @@ Geometry of the tiny model (2 layers, 2 KV heads, head dim 16, fp32), per (block
 written out by hand from the KIVI layout (keys: codes + a scale and zero per channel, values: codes + a scale
 and zero per token, fp16 parameters):
     int8: codes 2 x 4*2*16 = 256, key scale + zero 2 x 2*16*2 = 128, value scale + zero 2 x 4*2*2 = 32 -> 416
-    int4: codes 2 x 4*2*16/2 = 128, + 128 + 32 -> 288;  fp8: codes 256 + key scale + zero 128 + value scale 16 -> 400
+    int4: codes 2 x 4*2*16/2 = 128, + 128 + 32 -> 288
+    fp8: codes 256 + key scale 64 + e4m3 key zero 32 + value scale 16 -> 368
     int2: codes 2 x 4*2*16/4 = 64, + 128 + 32 -> 224
     full precision (what DiskOffloadCache writes): 2 x 4*2*16*4 = 1,024
 """
@@ -39,7 +40,7 @@ MODEL = tiny_llama(num_kv_heads=2)
 SEGMENT = {
     "int8": 416,
     "int4": 288,
-    "fp8": 400,
+    "fp8": 368,
     "int2": 224,
 }  # bytes per (block, layer) at block size 4, from the docstring
 CODECS = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"bits": 8, "fmt": "fp8"}, "int2": {"bits": 2}}

@@ -39,7 +39,7 @@ FULL_BLOCK = 30 * 2 * 64 * 3 * 64 * 4
 SEALED_BLOCK = {
     "int8": 30 * (2 * 64 * 3 * 64 + 2 * (3 * 64 * 2 * 2)),  # codes + key and value scale and zero, fp16
     "int4": 30 * (64 * 3 * 64 + 2 * (3 * 64 * 2 * 2)),  # two codes per byte
-    "fp8": 30 * (2 * 64 * 3 * 64 + 3 * 64 * 2 * 2 + 3 * 64 * 2),  # key scale and zero; value scale only
+    "fp8": 30 * (2 * 64 * 3 * 64 + 3 * 64 * (2 + 1) + 3 * 64 * 2),  # key scale, e4m3 key zero; value scale
 }
 
 

@@ -30,8 +30,8 @@ def test_bytes_per_sealed_block_by_hand() -> None:
     #   int8: key codes 2*4 = 8, key scale + zero 2 * 4 ch * 2 B = 16,
     #         value codes 8, value scale + zero 2 * 2 tokens * 2 B = 8
     #   int4: key codes 2*2 = 4, 16, value codes 4, 8;  raw fp32: 2 * 2*4*4 = 64
-    #   fp8: 8 + 16 (keys centred: a scale and a zero) + 8 + 4 (values: a scale only)
-    expected = {"int8": 40, "int4": 32, "fp8": 36, "raw": 64}
+    #   fp8: 8 + 12 (keys centred: a 2-byte scale and a 1-byte e4m3 zero per channel) + 8 + 4 (values: a scale)
+    expected = {"int8": 40, "int4": 32, "fp8": 32, "raw": 64}
     formats = {
         "int8": CodecFormat(Int8Codec()),
         "int4": CodecFormat(Int4Codec()),
