@@ -1,14 +1,15 @@
 """fp8 with centred keys: perplexity with the cache in the loop, and bytes against the symmetric fp8 before it.
 
 The same text, tokens and lockstep scoring as `bench_int2.py` (2,048 tokens of Pride and Prejudice fed 16 at a
-time against a lossless PagedCache). fp8 keys are centred per channel (a zero point beside each scale, see
-`hf_kvgov.codecs.fp8`); values stay symmetric. Each row also gives the sealed bytes per token over those of the
-symmetric fp8 this format replaced (keys' scale only) at the same block size, and over the symmetric fp8 at
-16-token blocks, from the closed forms per KV head and token (``D`` = head_dim, ``B`` = block size, fp16 stats):
+time against a lossless PagedCache). fp8 keys are centred per channel (a one-byte e4m3 zero point beside each
+scale, see `hf_kvgov.codecs.fp8`); values stay symmetric. Each row also gives the sealed bytes per token over
+those of the symmetric fp8 this format replaced (keys' scale only) at the same block size, and over the
+symmetric fp8 at 16-token blocks: the codec's own `bytes_per_token` against the replaced format's closed form
+per KV head and token (``D`` = head_dim, ``B`` = block size, fp16 stats):
 
-    symmetric:  2D + 2D/B + 2        centred keys:  2D + 4D/B + 2
+    symmetric:  2D + 2D/B + 2        centred keys (today's codec):  2D + 3D/B + 2
 
-    python eval/bench_fp8.py --models smollm2 gemma3-270m --json eval/results/fp8_centred.json
+    python eval/bench_fp8.py --models smollm2 gemma3-270m --json eval/results/fp8_e4m3_zero.json
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from bench_int2 import TOKENS, run_model
 
 from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.models import load_model
 
 SETTINGS: dict[str, dict[str, Any]] = {
@@ -33,8 +35,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def sealed_bytes(head_dim: int, block: int, centred: bool) -> float:
-    """fp8 sealed bytes per KV head and token (module docstring), keys centred or symmetric."""
-    return 2 * head_dim + (4 if centred else 2) * head_dim / block + 2
+    """fp8 sealed bytes per KV head and token: the codec's, or the symmetric format's (module docstring)."""
+    if centred:
+        return get_codec("fp8_e4m3").bytes_per_token(1, head_dim, block)
+    return 2 * head_dim + 2 * head_dim / block + 2
 
 
 def main() -> None:
