@@ -40,7 +40,7 @@ from hf_kvgov.evaluation.texts import demo_text
 from hf_kvgov.hf.eviction.model_inputs import layer_windows
 from hf_kvgov.models import load_model
 from hf_kvgov.registry import kv_bytes
-from hf_kvgov.tiers.recall_pages import Recall
+from hf_kvgov.tiers.recall_pages import DEFAULT_SUMMARY, Recall
 
 CONFIGS = ("full", "h2o", "h2o+recall")
 
@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--pages", type=int, default=8, help="pages recalled per (sequence, layer, KV head) per step")
     parser.add_argument("--page-tokens", type=int, default=16)
-    parser.add_argument("--summary", default="centroid", help="page summary ranking recalls: centroid or bounds")
+    parser.add_argument("--summary", default=DEFAULT_SUMMARY, help="page summary ranking recalls: centroid or bounds")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"passkey configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)

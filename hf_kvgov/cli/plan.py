@@ -30,7 +30,12 @@ from hf_kvgov.planner.memory import DEFAULT_RESERVE, budget_for_model
 from hf_kvgov.planner.planner import Plan, PlanInputs, make_plan
 from hf_kvgov.planner.report import plan_to_dict, render_plan
 from hf_kvgov.planner.scenario import SCENARIOS, Claim, Scenario, check_claims, find_scenario
-from hf_kvgov.planner.setup import DEFAULT_BLOCK_SIZE, DEFAULT_H2O_RECENT, DEFAULT_SPILL_HOT_TOKENS
+from hf_kvgov.planner.setup import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_H2O_RECENT,
+    DEFAULT_RECALL_SUMMARY,
+    DEFAULT_SPILL_HOT_TOKENS,
+)
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, WEIGHT_DTYPE_BYTES, parse_count, parse_memory
 
 DEFAULT_MEMORY = "80GiB"
@@ -94,7 +99,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--spill-hot", int, DEFAULT_SPILL_HOT_TOKENS, "recent tokens per layer kept on the accelerator"),
         ("--recall-pages", int, DEFAULT_RECALL_PAGES, "pages of evicted tokens recalled per step ('recall' step)"),
         ("--recall-page-tokens", int, DEFAULT_RECALL_PAGE_TOKENS, "tokens per page of evicted tokens"),
-        ("--recall-summary", str, "centroid", "what ranks a page of evicted tokens: centroid or bounds"),
+        ("--recall-summary", str, DEFAULT_RECALL_SUMMARY, "what ranks a page of evicted tokens: centroid or bounds"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
     ]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from hf_kvgov.planner.setup import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_H2O_RECENT,
+    DEFAULT_RECALL_SUMMARY,
     DEFAULT_SPILL_HOT_TOKENS,
     CacheSetup,
 )
@@ -53,7 +54,7 @@ class ChainOptions:
     group_size: int | None = None
     recall_pages: int = DEFAULT_RECALL_PAGES
     recall_page_tokens: int = DEFAULT_RECALL_PAGE_TOKENS
-    recall_summary: str = "centroid"
+    recall_summary: str = DEFAULT_RECALL_SUMMARY
 
     def __post_init__(self) -> None:
         # Every knob is checked up front, even for techniques the chain leaves out.

@@ -21,6 +21,7 @@ DEFAULT_SPILL_HOT_TOKENS = 512
 # Key rows each written recall page leaves resident, by summary (`hf_kvgov.tiers.recall_pages.SUMMARY_ROWS`;
 # a test keeps them equal, the planner imports no torch).
 RECALL_SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
+DEFAULT_RECALL_SUMMARY = "centroid"
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class CacheSetup:
     eviction_slots: bool = False
     recall_pages: int | None = None
     recall_page_tokens: int = 16
-    recall_summary: str = "centroid"
+    recall_summary: str = DEFAULT_RECALL_SUMMARY
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0

@@ -36,6 +36,7 @@ DEFAULT_PAGE_TOKENS = 16
 # What each written page leaves resident, and how many key rows it takes: the mean key ("centroid", the
 # default) or Quest's per-channel min and max ("bounds", an upper bound on a page's attention, twice the bytes).
 SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
+DEFAULT_SUMMARY = "centroid"
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Recall:
     pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
     max_write_bytes: int | None = None
-    summary: str = "centroid"
+    summary: str = DEFAULT_SUMMARY
 
     def __post_init__(self) -> None:
         if self.summary not in SUMMARY_ROWS:

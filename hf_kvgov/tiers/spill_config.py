@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
-from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_RECALL_PAGES, SUMMARY_ROWS, Recall
+from hf_kvgov.tiers.recall_pages import (
+    DEFAULT_PAGE_TOKENS,
+    DEFAULT_RECALL_PAGES,
+    DEFAULT_SUMMARY,
+    SUMMARY_ROWS,
+    Recall,
+)
 
 ON_FULL: tuple[str, ...] = ("raise", "keep_resident")
 DEFAULT_HOT_TOKENS = 512
@@ -39,7 +45,7 @@ class DiskCacheConfig:
     extent_blocks: int = DEFAULT_EXTENT_SLOTS
     recall_pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
-    recall_summary: str = "centroid"
+    recall_summary: str = DEFAULT_SUMMARY
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():

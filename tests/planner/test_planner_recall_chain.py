@@ -23,7 +23,8 @@ from hf_kvgov.planner.chain import (
     build_chain,
     parse_chain,
 )
-from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS
+from hf_kvgov.planner.setup import DEFAULT_RECALL_SUMMARY
+from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_SUMMARY, Recall
 from hf_kvgov.tiers.recall_pages import DEFAULT_RECALL_PAGES as TIER_RECALL_PAGES
 from tests.conftest import tiny_llama
 from tests.planner.test_planner_cli import _run
@@ -31,6 +32,7 @@ from tests.planner.test_planner_cli import _run
 
 def test_the_planner_defaults_are_the_recall_tier_defaults() -> None:
     assert (DEFAULT_RECALL_PAGES, DEFAULT_RECALL_PAGE_TOKENS) == (TIER_RECALL_PAGES, DEFAULT_PAGE_TOKENS)
+    assert DEFAULT_RECALL_SUMMARY == DEFAULT_SUMMARY == Recall().summary == "centroid"
 
 
 def test_recall_needs_h2o_before_it_and_excludes_block_spill() -> None:
