@@ -234,8 +234,3 @@ class KVCodec(ABC):
                 f"The {self.name} codec {'needs' if needs_zero else 'takes no'} zero points for "
                 f"{enc.axis.value}-grouped codes; got zero={'None' if enc.zero is None else 'a tensor'}."
             )
-        if enc.zero is not None and enc.zero.dtype not in (self.zero_dtype, enc.scale.dtype):
-            raise ValueError(
-                f"The {self.name} codec stores zero points as {self.zero_dtype} (or the scale's dtype); got "
-                f"{enc.zero.dtype}."
-            )
