@@ -23,6 +23,7 @@ position, keeps a sliding layer's later queries off the prefix tokens that leave
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,16 @@ from hf_kvgov.hf.eviction.recall import RecalledSlots
 from hf_kvgov.hf.prefix_layout import layouts, middle_padded, real_tokens
 from hf_kvgov.prefix.grouped_blocks import Blocks
 from hf_kvgov.prefix.sharing import PrefixCache
+
+
+@dataclass(frozen=True)
+class _Gather:
+    """How one matched row's hit in one layer group is read: pool ids (0 where the hit lacks a block), which
+    tokens it holds (bool ``[tokens]``), and whether it holds them all."""
+
+    index: Tensor
+    held: Tensor
+    complete: bool
 
 
 class SharedPrefix:
@@ -48,6 +59,8 @@ class SharedPrefix:
         self.locks = locks
         self.rows = list(range(len(hits)))  # batch row -> matched row (beam search reorders and repeats)
         self.longest = max((len(hit[0]) for hit in hits), default=0) * prefix.block_size
+        # (matched row, layer group, device) -> its gather: built once, since every layer step reads it again.
+        self._gathers: dict[tuple[int, int, torch.device], _Gather] = {}
 
     @property
     def tokens(self) -> list[int]:
@@ -71,23 +84,32 @@ class SharedPrefix:
         size, longest, group = pool.block_size, self.longest, pool.group_of(layer)
         rows_k, rows_v, valid = [], [], []
         for row in self.rows:
-            blocks = self.hits[row][group]
-            present = torch.tensor([block is not None for block in blocks], dtype=torch.bool, device=keys.device)
-            index = torch.tensor([0 if block is None else block for block in blocks], dtype=torch.long)
-            index = index.to(keys.device)
-            held = present.repeat_interleave(size)[:, None, None]  # [tokens, 1, 1]: a block the hit has
-            # A block the hit lacks is read as zeros, not as whatever the pool's block 0 holds: masked slots
-            # still multiply their values, and a stale non-finite value would poison the output.
-            k = keys[index].reshape(len(blocks) * size, *keys.shape[2:]).where(held, 0)  # [tokens, hk, d]
-            v = values[index].reshape(len(blocks) * size, *values.shape[2:]).where(held, 0)
+            gather = self._gather(row, group, keys.device)
+            tokens = gather.index.shape[0] * size
+            k = keys[gather.index].reshape(tokens, *keys.shape[2:])  # [tokens, hk, d]
+            v = values[gather.index].reshape(tokens, *values.shape[2:])
+            if not gather.complete:
+                # A block the hit lacks is read as zeros, not as whatever the pool's block 0 holds: masked slots
+                # still multiply their values, and a stale non-finite value would poison the output.
+                k, v = k.where(gather.held[:, None, None], 0), v.where(gather.held[:, None, None], 0)
             missing = longest - k.shape[0]
             rows_k.append(torch.cat((k, k.new_zeros(missing, *k.shape[1:]))))
             rows_v.append(torch.cat((v, v.new_zeros(missing, *v.shape[1:]))))
-            valid.append(torch.cat((held[:, 0, 0], held.new_zeros(missing))))
+            valid.append(torch.cat((gather.held, gather.held.new_zeros(missing))))
         batch, heads = len(self.rows), keys.shape[2]
         positions = torch.arange(longest, device=keys.device).expand(batch, heads, longest)
         mask = torch.stack(valid)[:, None, :].expand(batch, heads, longest)
         return RecalledSlots(torch.stack(rows_k).transpose(1, 2), torch.stack(rows_v).transpose(1, 2), positions, mask)
+
+    def _gather(self, row: int, group: int, device: torch.device) -> _Gather:
+        key = (row, group, device)
+        if key not in self._gathers:
+            blocks = self.hits[row][group]
+            present = torch.tensor([block is not None for block in blocks], dtype=torch.bool)
+            index = torch.tensor([0 if block is None else block for block in blocks], dtype=torch.long)
+            held = present.repeat_interleave(self.prefix.block_size)
+            self._gathers[key] = _Gather(index.to(device), held.to(device), bool(present.all()))
+        return self._gathers[key]
 
     def expand_to(self, batch: int, owner: str) -> None:
         """Follow generate's expansion of the matched rows (beams, several sequences per prompt), which it does
@@ -108,7 +130,7 @@ class SharedPrefix:
         """Give the tree's blocks back: one pool reference per matched block, and the tree's locks."""
         held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
         locks = self.locks
-        self.hits, self.rows, self.locks = [], [], []
+        self.hits, self.rows, self.locks, self._gathers = [], [], [], {}
         if held:
             self.prefix.pool.decref(held)
         if locks:
