@@ -8,6 +8,7 @@ hybrid model (a tree whose pool has layer groups) a sliding layer reads the pref
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -81,8 +82,9 @@ def counted_prefix_slots(cache: Any) -> list[int]:
     return seen
 
 
-def test_two_requests_on_one_document_both_read_the_whole_prefix() -> None:
-    model = tiny_llama()
+def requests_on_one_document(model: Any) -> Iterator[tuple[torch.Tensor, Any, list[int], Any]]:
+    """Two requests of 7 own tokens each on one published document, H2O at 4 slots: yields (prompt, cache, the
+    valid prefix slots each layer step read, generate's output); then the tree must give everything back."""
     document = tokens(DOCUMENT, seed=1)
     tree = published(model, document)
     for seed in (2, 3):
@@ -91,15 +93,31 @@ def test_two_requests_on_one_document_both_read_the_whole_prefix() -> None:
         seen = counted_prefix_slots(cache)
         out = run(model, cache, prompt)
         assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
-        assert seen and set(seen) == {DOCUMENT * 2}  # every layer, every step: the document in both KV heads
-        assert cache.stats().kept == ((4, 4), (4, 4))  # the budget holds the request's own tokens only
         assert cache.get_seq_length() == DOCUMENT + 7 + NEW - 1
-        full = run(model, DynamicCache(config=model.config), prompt)
-        alone = run(model, HeavyHitterCache(model, budget=4, recent=2), prompt)
-        assert largest_gap(out, full) < largest_gap(alone, full)  # the document, read in full, is not evicted
+        yield prompt, cache, seen, out
         cache.release()
     tree.clear()
     assert tree.pool.num_used == 0  # every lock and reference went back
+
+
+def hit_and_miss(document: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 0 hits the document; row 1 is another text, left-padded: it misses and computes everything."""
+    hit = torch.cat((document, tokens(6, seed=4)), dim=1)
+    miss = tokens(DOCUMENT + 2, seed=5)
+    ids = torch.cat((hit, torch.cat((torch.zeros(1, 4, dtype=torch.long), miss), dim=1)), dim=0)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    return ids, mask
+
+
+def test_two_requests_on_one_document_both_read_the_whole_prefix() -> None:
+    model = tiny_llama()
+    for prompt, cache, seen, out in requests_on_one_document(model):
+        assert seen and set(seen) == {DOCUMENT * 2}  # every layer, every step: the document in both KV heads
+        assert cache.stats().kept == ((4, 4), (4, 4))  # the budget holds the request's own tokens only
+        full = run(model, DynamicCache(config=model.config), prompt)
+        alone = run(model, HeavyHitterCache(model, budget=4, recent=2), prompt)
+        assert largest_gap(out, full) < largest_gap(alone, full)  # the document, read in full, is not evicted
 
 
 @pytest.mark.parametrize("beams", [1, 2])
@@ -107,12 +125,7 @@ def test_with_room_for_its_own_tokens_a_request_equals_the_full_cache(beams: int
     model = tiny_llama()
     document = tokens(DOCUMENT, seed=1)
     tree = published(model, document)
-    # Row 0 hits the document; row 1 is another text, left-padded: it misses and computes everything.
-    hit = torch.cat((document, tokens(6, seed=4)), dim=1)
-    miss = tokens(DOCUMENT + 2, seed=5)
-    ids = torch.cat((hit, torch.cat((torch.zeros(1, 4, dtype=torch.long), miss), dim=1)), dim=0)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
+    ids, mask = hit_and_miss(document)
     full = run(model, DynamicCache(config=model.config), ids, mask, num_beams=beams)
     for cache in (
         HeavyHitterCache(model, budget=100, prefix=tree),
@@ -159,11 +172,7 @@ def test_on_a_hybrid_model_a_request_with_room_equals_the_full_cache(beams: int)
     document = tokens(DOCUMENT, seed=1)
     tree = published(model, document)
     assert tree.grouped is not None
-    hit = torch.cat((document, tokens(6, seed=4)), dim=1)
-    miss = tokens(DOCUMENT + 2, seed=5)
-    ids = torch.cat((hit, torch.cat((torch.zeros(1, 4, dtype=torch.long), miss), dim=1)), dim=0)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
+    ids, mask = hit_and_miss(document)
     full = run(model, DynamicCache(config=model.config), ids, mask, num_beams=beams)
     for cache in (
         HeavyHitterCache(model, budget=100, prefix=tree),
@@ -180,23 +189,12 @@ def test_on_a_hybrid_model_a_request_with_room_equals_the_full_cache(beams: int)
 
 
 def test_two_requests_on_a_hybrid_document_read_it_in_full_where_their_layers_can_see_it() -> None:
-    model = tiny_gemma3()
-    document = tokens(DOCUMENT, seed=1)
-    tree = published(model, document)
-    for seed in (2, 3):
-        prompt = torch.cat((document, tokens(7, seed=seed)), dim=1)
-        cache = HeavyHitterCache(model, budget=4, recent=2, prefix=tree)
-        seen = counted_prefix_slots(cache)
-        out = run(model, cache, prompt)
-        assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
+    for _, cache, seen, out in requests_on_one_document(tiny_gemma3()):
         # Per layer step and both KV heads: the full layer reads all 24 document tokens; a sliding layer the
         # blocks from the one holding token 24 - 8 + 1 = 17 (tokens 16..23), the first its next query sees.
         assert seen[:3] == [2 * 8, 2 * DOCUMENT, 2 * 8] and set(seen) == {2 * 8, 2 * DOCUMENT}
         assert cache.stats().kept == ((4, 4),) * 3  # the budget holds the request's own tokens only
-        assert cache.get_seq_length() == DOCUMENT + 7 + NEW - 1 and out.sequences.shape[1] == DOCUMENT + 7 + NEW
-        cache.release()
-    tree.clear()
-    assert tree.pool.num_used == 0
+        assert out.sequences.shape[1] == DOCUMENT + 7 + NEW
 
 
 def test_trees_an_eviction_cache_cannot_read_are_refused() -> None:
