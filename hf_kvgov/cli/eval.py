@@ -222,8 +222,13 @@ def _main(args: argparse.Namespace, name: str, prepare: Callable[[argparse.Names
     def show(report: EvalReport, completed: Progress | None) -> None:
         emit(report, args.json, args.plots, completed)
 
+    completed = False
     try:
-        return run_reported(command, run, show, args.json, workers.is_main)
+        code = run_reported(command, run, show, args.json, workers.is_main)
+        completed = code == 0  # an interrupted process may have peers that never reach the barrier
+        return code
     except ValueError as error:  # options that only the tokenizer or the model can refuse (e.g. too short a length)
         print(f"{command}: {error}", file=sys.stderr)
         return 2
+    finally:
+        workers.finish(completed)

@@ -83,6 +83,20 @@ class Workers:
                 done += 1
             return self.gather(mine)
 
+    def finish(self, completed: bool) -> None:
+        """Leave the process group at the end of a run; a no-op on a single process.
+
+        A process group left for the interpreter's exit to tear down can abort a process whose peer has
+        already gone (gloo raises on a closed connection from a background thread), turning a finished run
+        into a non-zero exit. So every process waits for the others at a barrier (only after ``completed``
+        work: a process that failed may have peers that never reach it) and then destroys the group itself.
+        """
+        if self.count == 1 or not torch.distributed.is_initialized():
+            return
+        if completed:
+            torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
 
 def single_process() -> Workers:
     """The workers of a run without a launcher."""
