@@ -41,8 +41,6 @@ from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
 
 # QuantConfig codec names -> the planner's codec names (both fp8 variants store one byte plus scales).
 _PLANNER_CODECS = {"int8": "int8", "int4": "int4", "int2": "int2", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-# Quantization scales are fp16 in hf_kvgov's codecs.
-_SCALE_BYTES = 2
 # What an eviction cache keeps per slot and KV head besides K/V (`hf_kvgov.hf.eviction.cache`): the RoPE
 # position (int64) and a validity flag (bool); H2O adds its accumulated attention mass (float32).
 _SLOT_METADATA_BYTES = torch.int64.itemsize + torch.bool.itemsize
@@ -102,7 +100,7 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
         kv_dtype=kv_dtype,
         codec=codec,
         layer_codecs=_layer_codecs(cache.quant),
-        scale_bytes=_SCALE_BYTES,
+        scale_bytes=cache.quant.scale_bytes,
         group_size=cache.quant.group_size,
         sink_blocks=cache.quant.sink_blocks,
         window_frees=_frees(cache),
@@ -201,7 +199,7 @@ def _slot_codec(cache: Any) -> dict[str, Any]:
     return {
         "codec": _PLANNER_CODECS[quant.codec_name],
         "layer_codecs": _layer_codecs(quant),  # a per-layer map's slots hold each layer's own format
-        "scale_bytes": _SCALE_BYTES,
+        "scale_bytes": quant.scale_bytes,
         "group_size": quant.group_size,
     }
 

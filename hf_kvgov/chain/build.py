@@ -77,6 +77,7 @@ def _quantized(model: Any, parts: ChainParts) -> GovernedCache:
         full_precision_layers=q.full_precision_layers,
         group_size=q.group_size,
         layer_formats=q.layer_formats,
+        scale_bytes=q.scale_bytes,
         attention=parts.attention,  # type: ignore[arg-type]
         **_pool_arguments(parts),
         **_prefix_arguments(parts),
@@ -127,6 +128,7 @@ def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
         full_precision_layers=q.full_precision_layers,
         group_size=q.group_size,
         layer_formats=q.layer_formats,
+        scale_bytes=q.scale_bytes,
         read_buffer_bytes=d.read_buffer_bytes,
         prefetch=d.prefetch,
         on_full=d.on_full,

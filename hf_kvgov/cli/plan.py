@@ -102,6 +102,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--recall-summary", str, DEFAULT_RECALL_SUMMARY, "what ranks a page of evicted tokens: centroid or bounds"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
+        ("--scale-bytes", int, 2, "bytes of a quantization scale and zero: 2 (fp16), 4 (fp32), 1 (one byte)"),
     ]
     group.add_argument("--chain", help=f"comma-separated steps [{','.join(DEFAULT_CHAIN)}]")
     for flag, kind, default, text in knobs:
@@ -145,6 +146,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_summary=args.recall_summary,
         sink_blocks=args.sink_blocks,
         group_size=args.group_size,
+        scale_bytes=args.scale_bytes,
     )
     chain = scenario.chain if scenario is not None else parse_chain(args.chain or ",".join(DEFAULT_CHAIN))
     plan = make_plan(PlanInputs(geometry, budget, lengths, disk), chain, options)

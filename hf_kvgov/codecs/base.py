@@ -17,12 +17,15 @@ from torch import Tensor
 
 from hf_kvgov.codecs.grouping import GroupAxis, GroupLayout, check_block_shape, check_group_size
 from hf_kvgov.codecs.numerics import (
+    LOG_SCALE,
+    ONE_BYTE_ZERO,
     SCALE_DTYPES,
     ZERO_DTYPES,
     check_input_dtype,
     check_output_dtype,
     require_finite,
     require_finite_stats,
+    stat_to_float,
 )
 
 
@@ -33,10 +36,11 @@ class Encoded:
     Attributes:
         codes: the codes, shape ``[*lead, T, H, D * bits // 8]`` (packing runs along head_dim only).
         scale: per-group scales, shape ``GroupLayout.stat_shape`` (``[*lead, 1, H, D]`` for keys,
-            ``[*lead, T, H, D // group_size]`` for values), float16 or float32.
-        zero: per-group zero points with the shape of ``scale``, in the codec's ``zero_dtype`` (the scale's
-            dtype, or float8_e4m3fn for fp8 keys), or None where the codec keeps none for this grouping
-            (fp8 values; see ``KVCodec.zero_axes``).
+            ``[*lead, T, H, D // group_size]`` for values), float16, float32 or one logarithmic byte
+            (``numerics.LOG_SCALE``).
+        zero: per-group zero points with the shape of ``scale``, in the codec's ``zero_dtype`` (a float
+            scale's dtype, or float8_e4m3fn beside one-byte scales and for fp8 keys), or None where the codec
+            keeps none for this grouping (fp8 values; see ``KVCodec.zero_axes``).
         shape: shape ``[*lead, T, H, D]`` of the tensor that was encoded.
         axis: ``GroupAxis.CHANNEL`` (keys, one scale per channel over the tokens) or
             ``GroupAxis.TOKEN`` (values, one scale per token and head_dim group).
@@ -91,8 +95,9 @@ class KVCodec(ABC):
     Attributes:
         group_size: head_dim elements per value scale (None: the whole head_dim). Keys always use one
             scale per channel over the block's tokens. Must divide head_dim (checked on encode).
-        scale_dtype: storage dtype of scales (and of zero points, unless the format says otherwise:
-            ``zero_dtype``), torch.float16 (default) or torch.float32.
+        scale_dtype: storage dtype of scales: torch.float16 (default), torch.float32, or
+            ``numerics.LOG_SCALE`` (one logarithmic byte, with one-byte e4m3 zero points). Zero points are
+            in a float scale's dtype unless the format says otherwise (``zero_dtype``).
         check_finite: reject NaN/inf input with a ValueError (one reduction and host sync per call);
             turn off on hot paths that already guarantee finite K/V.
     """
@@ -112,7 +117,10 @@ class KVCodec(ABC):
         if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int) or gs < 1):
             raise ValueError(f"group_size must be a positive int or None; got {gs!r}.")
         if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype must be torch.float16 or torch.float32; got {self.scale_dtype!r}.")
+            raise ValueError(
+                "scale_dtype must be torch.float16, torch.float32 or torch.uint8 (one logarithmic byte, "
+                f"numerics.LOG_SCALE); got {self.scale_dtype!r}."
+            )
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -126,8 +134,9 @@ class KVCodec(ABC):
 
     @property
     def zero_dtype(self) -> torch.dtype:
-        """Storage dtype of zero points: the scale's, unless a format stores them more compactly."""
-        return self.scale_dtype
+        """Storage dtype of zero points: a float scale's, one e4m3 byte beside one-byte scales, unless a format
+        stores them more compactly."""
+        return ONE_BYTE_ZERO if self.scale_dtype == LOG_SCALE else self.scale_dtype
 
     def decode(self, enc: Encoded, dtype: torch.dtype) -> Tensor:
         """Decode ``enc`` to a ``[*lead, T, H, D]`` tensor of ``dtype`` (math in float32)."""
@@ -137,8 +146,8 @@ class KVCodec(ABC):
         self._check_codes(enc)
         layout = enc.layout
         codes = layout.to_groups(self._unpack(enc.codes))
-        scale = layout.load_stat(enc.scale).float()
-        zero = None if enc.zero is None else layout.load_stat(enc.zero).float()
+        scale = stat_to_float(layout.load_stat(enc.scale))
+        zero = None if enc.zero is None else stat_to_float(layout.load_stat(enc.zero))
         return layout.from_groups(self._dequantize(codes, scale, zero)).to(dtype)
 
     def nbytes(self, enc: Encoded) -> int:

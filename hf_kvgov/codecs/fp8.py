@@ -55,9 +55,9 @@ from torch import Tensor
 
 from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.grouping import GroupAxis
-from hf_kvgov.codecs.numerics import round_up
+from hf_kvgov.codecs.numerics import ONE_BYTE_ZERO, round_up, stat_to_float
 
-ZERO_DTYPE = torch.float8_e4m3fn  # the keys' zero points, whatever the codes' format (see the module docstring)
+ZERO_DTYPE = ONE_BYTE_ZERO  # the keys' zero points, whatever the codes' format (see the module docstring)
 _ZERO_MAX = torch.finfo(ZERO_DTYPE).max
 
 
@@ -80,12 +80,12 @@ class Float8Codec(KVCodec):
             zero = (lo / 2 + hi / 2).clamp_(-_ZERO_MAX, _ZERO_MAX).to(ZERO_DTYPE)
             grouped = grouped - float8_to_float32(zero)
         amax = grouped.abs().amax(dim=dim, keepdim=True)
-        step = round_up(amax / fmax, self.scale_dtype)
-        # An all-zero group: any positive scale encodes it as exact zeros.
-        scale = torch.where(step > 0, step, torch.ones_like(step))
+        step = amax / fmax
+        # An all-zero group: any positive scale encodes it as exact zeros; 1 is exact in every scale dtype.
+        scale = round_up(torch.where(step > 0, step, torch.ones_like(step)), self.scale_dtype)
         # The clamp guards the float32 division landing an ulp past fmax: e4m3fn has no inf, and an
         # out-of-range cast would give NaN.
-        codes = (grouped / scale.float()).clamp_(-fmax, fmax).to(self.codes_dtype)
+        codes = (grouped / stat_to_float(scale)).clamp_(-fmax, fmax).to(self.codes_dtype)
         return codes, scale, zero
 
     def _dequantize(self, codes: Tensor, scale: Tensor, zero: Tensor | None) -> Tensor:

@@ -5,21 +5,74 @@ float16 could make it slightly too small, so the largest element of a group woul
 last code and be clipped. Rounding scales *up* (and int zero points *down*) keeps every element of the
 group inside the representable range, so the error bound "half a step of the stored scale" holds
 exactly instead of "half a step plus a clipping term".
+
+One-byte statistics (``scale_dtype=LOG_SCALE``). At 2 bits the statistics cost half as much as the codes
+(fp16 scale and zero per channel per 16-token block for keys, per token and 32-channel group for values),
+so a codec can store each in one byte instead:
+
+    scale  uint8 b     decodes to 2 ** ((b - LOG_SCALE_BIAS) / LOG_SCALE_STEPS)   2**-12 .. 2**9.25 (~608)
+    zero   e4m3 byte   (torch.float8_e4m3fn), an integer codec's zero rounded down to it, within +-448
+
+A scale is relative by nature (it is a step size), so a logarithmic byte keeps the same relative precision
+at every magnitude: rounding up costs at most 2**(1/12) - 1 = 5.9% of a step, against e4m3's 12.5% (and
+e4m3 runs out of precision below 2**-6, where small value groups live). A zero point is a position, not a
+step, so it stays a float: e4m3 rounds it down by at most 1/16 of its magnitude, which widens the range
+the scale must cover by that much. ``eval/RESULTS.md`` (int2 settings) measures both against fp16.
+Both are exact to decode: the scale through a 256-entry table, the zero as a float8 cast. A scale below the
+byte's floor is stored as 2**-12, a coarser step than needed (only int8's narrowest value groups, under 0.06
+wide, get there); a scale above its top or a zero beyond e4m3's +-448 raises ValueError rather than clipping
+codes (fp16 statistics hold those).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
-SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.float32)
-# Zero points: in the scale's dtype, or one byte of e4m3 (fp8 keys, `hf_kvgov.codecs.fp8`).
-ZERO_DTYPES: tuple[torch.dtype, ...] = (*SCALE_DTYPES, torch.float8_e4m3fn)
+LOG_SCALE = torch.uint8  # a scale stored as one logarithmic byte (see the module docstring)
+LOG_SCALE_STEPS = 12  # codes per octave
+LOG_SCALE_BIAS = 144  # code 0 -> 2**-12, code 255 -> 2**(111/12)
+ONE_BYTE_ZERO = torch.float8_e4m3fn  # zero points beside one-byte scales, and fp8 keys' zero points
+SCALE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.float32, LOG_SCALE)
+# Zero points: in a float scale's dtype, or one byte of e4m3 (one-byte statistics, fp8 keys).
+ZERO_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.float32, ONE_BYTE_ZERO)
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
+_CPU = torch.device("cpu")
+
+
+@functools.cache
+def log_scale_table(device: torch.device = _CPU) -> Tensor:
+    """The float32 scale each of the 256 `LOG_SCALE` codes decodes to, ascending."""
+    codes = torch.arange(256, dtype=torch.float32, device=device)
+    return torch.exp2((codes - LOG_SCALE_BIAS) / LOG_SCALE_STEPS)
+
+
+@functools.cache
+def _e4m3_grid(device: torch.device) -> Tensor:
+    """Every finite e4m3 value in float32, ascending, each once."""
+    values = torch.arange(256, dtype=torch.uint8).view(ONE_BYTE_ZERO).float()
+    return values[torch.isfinite(values)].unique().to(device)
+
+
+def stat_to_float(stat: Tensor) -> Tensor:
+    """A stored scale or zero point -> float32 (a `LOG_SCALE` byte through its table, exactly)."""
+    if stat.dtype == LOG_SCALE:
+        return log_scale_table(stat.device).index_select(0, stat.reshape(-1).int()).view(stat.shape)
+    return stat.float()
+
+
 def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The smallest ``dtype`` value >= each element of float32 ``x`` (same shape, dtype ``dtype``)."""
+    """The smallest ``dtype`` value >= each element of float32 ``x`` (same shape, dtype ``dtype``).
+
+    For `LOG_SCALE` the result holds the codes of those values. Raises ValueError where ``x`` lies above
+    the largest one-byte value (a float dtype overflows to inf instead, which `require_finite_stats` catches).
+    """
+    if dtype in (LOG_SCALE, ONE_BYTE_ZERO):
+        return _on_grid(x, dtype, up=True)
     rounded = x.to(dtype)
     if dtype == x.dtype:
         return rounded
@@ -28,12 +81,34 @@ def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The largest ``dtype`` value <= each element of float32 ``x`` (same shape, dtype ``dtype``)."""
+    """The largest ``dtype`` value <= each element of float32 ``x`` (same shape, dtype ``dtype``).
+
+    Raises ValueError where ``x`` lies below the smallest one-byte value (e4m3's -448).
+    """
+    if dtype in (LOG_SCALE, ONE_BYTE_ZERO):
+        return _on_grid(x, dtype, up=False)
     rounded = x.to(dtype)
     if dtype == x.dtype:
         return rounded
     too_big = rounded.to(x.dtype) > x
     return torch.where(too_big, torch.nextafter(rounded, torch.full_like(rounded, -torch.inf)), rounded)
+
+
+def _on_grid(x: Tensor, dtype: torch.dtype, up: bool) -> Tensor:
+    """`round_up` / `round_down` onto a one-byte format's grid of values, by binary search."""
+    grid = log_scale_table(x.device) if dtype == LOG_SCALE else _e4m3_grid(x.device)
+    flat = x.reshape(-1).contiguous()
+    index = torch.searchsorted(grid, flat, right=not up) - (0 if up else 1)
+    outside = (index < 0) | (index >= grid.numel())
+    if bool(outside.any()):
+        what = "scale" if dtype == LOG_SCALE else "zero point"
+        raise ValueError(
+            f"A {what} of {float(flat[outside][0]):.4g} lies outside the one-byte range "
+            f"[{float(grid[0]):.4g}, {float(grid[-1]):.4g}]; build the codec with scale_dtype=torch.float16."
+        )
+    if dtype == LOG_SCALE:
+        return index.to(LOG_SCALE).view(x.shape)
+    return grid.index_select(0, index).view(x.shape).to(dtype)
 
 
 def check_input_dtype(x: Tensor, what: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hf_kvgov.codecs.base import KVCodec
+from hf_kvgov.codecs.numerics import LOG_SCALE
 from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 
@@ -39,6 +40,9 @@ CODEC_NAMES: dict[tuple[str, int], str] = {
     ("fp8_e4m3", 8): "fp8_e4m3",
     ("fp8_e5m2", 8): "fp8_e5m2",
 }
+# scale_bytes -> the codecs' scale dtype. One byte: a logarithmic scale byte and an e4m3 zero point
+# (`hf_kvgov.codecs.numerics`), which is what takes int2 under 0.2x of float16 (`eval/RESULTS.md`).
+SCALE_DTYPES: dict[int, torch.dtype] = {2: torch.float16, 1: LOG_SCALE, 4: torch.float32}
 FULL_PRECISION = "full"  # a per-layer format: the layer's sealed blocks stay in the model's precision
 # What `layer_formats` accepts per layer: every codec name, "fp8" for e4m3, and "full".
 LAYER_FORMATS: tuple[str, ...] = (*dict.fromkeys(CODEC_NAMES.values()), "fp8", FULL_PRECISION)
@@ -56,6 +60,9 @@ class QuantConfig:
         sink_blocks: leading blocks kept in full precision (attention sinks, where outliers live).
         full_precision_layers: layers whose sealed blocks are stored unquantized.
         group_size: head_dim elements per value scale (None: one scale per token and head).
+        scale_bytes: bytes of each scale and zero point: 2 (float16, the default), 1 (a logarithmic scale byte
+            and an e4m3 zero, `hf_kvgov.codecs.numerics`: half the statistics, for int2 above all) or 4
+            (float32).
         layer_formats: per-layer formats overriding ``bits``/``fmt``, ``{layer: name}`` with names from
             `LAYER_FORMATS` ("int8", "int4", "int2", "fp8", "fp8_e5m2", "full"); stored sorted as pairs. A
             "full" layer joins ``full_precision_layers``. `QuantConfig.load` reads such a map from the JSON
@@ -69,6 +76,7 @@ class QuantConfig:
     full_precision_layers: tuple[int, ...] = ()
     group_size: int | None = None
     layer_formats: Any = ()  # Mapping[int, str] or pairs; normalised to tuple[tuple[int, str], ...]
+    scale_bytes: int = 2
 
     def __post_init__(self) -> None:
         if (self.fmt, self.bits) not in CODEC_NAMES:
@@ -78,6 +86,11 @@ class QuantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int; got {value!r}.")
+        if isinstance(self.scale_bytes, bool) or self.scale_bytes not in SCALE_DTYPES:
+            raise ValueError(
+                f"scale_bytes must be 2 (float16), 1 (one byte: a logarithmic scale and an e4m3 zero) or 4 "
+                f"(float32); got {self.scale_bytes!r}."
+            )
         overrides = _layer_format_pairs(self.layer_formats)
         full = {layer for layer, name in overrides if name == FULL_PRECISION}
         layers = _layer_tuple(self.full_precision_layers)
@@ -98,7 +111,7 @@ class QuantConfig:
         return CODEC_NAMES[(self.fmt, self.bits)]
 
     def codec(self) -> KVCodec:
-        return get_codec(self.codec_name, group_size=self.group_size)
+        return get_codec(self.codec_name, group_size=self.group_size, scale_dtype=SCALE_DTYPES[self.scale_bytes])
 
     def layer_format(self, layer: int) -> str:
         """The format layer ``layer`` seals its blocks in: a codec name, or "full"."""
@@ -110,7 +123,7 @@ class QuantConfig:
         """The codec of a quantized layer (its override, else the default)."""
         name = self.layer_format(layer)
         assert name != FULL_PRECISION, f"layer {layer} is kept in full precision"
-        return get_codec(name, group_size=self.group_size)
+        return get_codec(name, group_size=self.group_size, scale_dtype=SCALE_DTYPES[self.scale_bytes])
 
     @classmethod
     def load(cls, path: str | Path) -> QuantConfig:
@@ -135,7 +148,7 @@ class QuantConfig:
         return {
             "bits": self.bits, "fmt": self.fmt, "residual": self.residual, "sink_blocks": self.sink_blocks,
             "full_precision_layers": list(self.full_precision_layers), "group_size": self.group_size,
-            "layer_formats": {str(layer): name for layer, name in self.layer_formats},
+            "scale_bytes": self.scale_bytes, "layer_formats": {str(layer): name for layer, name in self.layer_formats},
         }  # fmt: skip
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -167,6 +180,8 @@ class QuantConfig:
         text = self.codec_name
         if self.group_size is not None:
             text += f" (value groups of {self.group_size})"
+        if self.scale_bytes != 2:
+            text += ", one-byte scales and zeros" if self.scale_bytes == 1 else ", float32 scales"
         if self.residual:
             text += f", newest {self.residual} tokens in full precision"
         for name in dict.fromkeys(name for _, name in self.layer_formats):

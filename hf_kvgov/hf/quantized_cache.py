@@ -122,7 +122,8 @@ class QuantizedCache(PagedCache):
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config.
-        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats: see `QuantConfig`
+        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes: see
+            `QuantConfig`
             (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format; `QuantConfig.load` reads
             the map ``kvgov check-quant --recommend`` writes, ``QuantizedCache.from_config`` builds from it).
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
@@ -142,6 +143,7 @@ class QuantizedCache(PagedCache):
         full_precision_layers: Iterable[int] = (),
         group_size: int | None = None,
         layer_formats: Mapping[int, str] | Iterable[tuple[int, str]] = (),
+        scale_bytes: int = 2,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
@@ -150,7 +152,7 @@ class QuantizedCache(PagedCache):
         namespace: str = "",
     ) -> None:
         self.quant = QuantConfig(
-            bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size, layer_formats
+            bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size, layer_formats, scale_bytes
         )
         config = decoder_config(model_or_config)
         kv_heads, head_dim = kv_heads_and_head_dim(config)
@@ -170,7 +172,7 @@ class QuantizedCache(PagedCache):
         fields = {
             "bits": q.bits, "fmt": q.fmt, "residual": q.residual, "sink_blocks": q.sink_blocks,
             "full_precision_layers": q.full_precision_layers, "group_size": q.group_size,
-            "layer_formats": q.layer_formats,
+            "layer_formats": q.layer_formats, "scale_bytes": q.scale_bytes,
         }  # fmt: skip
         return cls(model_or_config, **fields, **kwargs)
 
@@ -340,14 +342,17 @@ class QuantizedCache(PagedCache):
     def sharing_namespace(self) -> str:
         """The tree namespace of `match` / `publish`: `namespace` plus how this cache seals blocks.
 
-        Caches that seal differently (codec, value groups, layers in full precision, sink blocks) never
+        Caches that seal differently (codec, value groups, statistics' bytes, layers in full precision, sink
+        blocks) never
         share a block; nor does a `PagedCache` on the same pool, which cannot read sealed blocks.
         """
         q = self.quant
         layers = ",".join(map(str, q.full_precision_layers))
         own = ",".join(f"{layer}={name}" for layer, name in q.layer_formats)
-        return f"{self.namespace}\x00sealed:{q.codec_name}:g={q.group_size}:fp=[{layers}]:sink={q.sink_blocks}" + (
-            f":layers=[{own}]" if own else ""
+        stats = f":s={q.scale_bytes}" if q.scale_bytes != 2 else ""  # the fp16 default keeps its old namespace
+        return (
+            f"{self.namespace}\x00sealed:{q.codec_name}:g={q.group_size}{stats}:fp=[{layers}]:sink={q.sink_blocks}"
+            + (f":layers=[{own}]" if own else "")
         )
 
     def match(

@@ -75,8 +75,8 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         model_or_config: as for `QuantizedCache`.
         path, hot_tokens, max_resident_bytes, max_write_bytes, read_buffer_bytes, prefetch, on_full,
             extent_blocks: the disk tier, as for `DiskOffloadCache` (see the module docstring for the cap).
-        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, attention: as for
-            `QuantizedCache`.
+        bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes,
+            attention: as for `QuantizedCache`.
         block_size: tokens per block (None: the prefix tree's, else 16).
         prefix: a `PrefixCache` over a `QuantizedBlockPool` of this configuration (`prefix_tree(model,
             codec=...)`); enables `match` and `publish`. Its pool's cap bounds the full-precision blocks
@@ -100,6 +100,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         full_precision_layers: Iterable[int] = (),
         group_size: int | None = None,
         layer_formats: Mapping[int, str] | Iterable[tuple[int, str]] = (),
+        scale_bytes: int = 2,
         read_buffer_bytes: int | None = None,
         prefetch: bool = True,
         on_full: str = "raise",
@@ -119,7 +120,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
             extent_blocks,
         )
         layers = tuple(full_precision_layers)
-        quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size, layer_formats)
+        quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size, layer_formats, scale_bytes)
         self._init_tier(disk, sealed=quant)
         self.blocks_spilled = 0  # distinct blocks written to the tier since construction
         block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size, sealed=quant)
@@ -133,6 +134,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
             layers,
             group_size,
             layer_formats,
+            scale_bytes,
             max_bytes=self.disk.pool_bytes,
             attention=attention,
             prefix=prefix,

@@ -8,7 +8,8 @@ calls it can serve; prefill and everything else stays on the torch reference.
 What it accepts: what `triton_paged` accepts (q_len == 1, power-of-two head_dim from 16 to 256, any GQA
 group, any block size, fp32/fp16/bf16 queries with full-precision blocks of the same dtype, bool or
 additive decode masks, ragged `seq_lens`, softcap), plus `SealedBlocks` of a format in `KERNEL_FORMATS`
-with scales and zero points of any float dtype and any value group size (read from the tensors).
+with scales and zero points of any float dtype, or one-byte statistics (a logarithmic scale byte and an e4m3
+zero, `hf_kvgov.codecs.numerics`), and any value group size (read from the tensors).
 
 Numerics, against the reference (which decodes to fp32 and attends in fp32): fp32 queries use IEEE fp32
 dot products, so they agree to ~1e-6. fp16/bf16 queries: each dequantized K/V tile (fp32) is rounded to
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_kvgov.codecs.numerics import LOG_SCALE, ONE_BYTE_ZERO
 from hf_kvgov.kernels.reference import DEFAULT_CHUNK_TOKENS
 from hf_kvgov.kernels.sealed_blocks import RAW_FORMAT, SealedBlocks
 from hf_kvgov.kernels.triton_launch import (
@@ -100,8 +102,11 @@ def unsupported_reason(
 
 @dataclass(frozen=True)
 class _SealedOperands:
-    """The sealed pieces as the kernel takes them: fp8 codes and fp8 keys' e4m3 zero points as bytes; where
-    there are no zero points (fp8 values), the scales stand in for them (never read)."""
+    """The sealed pieces as the kernel takes them: fp8 codes and e4m3 zero points as bytes; where there are no
+    zero points (fp8 values), the scales stand in for them (never read).
+
+    ``log_scales``: the scales are `LOG_SCALE` bytes; ``byte_zeros``: the zero points are e4m3 bytes.
+    """
 
     key_codes: torch.Tensor
     key_scale: torch.Tensor
@@ -110,6 +115,8 @@ class _SealedOperands:
     value_scale: torch.Tensor
     value_zero: torch.Tensor
     value_group: int
+    log_scales: bool = False
+    byte_zeros: bool = False
 
 
 def quantized_paged_attention_triton(
@@ -169,7 +176,7 @@ def quantized_paged_attention_triton(
         GROUP=group, BLOCK_H=block_h(group), HEAD_DIM=head_dim, PAGE=key_cache.shape[1], BLOCK_N=BLOCK_N,
         MASK_MODE=mask_mode, USE_SOFTCAP=softcap is not None,
         SEALED_FORMAT=fmt.code, KEY_ZERO=fmt.key_zero, VALUE_ZERO=fmt.value_zero, VALUE_GROUP=pieces.value_group,
-        **dot_options(query.dtype),
+        LOG_SCALES=pieces.log_scales, BYTE_ZEROS=pieces.byte_zeros, **dot_options(query.dtype),
     )  # fmt: skip
     return combine_splits(m, denom, acc, query.dtype)
 
@@ -194,21 +201,33 @@ def _sealed_operands(sealed: SealedBlocks, key_cache: torch.Tensor) -> _SealedOp
     if groups < 1 or head_dim % groups:
         raise ValueError(f"value_scale's last dim ({groups}) must divide head_dim ({head_dim}).")
     key_stats, value_stats = (capacity, 1, heads, head_dim), (capacity, block_size, heads, groups)
-    key_scale = _statistic(sealed, "key_scale", key_stats, key_cache.device)
-    value_scale = _statistic(sealed, "value_scale", value_stats, key_cache.device)
-    key_zero, value_zero = key_scale, value_scale  # stand-ins: KEY_ZERO / VALUE_ZERO False never read them
     device = key_cache.device
+    key_scale = _statistic(sealed, "key_scale", key_stats, device)
+    value_scale = _statistic(sealed, "value_scale", value_stats, device)
+    if key_scale.dtype != value_scale.dtype:
+        raise ValueError(
+            f"key_scale and value_scale must share one dtype; got {key_scale.dtype} and {value_scale.dtype}."
+        )
+    key_zero, value_zero = key_scale, value_scale  # stand-ins: KEY_ZERO / VALUE_ZERO False never read them
     if fmt.key_zero:
         key_zero = _statistic(sealed, "key_zero", key_stats, device, sealed.piece("key_scale").stride())
-        if fmt.codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the kernel decodes e4m3 bytes itself
-            if key_zero.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{sealed.format} key_zero must be torch.float8_e4m3fn; got {key_zero.dtype}.")
-            key_zero = key_zero.view(torch.uint8)
     if fmt.value_zero:
         value_zero = _statistic(sealed, "value_zero", value_stats, device, sealed.piece("value_scale").stride())
+    zeros = [z.dtype for z, kept in ((key_zero, fmt.key_zero), (value_zero, fmt.value_zero)) if kept]
+    if len(set(zeros)) > 1:
+        raise ValueError(f"key_zero and value_zero must share one dtype; got {zeros[0]} and {zeros[1]}.")
+    # fp8 keys' zero points are e4m3 whatever the scales (the codec's format); the kernel decodes the bytes.
+    if fmt.codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and zeros != [ONE_BYTE_ZERO]:
+        raise ValueError(f"{sealed.format} key_zero must be torch.float8_e4m3fn; got {zeros[0]}.")
+    byte_zeros = zeros == [ONE_BYTE_ZERO] * len(zeros) and bool(zeros)
+    if byte_zeros:
+        key_zero, value_zero = key_zero.view(torch.uint8), value_zero.view(torch.uint8)
     if value_codes.stride() != key_codes.stride():
         raise ValueError("key_codes and value_codes must share one memory layout (strides).")
-    return _SealedOperands(key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, head_dim // groups)
+    return _SealedOperands(
+        key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, head_dim // groups,
+        log_scales=key_scale.dtype == LOG_SCALE, byte_zeros=byte_zeros,
+    )  # fmt: skip
 
 
 def _codes(
@@ -229,8 +248,11 @@ def _statistic(
     strides: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     stat = _expect(sealed, name, sealed.piece(name), shape, device)
-    if not stat.dtype.is_floating_point:
-        raise ValueError(f"{sealed.format} {name} must be floating point; got {stat.dtype}.")
+    if not (stat.dtype.is_floating_point or (stat.dtype == LOG_SCALE and name.endswith("_scale"))):
+        raise ValueError(
+            f"{sealed.format} {name} must be floating point{' or LOG_SCALE bytes' if name.endswith('_scale') else ''}; "
+            f"got {stat.dtype}."
+        )
     if strides is not None and stat.stride() != strides:
         raise ValueError(f"{sealed.format} {name} must have the strides {strides} of its scale; got {stat.stride()}.")
     return _nonempty(stat)

@@ -8,7 +8,8 @@ two places, with masked loads, so no byte is read twice::
     entry >= 0  ->  k_cache[entry, t % PAGE, head, :]                     (query's dtype: sink, tail)
     entry <  0  ->  sealed id s = -1 - entry:
                     key   = codes[s, t % PAGE, head, d] * key_scale[s, 0, head, d] (+ key_zero[s, 0, head, d])
-                            (fp8 formats: key_zero is an e4m3 byte, decoded like a code)
+                            (BYTE_ZEROS, as fp8 keys' and one-byte statistics' zero points: an e4m3 byte,
+                            decoded like a code; LOG_SCALES: a scale byte b is 2 ** ((b - 144) / 12))
                     value = codes[s, t % PAGE, head, d] * value_scale[s, t % PAGE, head, d // VALUE_GROUP]
                             (+ value_zero[...])
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hf_kvgov.codecs.numerics import LOG_SCALE_BIAS, LOG_SCALE_STEPS
 from hf_kvgov.kernels.triton_paged_kernel import (
     _load_query,
     _logits,
@@ -49,6 +51,8 @@ SEALED_INT4 = tl.constexpr(2)
 SEALED_FP8_E4M3 = tl.constexpr(3)
 SEALED_FP8_E5M2 = tl.constexpr(4)
 SEALED_INT2 = tl.constexpr(5)
+_LOG_SCALE_BIAS = tl.constexpr(float(LOG_SCALE_BIAS))
+_LOG_SCALE_STEPS = tl.constexpr(float(LOG_SCALE_STEPS))
 
 
 @triton.jit
@@ -86,7 +90,7 @@ def _code_values(codes_ptr, code_offsets, dims, ok, SEALED_FORMAT: tl.constexpr)
 @triton.jit
 def _sealed_tile(
     codes_ptr, scale_ptr, zero_ptr, code_offsets, stat_offsets, stat_cols, dims, ok,
-    SEALED_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+    SEALED_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, LOG_SCALES: tl.constexpr, BYTE_ZEROS: tl.constexpr,
 ):  # fmt: skip
     """Dequantized `[BLOCK_N, HEAD_DIM]` fp32 keys or values of sealed tokens; 0 where `ok` is False.
 
@@ -96,12 +100,15 @@ def _sealed_tile(
     x = _code_values(codes_ptr, code_offsets, dims, ok, SEALED_FORMAT)
     if SEALED_FORMAT != SEALED_RAW:
         stat = stat_offsets[:, None] + stat_cols[None, :]
-        x = x * tl.load(scale_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
+        if LOG_SCALES:
+            scale_code = tl.load(scale_ptr + stat, mask=ok[:, None], other=0).to(tl.float32)
+            x = x * tl.exp2((scale_code - _LOG_SCALE_BIAS) / _LOG_SCALE_STEPS)
+        else:
+            x = x * tl.load(scale_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
         if HAS_ZERO:
-            # The jitted code compares constexprs one at a time, as the rest of this file does.
-            if SEALED_FORMAT == SEALED_FP8_E4M3 or SEALED_FORMAT == SEALED_FP8_E5M2:  # noqa: SIM109
+            if BYTE_ZEROS:
                 zero_bits = tl.load(zero_ptr + stat, mask=ok[:, None], other=0).to(tl.int32)
-                x = x + _fp8_e4m3_to_float(zero_bits)  # fp8 keys' zero points: e4m3 bytes
+                x = x + _fp8_e4m3_to_float(zero_bits)
             else:
                 x = x + tl.load(zero_ptr + stat, mask=ok[:, None], other=0.0).to(tl.float32)
     return x
@@ -110,13 +117,15 @@ def _sealed_tile(
 @triton.jit
 def _mixed_tile(
     full_ptr, full_offsets, stride_d, codes_ptr, scale_ptr, zero_ptr, code_offsets, stat_offsets, stat_cols,
-    dims, full_ok, sealed_ok, SEALED_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr,
+    dims, full_ok, sealed_ok, SEALED_FORMAT: tl.constexpr, HAS_ZERO: tl.constexpr, LOG_SCALES: tl.constexpr,
+    BYTE_ZEROS: tl.constexpr,
 ):  # fmt: skip
     """fp32 `[BLOCK_N, HEAD_DIM]` tile: each token from the full-precision cache or its sealed block."""
     full = tl.load(full_ptr + full_offsets[:, None] + dims[None, :] * stride_d, mask=full_ok[:, None], other=0.0)
     sealed = _sealed_tile(
-        codes_ptr, scale_ptr, zero_ptr, code_offsets, stat_offsets, stat_cols, dims, sealed_ok, SEALED_FORMAT, HAS_ZERO
-    )
+        codes_ptr, scale_ptr, zero_ptr, code_offsets, stat_offsets, stat_cols, dims, sealed_ok, SEALED_FORMAT,
+        HAS_ZERO, LOG_SCALES, BYTE_ZEROS,
+    )  # fmt: skip
     return tl.where(sealed_ok[:, None], sealed, full.to(tl.float32))
 
 
@@ -135,7 +144,7 @@ def paged_decode_sealed_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK_MODE: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     SEALED_FORMAT: tl.constexpr, KEY_ZERO: tl.constexpr, VALUE_ZERO: tl.constexpr, VALUE_GROUP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
+    LOG_SCALES: tl.constexpr, BYTE_ZEROS: tl.constexpr, DOT_PRECISION: tl.constexpr, WIDEN_BF16: tl.constexpr,
 ):  # fmt: skip
     """Partial attention of one (row, KV head, split) over mixed blocks; writes m, l, acc as
     `paged_decode_split_kernel` does.
@@ -167,6 +176,7 @@ def paged_decode_sealed_split_kernel(
             k_ptr + kv_head * stride_kh, block * stride_kb + slot * stride_ks, stride_kd,
             kc_ptr + kv_head * stride_ch, ks_ptr + kv_head * stride_ksh, kz_ptr + kv_head * stride_ksh,
             code_offsets, sealed_id * stride_ksb, dims, dims, full_ok, sealed_ok, SEALED_FORMAT, KEY_ZERO,
+            LOG_SCALES, BYTE_ZEROS,
         )  # fmt: skip
         s = _logits(
             q, k.to(q.dtype), scale, softcap, mask_ptr, row, stride_mb, stride_mt, tokens, valid,
@@ -176,7 +186,7 @@ def paged_decode_sealed_split_kernel(
             v_ptr + kv_head * stride_vh, block * stride_vb + slot * stride_vs, stride_vd,
             vc_ptr + kv_head * stride_ch, vs_ptr + kv_head * stride_vsh, vz_ptr + kv_head * stride_vsh,
             code_offsets, sealed_id * stride_vsb + slot * stride_vss, dims // VALUE_GROUP, dims, full_ok, sealed_ok,
-            SEALED_FORMAT, VALUE_ZERO,
+            SEALED_FORMAT, VALUE_ZERO, LOG_SCALES, BYTE_ZEROS,
         )  # fmt: skip
         m_i, l_i, acc = _online_softmax_update(s, v.to(q.dtype), m_i, l_i, acc, DOT_PRECISION, WIDEN_BF16)
     _store_partial(m_ptr, l_ptr, acc_ptr, row, q_head, head_ok, m_i, l_i, acc, GROUP, HEAD_DIM)

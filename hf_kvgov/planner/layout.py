@@ -66,7 +66,8 @@ class FullPrecision:
 
 @dataclass(frozen=True)
 class IntegerKIVI:
-    """Asymmetric integer codes: keys per channel, values per token (KIVI), a scale and a zero each."""
+    """Asymmetric integer codes: keys per channel, values per token (KIVI), a scale and a zero each, both of
+    ``scale_bytes`` (one byte: a logarithmic scale byte and an e4m3 zero)."""
 
     name: str
     bits: int
@@ -114,9 +115,17 @@ def codec_format(name: str, scale_bytes: int = 2, group_size: int | None = None)
     key = name.strip().lower() if isinstance(name, str) else name
     if key not in CODEC_FORMATS:
         raise ValueError(f"Unknown KV codec {name!r}; accepted: {', '.join(CODEC_FORMATS)}.")
-    if scale_bytes not in (2, 4):
-        raise ValueError(f"Quantization scales are stored in fp16 (2 bytes) or fp32 (4 bytes); got {scale_bytes}.")
+    check_scale_bytes(scale_bytes)
     return CODEC_FORMATS[key](scale_bytes, group_size)
+
+
+def check_scale_bytes(scale_bytes: object) -> None:
+    """Raise ValueError unless ``scale_bytes`` is a size the codecs store their statistics in."""
+    if isinstance(scale_bytes, bool) or scale_bytes not in (1, 2, 4):
+        raise ValueError(
+            "Quantization scales are fp16 (scale_bytes=2), fp32 (4) or one byte (1: a logarithmic scale and an "
+            f"e4m3 zero, `hf_kvgov.codecs.numerics`); got {scale_bytes!r}."
+        )
 
 
 class SlotLayout(Protocol):

@@ -11,6 +11,7 @@ from hf_kvgov.planner.layout import (
     DenseSlots,
     FullPrecision,
     SlotLayout,
+    check_scale_bytes,
     codec_format,
 )
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, normalize_dtype
@@ -38,8 +39,8 @@ class CacheSetup:
         layer_codecs: per-layer overrides of ``codec``, sorted ``(layer, codec or None)`` pairs (None: that
             layer's blocks stay in full precision), as a `QuantConfig`'s ``layer_formats`` and
             ``full_precision_layers`` give them.
-        scale_bytes / group_size: size of a quantization scale (fp16: 2) and the value group along
-            head_dim (None: one group per head).
+        scale_bytes / group_size: size of a quantization scale and of an integer codec's zero point (fp16: 2,
+            fp32: 4, one byte: 1) and the value group along head_dim (None: one group per head).
         sink_blocks: leading blocks a quantized cache keeps in full precision.
         shared_fraction: part of each sequence's tokens that is a prefix shared with other sequences
             (rounded down to whole blocks; 0 turns sharing off).
@@ -170,8 +171,12 @@ class CacheSetup:
                 )
             if not self.eviction_slots:
                 raise ValueError("recall_pages recalls what an eviction cache evicts: it needs eviction_slots=True.")
-        if self.scale_bytes not in (2, 4):
-            raise ValueError(f"Quantization scales are fp16 (scale_bytes=2) or fp32 (4); got {self.scale_bytes!r}.")
+        check_scale_bytes(self.scale_bytes)
+        if self.scale_bytes == 1 and self.eviction_slots and self.codec is not None:
+            raise ValueError(
+                "An eviction cache's quantized slots keep fp16 statistics (scale_bytes=2); one-byte statistics "
+                "(scale_bytes=1) are for sealed blocks."
+            )
 
     @property
     def full_format(self) -> BlockFormat:

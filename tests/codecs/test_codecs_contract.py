@@ -140,7 +140,9 @@ def test_group_size_validation() -> None:
     for bad in (0, -4, True, 2.0):
         with pytest.raises(ValueError, match="group_size must be a positive int or None"):
             get_codec("int4", group_size=bad)
-    with pytest.raises(ValueError, match=r"scale_dtype must be torch\.float16 or torch\.float32"):
+    with pytest.raises(
+        ValueError, match=r"scale_dtype must be torch\.float16, torch\.float32 or torch\.uint8 \(one logarithmic byte"
+    ):
         get_codec("int4", scale_dtype=torch.bfloat16)
 
 

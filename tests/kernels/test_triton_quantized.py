@@ -24,6 +24,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, assert_matches
 
+from hf_kvgov.codecs.numerics import LOG_SCALE
 from hf_kvgov.kernels import triton_launch
 from hf_kvgov.kernels.quantized_reference import quantized_paged_attention_reference
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
@@ -94,6 +95,20 @@ def test_scale_dtype_and_value_groups_are_read_from_the_stored_tensors(fmt: str)
     assert case.sealed is not None
     value_scale = case.sealed.piece("value_scale")
     assert value_scale.dtype == torch.float32 and value_scale.shape[-1] == 4  # 64 channels / 16
+    out = run_kernel(case, 0.125, seq_lens=case.seq_lens, num_splits=2)
+    assert_matches(out, case.reference(0.125), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2", "fp8_e4m3"])
+def test_one_byte_statistics_are_decoded_in_the_kernel(fmt: str) -> None:
+    """Logarithmic scale bytes and e4m3 zero bytes (`numerics.LOG_SCALE`): decoded as the codec decodes them."""
+    case = make_case(
+        [100, 77], q_heads=6, kv_heads=KV_HEADS, head_dim=64, block_size=16, device=DEVICE,
+        sealed_format=fmt, codec_options={"scale_dtype": LOG_SCALE, "group_size": 32}, seed=23,
+    )  # fmt: skip
+    assert case.sealed is not None
+    assert case.sealed.piece("key_scale").dtype == case.sealed.piece("value_scale").dtype == torch.uint8
+    assert case.sealed.piece("key_zero").dtype == torch.float8_e4m3fn
     out = run_kernel(case, 0.125, seq_lens=case.seq_lens, num_splits=2)
     assert_matches(out, case.reference(0.125), torch.float32)
 
@@ -170,9 +185,10 @@ def test_what_it_refuses_and_rejects() -> None:
 
 
 # The interpreter skips Triton's compiler: compile the kernel for a CUDA target (triton ships ptxas, no GPU
-# needed) in a process without TRITON_INTERPRET, for the format whose decoding the compiler is most likely
-# to refuse (fp8 e4m3: integer truncation and a bitcast through fp16). One format only, to keep CI fast
-# (~15 s); every format compiled when this kernel was written.
+# needed) in a process without TRITON_INTERPRET, for the decodings the compiler is most likely to refuse:
+# fp8 e4m3 (integer truncation and a bitcast through fp16) and int2 with one-byte statistics (exp2 of a
+# scale byte, e4m3 zero bytes). Two builds only, to keep CI fast (~15 s each); every format compiled when
+# this kernel was written.
 COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -181,13 +197,14 @@ from hf_kvgov.kernels import triton_quantized_kernel as k
 
 fn = k.paged_decode_sealed_split_kernel
 names = [p.name for p in fn.params]
-for fmt in (k.SEALED_FP8_E4M3.value,):
-    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp16",
-                    kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16", table_ptr="*i64", lens_ptr="*i64",
-                    mask_ptr="*i8", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32")
+for fmt, log_scales in ((k.SEALED_FP8_E4M3.value, False), (k.SEALED_INT2.value, True)):
+    stat = "*u8" if log_scales else "*fp16"
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr=stat,
+                    kz_ptr="*u8", vs_ptr=stat, vz_ptr="*u8" if log_scales else stat, table_ptr="*i64",
+                    lens_ptr="*i64", mask_ptr="*i8", m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32")
     constants = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE=16, BLOCK_N=64, MASK_MODE=1, USE_SOFTCAP=True,
-                     SEALED_FORMAT=fmt, HAS_ZERO=fmt == k.SEALED_INT4.value, VALUE_GROUP=32,
-                     DOT_PRECISION="tf32", WIDEN_BF16=False)
+                     SEALED_FORMAT=fmt, KEY_ZERO=True, VALUE_ZERO=log_scales, VALUE_GROUP=32,
+                     LOG_SCALES=log_scales, BYTE_ZEROS=True, DOT_PRECISION="tf32", WIDEN_BF16=False)
     signature = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n in ("scale", "softcap") else "i32")
                  for n in names}
     used = {n: constants[n] for n in names if n in constants}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_kvgov.codecs.numerics import LOG_SCALE
 from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.planner import CacheSetup, ModelGeometry, codec_format, resolve_model, sequence_bytes
 from hf_kvgov.planner.accounting import shared_store_bytes
@@ -120,9 +121,12 @@ def test_static_buffer_rejects_longer_sequence(unit: ModelGeometry) -> None:
 
 @pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize(("block", "head_dim"), [(16, 64), (128, 64), (16, 128)])
-def test_codec_formats_match_what_the_codecs_store(name: str, block: int, head_dim: int) -> None:
+@pytest.mark.parametrize(("scale_dtype", "scale_bytes"), [(torch.float16, 2), (torch.float32, 4), (LOG_SCALE, 1)])
+def test_codec_formats_match_what_the_codecs_store(
+    name: str, block: int, head_dim: int, scale_dtype: torch.dtype, scale_bytes: int
+) -> None:
     # The planner's arithmetic against the bytes the codec really produces for one block of one head.
-    codec = get_codec({"fp8": "fp8_e4m3"}.get(name, name), scale_dtype=torch.float16)
+    codec = get_codec({"fp8": "fp8_e4m3"}.get(name, name), scale_dtype=scale_dtype, group_size=32)
     x = torch.randn(block, 1, head_dim)  # [tokens, kv_heads, head_dim]
     stored = codec.nbytes(codec.encode_keys(x)) + codec.nbytes(codec.encode_values(x))
-    assert codec_format(name).block_bytes(block, head_dim) == stored
+    assert codec_format(name, scale_bytes, 32).block_bytes(block, head_dim) == stored

@@ -27,10 +27,13 @@ class FakeQuantCache(DynamicCache):
         sink_blocks: int = 1,
         full_precision_layers: tuple[int, ...] = (),
         layer_codecs: dict[int, str] | None = None,
+        scale_dtype: torch.dtype = torch.float16,
     ) -> None:
         super().__init__(config=config)
-        self.codec = get_codec(codec)
-        self.layer_codecs = {layer: get_codec(name) for layer, name in (layer_codecs or {}).items()}
+        self.codec = get_codec(codec, scale_dtype=scale_dtype)
+        self.layer_codecs = {
+            layer: get_codec(name, scale_dtype=scale_dtype) for layer, name in (layer_codecs or {}).items()
+        }
         self.block_size = block_size
         self.residual = residual
         self.sink_blocks = sink_blocks

@@ -68,6 +68,12 @@ def _check_block_options(config: QuantConfig | None, owner: str) -> None:
             "step's new tokens in full precision and then stores every kept slot quantized, so there is no "
             f"full-precision tail to size. Leave residual at {_DEFAULTS.residual}."
         )
+    if config.scale_bytes != _DEFAULTS.scale_bytes:
+        raise ValueError(
+            f"{owner} cannot honour QuantConfig(scale_bytes={config.scale_bytes}): its slots keep float16 "
+            "statistics (a slot's records have a fixed layout in the pool). One-byte statistics are for sealed "
+            f"blocks (QuantizedCache); leave scale_bytes at {_DEFAULTS.scale_bytes}."
+        )
     if config.sink_blocks != _DEFAULTS.sink_blocks:
         raise ValueError(
             f"{owner} cannot honour QuantConfig(sink_blocks={config.sink_blocks}): it stores slots, not blocks, "

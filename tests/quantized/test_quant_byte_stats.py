@@ -1,0 +1,104 @@
+"""QuantizedCache with one-byte statistics (``scale_bytes=1``: a logarithmic scale byte and an e4m3 zero).
+
+The same cache as with fp16 statistics, on every path that stores sealed blocks: generate against the
+independent fake-quantizing DynamicCache, the sealed pieces' dtypes and bytes by hand and as the planner
+counts them, the disk tier, the prefix namespace, and the refusals where slots keep fp16 statistics.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from quant_fake_reference import FakeQuantCache
+from test_quant_cache_tiny import FORMATS, prompts, run
+
+from hf_kvgov import GovernedCache, HeavyHitterCache, paged_attention
+from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
+from hf_kvgov.chain import Disk, Paging
+from hf_kvgov.codecs.numerics import LOG_SCALE, ONE_BYTE_ZERO
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.planner import sequence_bytes
+from tests.conftest import tiny_llama
+
+MODEL = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, float32
+
+
+@pytest.mark.parametrize("path", ["contiguous", "paged"])
+@pytest.mark.parametrize("codec", ["int2", "int4", "int8", "fp8_e4m3"])
+def test_greedy_matches_fake_quantization_with_one_byte_statistics(codec: str, path: str) -> None:
+    bits, fmt = FORMATS[codec]
+    inputs = prompts(length=13)
+    expected = run(MODEL, FakeQuantCache(MODEL.config, codec, block_size=4, scale_dtype=LOG_SCALE), inputs)
+    cache = QuantizedCache(MODEL, bits=bits, fmt=fmt, block_size=4, scale_bytes=1, attention=path)  # type: ignore[arg-type]
+    with paged_attention(MODEL) if path == "paged" else torch.no_grad():
+        got = run(MODEL, cache, inputs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for got_step, expected_step in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(got_step, expected_step, atol=1e-5, rtol=1e-5)
+    # And the statistics really are one byte: fp16 ones give other scores.
+    fp16 = run(MODEL, FakeQuantCache(MODEL.config, codec, block_size=4), inputs)
+    assert not all(torch.equal(a, b) for a, b in zip(got.scores, fp16.scores, strict=True))
+
+
+def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
+    cache = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8, scale_bytes=1)  # the planner has no residual
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        MODEL(ids[:, :-1], past_key_values=cache)
+        MODEL(ids[:, -1:], past_key_values=cache)
+    layout = cache._quantized_pool.sealed.layout(0)
+    assert layout["key_scale"][1] == layout["value_scale"][1] == LOG_SCALE
+    assert layout["key_zero"][1] == layout["value_zero"][1] == ONE_BYTE_ZERO
+    stats = cache.stats()
+    # 80 tokens, blocks of 16: sink block 0 stays float32, blocks 1-4 are sealed.
+    assert (stats.full_precision_blocks, stats.sealed_blocks) == (1, 4)
+    # One sealed block, per layer and KV head: codes 2 x 16 x 16 / 4, key statistics 16 channels x 2 bytes,
+    # value statistics 16 tokens x 2 groups x 2 bytes; x 2 heads x 2 layers.
+    sealed_block = 2 * 2 * (2 * 16 * 16 // 4 + 16 * 2 + 16 * 2 * 2)
+    full_block = 2 * 2 * 2 * 16 * 16 * 4
+    assert stats.sealed_bytes == 4 * sealed_block and stats.full_precision_bytes == full_block
+    setup = planner_setup(cache, "fp32")
+    assert setup is not None and setup.scale_bytes == 1
+    assert sequence_bytes(planner_geometry(MODEL), setup, 80).device == stats.bytes_used
+    fp16 = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8)
+    with torch.inference_mode():
+        MODEL(ids[:, :-1], past_key_values=fp16)
+        MODEL(ids[:, -1:], past_key_values=fp16)
+    assert fp16.stats().sealed_bytes == 4 * 2 * 2 * (2 * 16 * 16 // 4 + 16 * 4 + 16 * 2 * 4)
+
+
+def test_the_disk_tier_keeps_one_byte_statistics_losslessly(tmp_path: Path) -> None:
+    codec = QuantConfig(bits=2, scale_bytes=1, group_size=8)
+    inputs = prompts(length=40)
+    resident = run(MODEL, GovernedCache(MODEL, pool=Paging(4), codec=codec), inputs)
+    spilling = GovernedCache(MODEL, pool=Paging(4), codec=codec, spill=Disk(path=str(tmp_path), hot_tokens=8))
+    spilled = run(MODEL, spilling, inputs)
+    assert spilling.blocks_spilled > 0
+    assert torch.equal(spilled.sequences, resident.sequences)
+    for a, b in zip(spilled.scores, resident.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_configuration_is_validated_saved_and_kept_apart() -> None:
+    for bad in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match=r"scale_bytes must be 2 \(float16\), 1 \(one byte.*got"):
+            QuantConfig(bits=2, scale_bytes=bad)
+    config = QuantConfig(bits=2, residual=32, group_size=32, scale_bytes=1)
+    assert (
+        config.describe() == "int2 (value groups of 32), one-byte scales and zeros, newest 32 tokens in full precision"
+    )
+    assert QuantConfig(**config.to_json() | {"layer_formats": {}}) == config
+    assert json.loads(json.dumps(config.to_json()))["scale_bytes"] == 1
+    one = QuantizedCache(MODEL, bits=2, scale_bytes=1)
+    two = QuantizedCache(MODEL, bits=2)
+    assert one.sharing_namespace != two.sharing_namespace  # sealed blocks of the two never mix in a tree
+    assert two.sharing_namespace.endswith("sealed:int2:g=None:fp=[]:sink=1")  # the fp16 namespace is unchanged
+
+
+def test_eviction_slots_refuse_one_byte_statistics() -> None:
+    with pytest.raises(ValueError, match=r"cannot honour QuantConfig\(scale_bytes=1\): its slots keep float16"):
+        HeavyHitterCache(MODEL, budget=8, recent=4, codec=QuantConfig(bits=2, scale_bytes=1))
