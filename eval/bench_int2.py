@@ -4,7 +4,8 @@
 every cache in one lockstep batch against a lossless PagedCache (`hf_kvgov.quality.score_in_lockstep`). The
 settings vary what KIVI varies: the block (keys carry one scale and zero per channel per block), the newest
 tokens kept in full precision (``residual``), the value groups (``group_size``) and the full-precision sink
-block (``sink_blocks``).
+block (``sink_blocks``), and the bytes of each scale and zero point (``scale_bytes``: 1 is a logarithmic scale
+byte and an e4m3 zero, `hf_kvgov.codecs.numerics`).
 
 Bytes are reported two ways, as fractions of float16 K + V of every token of every layer: as stored (the
 full-precision sink, tail and residual in the model's dtype, float32 here), and as a 16-bit model would
@@ -41,6 +42,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "int2 b64 r32 g32": {"bits": 2, "block_size": 64, "residual": 32, "group_size": 32},
     "int2 b16 r128 g32": {"bits": 2, "block_size": 16, "residual": 128, "group_size": 32},
     "int2 b32 r128 g32": {"bits": 2, "block_size": 32, "residual": 128, "group_size": 32},
+    "int2 b16 r32 g32 1B": {"bits": 2, "block_size": 16, "residual": 32, "group_size": 32, "scale_bytes": 1},
+    "int2 b32 r32 g32 1B": {"bits": 2, "block_size": 32, "residual": 32, "group_size": 32, "scale_bytes": 1},
     "int4 b16": {"bits": 4},
     "fp8 b16": {"bits": 8, "fmt": "fp8"},
 }

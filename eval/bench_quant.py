@@ -79,11 +79,12 @@ CANDIDATES: dict[str, tuple[str, Builder]] = {
     "kvgov-int8-b16": ("int8", lambda m: QuantizedCache(m, bits=8)),
     "kvgov-fp8-b16": ("fp8", lambda m: QuantizedCache(m, bits=8, fmt="fp8")),
     # 2 bits: transformers' quanto int2 with its defaults, and hf_kvgov's int2 as its `int2` cache name runs it
-    # (KIVI: 32-token blocks, the newest 32 tokens in full precision, values in groups of 32 channels), and with
-    # 16-token blocks.
+    # (KIVI: 16-token blocks, the newest 32 tokens in full precision, values in groups of 32 channels, one-byte
+    # scales and zeros), and the same with fp16 statistics (16- and 32-token blocks).
     "hf-quanto-int2": ("int2", lambda m: HFQuantizedCache("quanto", m.config, nbits=2)),
     "kvgov-int2": ("int2", lambda m: int2_kivi(m)),
-    "kvgov-int2-b16": ("int2", lambda m: int2_kivi(m, block_size=16)),
+    "kvgov-int2-fp16": ("int2", lambda m: QuantizedCache(m, bits=2, residual=32, group_size=32)),
+    "kvgov-int2-b32-fp16": ("int2", lambda m: QuantizedCache(m, bits=2, block_size=32, residual=32, group_size=32)),
 }
 
 

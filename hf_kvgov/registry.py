@@ -297,17 +297,25 @@ def _parse_quantized(family: str, bits: int, fmt: str, argument: str) -> CacheSp
 
 
 # int2 needs KIVI's full-precision window and value groups: without them SmolLM2 loses 15.75% perplexity at
-# 2,048 tokens, with them 8.99% (32-token blocks) or 3.91% (16-token blocks); eval/RESULTS.md.
+# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). One-byte statistics (a logarithmic scale
+# and an e4m3 zero: `hf_kvgov.codecs.numerics`) cost SmolLM2 +7.32% there, Gemma-3-270M +6.45%, and take
+# SmolLM2 from 0.243x to 0.198x of float16 K + V in a 16-bit model: the only setting measured within +10% at
+# under 0.2x (eval/RESULTS.md, int2 settings). Keys beyond e4m3's +-448 need fp16 statistics
+# (`QuantizedCache(model, bits=2, ...)`).
 INT2_RESIDUAL = 32
 INT2_VALUE_GROUP = 32
+INT2_BLOCK_SIZE = 16
+INT2_SCALE_BYTES = 1
 
 
-def int2_kivi(model: Any, block_size: int = 32) -> QuantizedCache:
+def int2_kivi(model: Any, block_size: int = INT2_BLOCK_SIZE) -> QuantizedCache:
     """int2 as KIVI runs it: the newest tokens in full precision, values in groups of 32 channels (one group
-    per head when head_dim is not a multiple of 32)."""
+    per head when head_dim is not a multiple of 32); scales and zeros in one byte each."""
     _, head_dim = kv_heads_and_head_dim(decoder_config(model))
     group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
-    return QuantizedCache(model, bits=2, block_size=block_size, residual=INT2_RESIDUAL, group_size=group)
+    return QuantizedCache(
+        model, bits=2, block_size=block_size, residual=INT2_RESIDUAL, group_size=group, scale_bytes=INT2_SCALE_BYTES
+    )
 
 
 def _parse_int2(argument: str) -> CacheSpec:
@@ -315,7 +323,7 @@ def _parse_int2(argument: str) -> CacheSpec:
     return CacheSpec(
         f"int2@{argument}",
         f"QuantizedCache int2 (KIVI), {block_size}-token blocks, the newest {INT2_RESIDUAL} tokens in full "
-        f"precision, value groups of {INT2_VALUE_GROUP} channels",
+        f"precision, value groups of {INT2_VALUE_GROUP} channels, one-byte scales and zeros",
         functools.partial(int2_kivi, block_size=block_size),
         False,
     )
@@ -397,8 +405,9 @@ for _spec in (
     ),
     CacheSpec(
         "int2",
-        "QuantizedCache int2 (KIVI), four codes per byte: keys per channel over 32-token blocks, values per token "
-        "in groups of 32 channels, the newest 32 tokens and the sink block in full precision",
+        "QuantizedCache int2 (KIVI), four codes per byte: keys per channel over 16-token blocks, values per token "
+        "in groups of 32 channels, one-byte scales and zeros, the newest 32 tokens and the sink block in full "
+        "precision",
         int2_kivi,
         False,
     ),
