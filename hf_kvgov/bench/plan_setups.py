@@ -12,8 +12,7 @@ Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDis
 the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
 planner counts one layer of the spilled blocks, up to it, as the caches allocate).
 A quantized cache's per-layer formats (`QuantConfig.layer_formats`, ``full_precision_layers``) are modelled layer
-by layer. What the planner does not model, and so shows up as a gap between prediction and measurement:
-quantized caches' `residual` window.
+by layer, and so is their `residual` window of full-precision tokens.
 """
 
 from __future__ import annotations
@@ -103,6 +102,7 @@ def _quantized(cache: QuantizedCache, kv_dtype: str) -> CacheSetup | None:
         scale_bytes=cache.quant.scale_bytes,
         group_size=cache.quant.group_size,
         sink_blocks=cache.quant.sink_blocks,
+        residual=cache.quant.residual,
         window_frees=_frees(cache),
     )
 

@@ -101,6 +101,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--recall-page-tokens", int, DEFAULT_RECALL_PAGE_TOKENS, "tokens per page of evicted tokens"),
         ("--recall-summary", str, DEFAULT_RECALL_SUMMARY, "what ranks a page of evicted tokens: centroid or bounds"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
+        ("--residual", int, 0, "newest tokens a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
         ("--scale-bytes", int, 2, "bytes of a quantization scale and zero: 2 (fp16), 4 (fp32), 1 (one byte)"),
     ]
@@ -145,6 +146,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_page_tokens=args.recall_page_tokens,
         recall_summary=args.recall_summary,
         sink_blocks=args.sink_blocks,
+        residual=args.residual,
         group_size=args.group_size,
         scale_bytes=args.scale_bytes,
     )

@@ -6,8 +6,9 @@ A layer holds the blocks of one sequence as *runs* of consecutive blocks::
     sliding layer (window W), L > W:           freed ... [ first block overlapping the window ... tail ]
 
 Every run's blocks are full except its last (the tail). With a codec, the sequence's first
-``sink_blocks`` blocks and a partially filled tail stay in full precision; every other block is sealed
-(quantized), as ``QuantizedCache`` does when a block fills up.
+``sink_blocks`` blocks and a partially filled tail stay in full precision, and so do the blocks holding the
+newest ``residual`` tokens; every other block is sealed (quantized), as ``QuantizedCache`` does when a block
+fills up and leaves the residual window.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ _EPSILON = 1e-9
 
 @dataclass(frozen=True)
 class Run:
-    """``tokens`` slots in consecutive blocks of one layer; ``at_sink``: the run starts at block 0."""
+    """``tokens`` slots in consecutive blocks of one layer; ``at_sink``: the run starts at block 0; ``at_end``:
+    it ends at the sequence's newest token (a spilled run ends before it)."""
 
     tokens: int
     at_sink: bool
+    at_end: bool = True
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,12 @@ def run_bytes(run: Run, setup: CacheSetup, head_dim: int) -> int:
     full = setup.full_format.block_bytes(bs, head_dim)
     if setup.codec is None or blocks == 0:
         return blocks * full
-    full_blocks = min(setup.sink_blocks, blocks) if run.at_sink else 0
-    if run.tokens % bs and blocks > full_blocks:
-        full_blocks += 1  # the tail block is still being written: not sealed yet
-    return full_blocks * full + (blocks - full_blocks) * setup.sealed_format.block_bytes(bs, head_dim)
+    sink = min(setup.sink_blocks, blocks) if run.at_sink else 0
+    # Blocks are sealed once full and, at the run's end, older than the residual window (the tail is still
+    # being written); the run starts at a block boundary, so counting from its start gives the same floor.
+    ready = (run.tokens - (setup.residual if run.at_end else 0)) // bs
+    sealed = max(0, ready - sink)
+    return (blocks - sealed) * full + sealed * setup.sealed_format.block_bytes(bs, head_dim)
 
 
 def first_kept_token(window: int | None, length: int, block_size: int) -> int:
@@ -122,7 +127,7 @@ def apply_h2o(run: Run, setup: CacheSetup, own_tokens: int, window: int | None) 
         return run
     budget = max(math.floor(setup.h2o_budget * own_tokens + _EPSILON), setup.h2o_recent, 1)
     room = run.tokens if window is None else min(run.tokens, window - 1)
-    return Run(tokens=min(room, budget), at_sink=run.at_sink)
+    return Run(tokens=min(room, budget), at_sink=run.at_sink, at_end=run.at_end)
 
 
 def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
@@ -134,13 +139,15 @@ def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
     token L - 1 - hot stays too, and a run of whole blocks keeps one block more than ceil(hot / block).
     """
     if setup.spill_hot_tokens is None:
-        return run, Run(0, False)
+        return run, Run(0, False, at_end=False)
     bs = setup.block_size
     pinned = setup.spill_pinned_blocks if run.at_sink else 0
     # Blocks are counted from the run's start: a prefix before it is whole blocks, so the floor is the same.
     cold_blocks = max(0, (run.tokens - 1 - setup.spill_hot_tokens) // bs - pinned)
+    if setup.codec is not None:  # only sealed blocks spill: none of the residual window's
+        cold_blocks = min(cold_blocks, max(0, (run.tokens - setup.residual) // bs - pinned))
     hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and (cold_blocks == 0 or pinned > 0))
-    return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0)
+    return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0, at_end=False)
 
 
 def _static_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
@@ -252,6 +259,7 @@ def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) 
             tokens = min(prefix, (math.ceil(window / bs) + 1) * bs)
         # An eviction cache reads a tree of full-precision blocks (the prefix as computed), whatever its slots.
         stored = dataclasses.replace(layer_setup, codec=None) if setup.eviction_slots else layer_setup
-        per_head = run_bytes(Run(tokens, at_sink=True), stored, geometry.head_dim)
+        # The tree's blocks are served sealed (but the sink), the newest ones too (`QuantizedCache`).
+        per_head = run_bytes(Run(tokens, at_sink=True, at_end=False), stored, geometry.head_dim)
         total += count * geometry.num_kv_heads * per_head
     return total

@@ -50,6 +50,7 @@ class ChainOptions:
     h2o_recent: int = DEFAULT_H2O_RECENT
     spill_hot_tokens: int = DEFAULT_SPILL_HOT_TOKENS
     sink_blocks: int = 1
+    residual: int = 0
     scale_bytes: int = 2
     group_size: int | None = None
     recall_pages: int = DEFAULT_RECALL_PAGES
@@ -68,6 +69,7 @@ class ChainOptions:
             h2o_recent=self.h2o_recent,
             spill_hot_tokens=self.spill_hot_tokens,
             sink_blocks=self.sink_blocks,
+            residual=self.residual,
             scale_bytes=self.scale_bytes,
             group_size=self.group_size,
         )
@@ -105,7 +107,12 @@ def _prefix(s: CacheSetup, o: ChainOptions) -> CacheSetup:
 def _codec(name: str) -> Callable[[CacheSetup, ChainOptions], CacheSetup]:
     def apply(s: CacheSetup, o: ChainOptions) -> CacheSetup:
         return dataclasses.replace(
-            s, codec=name, sink_blocks=o.sink_blocks, scale_bytes=o.scale_bytes, group_size=o.group_size
+            s,
+            codec=name,
+            sink_blocks=o.sink_blocks,
+            residual=o.residual,
+            scale_bytes=o.scale_bytes,
+            group_size=o.group_size,
         )
 
     return apply

@@ -42,6 +42,8 @@ class CacheSetup:
         scale_bytes / group_size: size of a quantization scale and of an integer codec's zero point (fp16: 2,
             fp32: 4, one byte: 1) and the value group along head_dim (None: one group per head).
         sink_blocks: leading blocks a quantized cache keeps in full precision.
+        residual: a quantized cache's newest tokens kept in full precision (`QuantConfig.residual`): a block is
+            sealed once it is full and all its tokens are older than that.
         shared_fraction: part of each sequence's tokens that is a prefix shared with other sequences
             (rounded down to whole blocks; 0 turns sharing off).
         share_group: sequences that share one stored prefix (None: all concurrent sequences).
@@ -81,6 +83,7 @@ class CacheSetup:
     scale_bytes: int = 2
     group_size: int | None = None
     sink_blocks: int = 1
+    residual: int = 0
     shared_fraction: float = 0.0
     share_group: int | None = None
     h2o_budget: float | None = None
@@ -137,7 +140,7 @@ class CacheSetup:
     def _check_ints(self) -> None:
         positive = {"block_size": self.block_size, "max_len": self.max_len, "share_group": self.share_group}
         positive.update(group_size=self.group_size)
-        non_negative = {"sink_blocks": self.sink_blocks, "h2o_recent": self.h2o_recent}
+        non_negative = {"sink_blocks": self.sink_blocks, "residual": self.residual, "h2o_recent": self.h2o_recent}
         non_negative.update(h2o_score_bytes=self.h2o_score_bytes, h2o_metadata_bytes=self.h2o_metadata_bytes)
         non_negative.update(spill_pinned_blocks=self.spill_pinned_blocks, spill_buffer_bytes=self.spill_buffer_bytes)
         for name, value in positive.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,6 +62,24 @@ def test_int8_sequence_keeps_sink_and_tail_in_fp16(tiny: ModelGeometry) -> None:
     assert sequence_bytes(tiny, setup, 12).device == 6 * (128 + 112 + 112)
     # 3 tokens: the only block is the sink.
     assert sequence_bytes(tiny, setup, 3).device == 6 * 128
+
+
+def test_the_residual_window_keeps_the_newest_blocks_in_fp16(tiny: ModelGeometry) -> None:
+    # As above (fp16 block 128 B, int8 block 112 B), with the newest 5 tokens in full precision: a block is
+    # sealed once full and older than them.
+    setup = CacheSetup(block_size=4, codec="int8", residual=5)
+    # 13 tokens: block 1 (tokens 4-7) is sealed, block 2 (8-11) holds token 8 of the window [8, 13): fp16.
+    assert sequence_bytes(tiny, setup, 13).device == 6 * (128 + 112 + 128 + 128)
+    # 17 tokens: window [12, 17); blocks 1 and 2 sealed, 3 and the tail in fp16.
+    assert sequence_bytes(tiny, setup, 17).device == 6 * (128 + 2 * 112 + 2 * 128)
+    # A spilled run ends before the window: with 4 hot tokens blocks 1 and 2 spill, both sealed.
+    spilling = CacheSetup(block_size=4, codec="int8", residual=5, spill_hot_tokens=4, spill_pinned_blocks=1)
+    assert sequence_bytes(tiny, spilling, 17).disk == 6 * 2 * 112
+    # Only sealed blocks spill: with the newest 9 tokens in full precision, block 2 stays (in fp16).
+    wide = dataclasses.replace(spilling, residual=9)
+    assert sequence_bytes(tiny, wide, 17).disk == 6 * 112
+    with pytest.raises(ValueError, match="residual"):
+        CacheSetup(block_size=4, codec="int8", residual=-1)
 
 
 def test_int8_per_token_cost_approaches_codes_plus_scales_for_long_sequences() -> None:

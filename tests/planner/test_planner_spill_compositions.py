@@ -17,6 +17,7 @@ from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup, predict,
 from hf_kvgov.chain.parts import Disk, Paging
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes
@@ -102,6 +103,20 @@ def test_int8_disk_cache_holds_what_the_planner_predicts(tmp_path: Path) -> None
     # Blocks 1-2 spilled (ending before token 95 - 32 = 63); sink block 0 in float32, blocks 3-5 as codes,
     # and one read-ahead row per spilled block (one layer of codes each), under the cap.
     expected = TINY_BLOCK + 3 * TINY_INT8 + 2 * (TINY_INT8 // 2)
+    assert cache.stats().bytes_used == sequence_bytes(planner_geometry(model), setup, 96).device == expected
+    cache.release()
+
+
+def test_a_residual_window_wider_than_the_hot_window_stays_resident(tmp_path: Path) -> None:
+    model = tiny_llama()
+    spill = Disk(path=str(tmp_path), hot_tokens=8, read_buffer_bytes=2 * TINY_SEGMENT)
+    cache = GovernedCache(model, pool=Paging(16), codec=QuantConfig(bits=8, residual=40), spill=spill)
+    _run(model, cache, torch.randint(5, 60, (1, 96), generator=torch.Generator().manual_seed(0)))
+    setup = planner_setup(cache, "fp32")
+    assert setup is not None and (setup.residual, setup.spill_hot_tokens) == (40, 8)
+    # Blocks 1-2 are sealed (they end before token 96 - 40 = 56) and spilled; blocks 3-5 hold the residual
+    # window in float32 and stay, beside the sink and one read-ahead row per spilled block.
+    expected = 4 * TINY_BLOCK + 2 * (TINY_INT8 // 2)
     assert cache.stats().bytes_used == sequence_bytes(planner_geometry(model), setup, 96).device == expected
     cache.release()
 

@@ -45,7 +45,7 @@ def test_greedy_matches_fake_quantization_with_one_byte_statistics(codec: str, p
 
 
 def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
-    cache = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8, scale_bytes=1)  # the planner has no residual
+    cache = QuantizedCache(MODEL, bits=2, block_size=16, residual=16, group_size=8, scale_bytes=1)
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         MODEL(ids[:, :-1], past_key_values=cache)
@@ -54,15 +54,15 @@ def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
     assert layout["key_scale"][1] == layout["value_scale"][1] == LOG_SCALE
     assert layout["key_zero"][1] == layout["value_zero"][1] == ONE_BYTE_ZERO
     stats = cache.stats()
-    # 80 tokens, blocks of 16: sink block 0 stays float32, blocks 1-4 are sealed.
-    assert (stats.full_precision_blocks, stats.sealed_blocks) == (1, 4)
+    # 80 tokens, blocks of 16, the newest 16 in full precision: sink block 0 and block 4 stay float32, 1-3 sealed.
+    assert (stats.full_precision_blocks, stats.sealed_blocks) == (2, 3)
     # One sealed block, per layer and KV head: codes 2 x 16 x 16 / 4, key statistics 16 channels x 2 bytes,
     # value statistics 16 tokens x 2 groups x 2 bytes; x 2 heads x 2 layers.
     sealed_block = 2 * 2 * (2 * 16 * 16 // 4 + 16 * 2 + 16 * 2 * 2)
     full_block = 2 * 2 * 2 * 16 * 16 * 4
-    assert stats.sealed_bytes == 4 * sealed_block and stats.full_precision_bytes == full_block
+    assert stats.sealed_bytes == 3 * sealed_block and stats.full_precision_bytes == 2 * full_block
     setup = planner_setup(cache, "fp32")
-    assert setup is not None and setup.scale_bytes == 1
+    assert setup is not None and (setup.scale_bytes, setup.residual) == (1, 16)
     assert sequence_bytes(planner_geometry(MODEL), setup, 80).device == stats.bytes_used
     fp16 = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8)
     with torch.inference_mode():
