@@ -13,6 +13,7 @@ store them (those tokens in 2 bytes). On a hybrid model (Gemma-3) the sliding-wi
 window, which both fractions count.
 
     python eval/bench_int2.py --models smollm2 gemma3-270m --json eval/results/int2_settings.json
+    python eval/bench_int2.py --models smollm2 --dtype bfloat16 --settings "int2 b16 r32 g32 1B,int4 b16"
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from bench_quant import TEXT, TEXT_START, fp16_bytes_per_token
 
 from hf_kvgov.bench.timing import machine_description
@@ -49,9 +51,12 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def run_model(name: str, settings: dict[str, dict[str, Any]] = SETTINGS) -> list[dict[str, Any]]:
-    """One row per setting (`QuantizedCache` options) on model `name`, all scored in one lockstep batch."""
-    model, tokenizer = load_model(name)
+def run_model(
+    name: str, settings: dict[str, dict[str, Any]] = SETTINGS, dtype: torch.dtype = torch.float32
+) -> list[dict[str, Any]]:
+    """One row per setting (`QuantizedCache` options) on model `name` loaded in `dtype`, all scored in one
+    lockstep batch against the full cache of the same model."""
+    model, tokenizer = load_model(name, dtype=dtype)
     ids = tokenizer(TEXT.read_text(encoding="utf-8")[TEXT_START:], return_tensors="pt")["input_ids"][:, :TOKENS]
     built: dict[str, QuantizedCache] = {}
     builders = {s: (lambda s=s: built.setdefault(s, QuantizedCache(model, **settings[s]))) for s in settings}
@@ -64,7 +69,8 @@ def run_model(name: str, settings: dict[str, dict[str, Any]] = SETTINGS) -> list
         tokens = built[setting].get_seq_length() * fp16
         sixteen_bit = stats.sealed_bytes + stats.full_precision_bytes * 2 / element
         rows.append({
-            "model": name, "setting": setting, "options": settings[setting], "perplexity": score.perplexity,
+            "model": name, "dtype": str(dtype), "setting": setting, "options": settings[setting],
+            "perplexity": score.perplexity,
             "reference_perplexity": score.reference_perplexity, "ppl_increase_pct": score.ppl_increase_pct,
             "vs_fp16_as_stored": stats.bytes_used / tokens, "vs_fp16_16bit_model": sixteen_bit / tokens,
         })  # fmt: skip
@@ -81,8 +87,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3-270m"])
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--settings", help=f"comma-separated subset of: {', '.join(SETTINGS)} [all]")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's dtype")
     args = parser.parse_args()
-    rows = [row for name in args.models for row in run_model(name)]
+    names = SETTINGS if args.settings is None else [n.strip() for n in args.settings.split(",")]
+    unknown = [n for n in names if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; accepted: {', '.join(SETTINGS)}")
+    chosen = {n: SETTINGS[n] for n in names}
+    rows = [row for name in args.models for row in run_model(name, chosen, getattr(torch, args.dtype))]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"machine": machine_description(), "tokens": TOKENS, "rows": rows}, indent=1))
