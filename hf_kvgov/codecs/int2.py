@@ -20,6 +20,10 @@ Layout for a block ``[*lead, T, H, D]``::
     scale  fp16  keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
     zero   fp16  same shape as scale     (the value code 0 decodes to)
 
+or, with ``scale_dtype=LOG_SCALE``, each statistic in one byte (a logarithmic scale byte and an e4m3 zero,
+``numerics``): at 2 bits fp16 statistics are half as many bytes as the codes at 16-token blocks, one-byte ones
+a quarter, which is what takes int2 under 0.2x of float16 (``eval/RESULTS.md``).
+
 Dequantize, element (.., t, h, d), in float32::
 
     c = (codes[.., t, h, d // 4] >> (2 * (d % 4))) & 0x3

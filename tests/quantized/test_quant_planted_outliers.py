@@ -111,3 +111,8 @@ def test_each_format_stays_within_twice_its_unplanted_loss(measured: dict[str, A
     plain, planted_loss = measured["plain"][name], measured["planted"][name]
     print(f"{name}: {plain:+.3f}% unplanted -> {planted_loss:+.3f}% planted")  # the docstring's figures (-s)
     assert planted_loss <= 2 * max(plain, 0.0) + 0.05, f"{name}: {plain:+.3f}% unplanted, {planted_loss:+.3f}% planted"
+
+
+def test_int2_with_one_byte_statistics_stays_within_ten_percent(measured: dict[str, Any]) -> None:
+    """The issue's int2 bound, on the unplanted model against its own full cache (+6.30% measured, 2 threads)."""
+    assert measured["plain"]["int2 one-byte statistics"] <= 10.0
