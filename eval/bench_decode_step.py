@@ -70,9 +70,7 @@ def run_steps(batch: int, context: int, steps: int) -> None:
     caches = {"dynamic": DynamicCache(config=model.config), "paged": PagedCache(model)}
     times: dict[str, list[float]] = {name: [] for name in caches}
     with torch.inference_mode():
-        tokens = {
-            n: model(ids, cache=c, logits_to_keep=1).logits[:, -1:].argmax(-1) for n, c in caches.items()
-        }
+        tokens = {n: model(ids, cache=c, logits_to_keep=1).logits[:, -1:].argmax(-1) for n, c in caches.items()}
         for _ in range(steps):
             for name, cache in caches.items():
                 start = time.perf_counter()

@@ -126,9 +126,7 @@ def run_mode(
         inputs = cache.match(ids) if prefix is not None else {"input_ids": ids}
         hit = cache.get_seq_length()
         with torch.inference_mode():
-            out = model.generate(
-                **inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False, streamer=timer
-            )
+            out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False, streamer=timer)
         assert timer.first_token_at is not None
         ttfts.append(timer.first_token_at - start)
         if prefix is not None:
