@@ -50,8 +50,9 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
-from hf_kvgov.policies import HeadAdaptive, HeavyHitter, Pyramid
+from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, HeavyHitter, Pyramid, QueryForecast
 
+RUNNING_EA = ExpectedAttention(forecast=QueryForecast(running=True))
 CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
 
 
@@ -60,12 +61,23 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
     configs: dict[str, CacheFactory] = {
         "h2o": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, **kw),
         "h2o recent=32": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, recent=32, **kw),
+        # The recent window's share of the budget (H2O's default: half).
+        "h2o recent=0.75": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, recent=0.75, **kw),
+        "h2o recent=0.9": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, recent=0.9, **kw),
         "sink": lambda m, **kw: SinkCache(m, n_sink=4, window=60, budget=KEEP, **kw),
         "snapkv": lambda m, **kw: PolicyCache(m, "snapkv", budget=KEEP, **kw),
         "tova": lambda m, **kw: PolicyCache(m, "tova", budget=KEEP, **kw),
         "key_norm": lambda m, **kw: PolicyCache(m, "key_norm", budget=KEEP, **kw),
         "mean_mass": lambda m, **kw: PolicyCache(m, "mean_mass", budget=KEEP, **kw),
         "expected_attention": lambda m, **kw: PolicyCache(m, "expected_attention", budget=KEEP, **kw),
+        # The forecast from every query seen so far instead of the step's own.
+        "expected_attention running": lambda m, **kw: PolicyCache(m, RUNNING_EA, budget=KEEP, **kw),
+        "expected_attention running recent=128": lambda m, **kw: PolicyCache(
+            m, ExpectedAttention(recent=128, forecast=QueryForecast(running=True)), budget=KEEP, **kw
+        ),
+        "expected_attention running recent=200": lambda m, **kw: PolicyCache(
+            m, ExpectedAttention(recent=200, forecast=QueryForecast(running=True)), budget=KEEP, **kw
+        ),
     }
     if stream:
         decode = HeavyHitter(heavy=0.5, recent=32)
@@ -73,7 +85,8 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
     return configs
 
 
-ALLOCATED = ("snapkv", "expected_attention", "h2o", "mean_mass")  # the policies run with budget allocators
+# The policies run with budget allocators.
+ALLOCATED = ("snapkv", "expected_attention", "expected_attention running", "h2o", "mean_mass")
 
 
 def allocations(with_pyramid: bool, adaptive: bool) -> list[tuple[str, dict[str, Any]]]:

@@ -12,6 +12,11 @@ over the slots a future query can read, summed over the query heads of each KV h
 fact) and optionally multiplied by the slot's value norm (a slot with a small value changes the output
 little whatever its weight).
 
+Running statistics (``QueryForecast(running=True)``): the mean and covariance are those of every valid query the
+layer has seen so far, prefill and decode, accumulated as sums by `QueryStatistics`, instead of the step's own
+queries. During decode a step has one query, whose statistics are a single direction with no covariance; a
+stream's chunks are the tokens just read. The running moments forecast from the whole history instead.
+
 The queries come as attention sees them, after RoPE (and after any QK norm, which is why this works on
 Gemma-3, where kvpress's press does not: it re-projects hidden states and cannot apply the norm). Each is
 turned back by its own position (`rerotate` by ``-position``) to recover the query before RoPE; RoPE's
@@ -38,12 +43,15 @@ class QueryForecast:
         horizon: the future positions the rotation is averaged over (kvpress: 512).
         covariance: add the covariance term (False: the mean query alone).
         value_norm: multiply each slot's expected attention by the L2 norm of its value.
+        running: estimate from every query seen so far (`QueryStatistics`, kept by the cache per layer)
+            rather than from the step's own; ``queries`` then bounds nothing.
     """
 
     queries: int | None = None
     horizon: int = 512
     covariance: bool = True
     value_norm: bool = True
+    running: bool = False
 
     def __post_init__(self) -> None:
         for name in ("queries", "horizon"):
@@ -52,9 +60,75 @@ class QueryForecast:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"QueryForecast.{name} must be a positive int; got {value!r}.")
-        for name in ("covariance", "value_norm"):
+        for name in ("covariance", "value_norm", "running"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QueryForecast.{name} must be a bool; got {getattr(self, name)!r}.")
+
+
+@dataclass
+class QueryStatistics:
+    """Running sums of the queries before RoPE, per row and query head, in float64.
+
+    ``count`` ``[batch]``, ``total`` ``[batch, q_heads, head_dim]`` and ``outer`` ``[batch, q_heads, head_dim,
+    head_dim]`` (the sum of ``q q^T``): the mean is ``total / count`` and the covariance ``outer / count -
+    mean mean^T``. Rows follow the cache's rows (`select_rows` for beams).
+    """
+
+    count: Tensor
+    total: Tensor
+    outer: Tensor
+
+    @classmethod
+    def empty(cls, batch: int, q_heads: int, head_dim: int, device: torch.device) -> QueryStatistics:
+        work = torch.float64
+        return cls(
+            torch.zeros(batch, dtype=work, device=device),
+            torch.zeros(batch, q_heads, head_dim, dtype=work, device=device),
+            torch.zeros(batch, q_heads, head_dim, head_dim, dtype=work, device=device),
+        )
+
+    def add(self, unrotated: Tensor, weights: Tensor) -> None:
+        """Add float64 queries ``[batch, q_heads, n, head_dim]`` (before RoPE) with ``weights`` ``[batch, n]``
+        (1 for a valid query, 0 for padding)."""
+        weighted = unrotated * weights[:, None, :, None]
+        self.count += weights.sum(dim=-1)
+        self.total += weighted.sum(dim=2)
+        self.outer += weighted.transpose(-1, -2) @ unrotated
+
+    def moments(self) -> tuple[Tensor, Tensor]:
+        """(mean ``[batch, q_heads, head_dim]``, covariance ``[batch, q_heads, head_dim, head_dim]``); zeros for a
+        row that has seen no query."""
+        count = self.count.clamp(min=1.0)
+        mean = self.total / count[:, None, None]
+        covariance = self.outer / count[:, None, None, None] - mean[..., :, None] * mean[..., None, :]
+        return mean, covariance
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Row i becomes old row ``rows[i]`` (beam search, batch expansion)."""
+        rows = rows.to(self.count.device)
+        self.count, self.total, self.outer = (t.index_select(0, rows) for t in (self.count, self.total, self.outer))
+
+
+def observe_queries(
+    statistics: QueryStatistics | None,
+    inv_freq: Tensor,
+    query: Tensor,
+    query_positions: Tensor,
+    query_valid: Tensor,
+) -> QueryStatistics:
+    """Add this step's valid queries (after RoPE, as in `expected_attention`) to ``statistics`` (None: start
+    new ones); returns the statistics."""
+    batch, q_heads, _, head_dim = query.shape
+    if statistics is None:
+        statistics = QueryStatistics.empty(batch, q_heads, head_dim, query.device)
+    if statistics.count.shape[0] != batch or statistics.total.shape[1] != q_heads:
+        raise ValueError(
+            f"The running query statistics hold {statistics.count.shape[0]} rows of {statistics.total.shape[1]} "
+            f"query heads; this step has {batch} rows of {q_heads}."
+        )
+    unrotated = rerotate(query.to(torch.float64), -query_positions[:, None, :], inv_freq)
+    statistics.add(unrotated, query_valid.to(torch.float64))
+    return statistics
 
 
 def expected_attention(
@@ -67,6 +141,7 @@ def expected_attention(
     values: Tensor,
     valid: Tensor,
     scale: float,
+    statistics: QueryStatistics | None = None,
 ) -> Tensor:
     """Float ``[batch, kv_heads, slots]``: the expected attention of the queries to come to each slot.
 
@@ -80,26 +155,28 @@ def expected_attention(
         keys, values: ``[batch, kv_heads, slots, head_dim]`` as attention reads them (keys after RoPE).
         valid: bool ``[batch, kv_heads, slots]``: the slots a future query may read; the others get 0.
         scale: the logit scale.
+        statistics: with ``forecast.running``, the layer's running statistics, this step's queries included
+            (`observe_queries`); the moments are read from them instead of from the step's queries.
 
-    A row without a valid query scores every slot 0.
+    A row without a valid query (this step's, or with running statistics any so far) scores every slot 0.
     """
-    batch, q_heads, q_len, head_dim = query.shape
+    batch, q_heads, _, head_dim = query.shape
     kv_heads = keys.shape[1]
     group = q_heads // kv_heads
     work = torch.float64  # a covariance of logits near 1e3 loses the ranking in float32
-    last = q_len if forecast.queries is None else min(forecast.queries, q_len)
-    seen = query[:, :, q_len - last :].to(work)
-    weights = query_valid[:, q_len - last :].to(work)  # [b, n]
-    unrotated = rerotate(seen, -query_positions[:, None, q_len - last :], inv_freq)
-    count = weights.sum(dim=-1).clamp(min=1.0)[:, None, None]  # [b, 1, 1]
-    mean = (unrotated * weights[:, None, :, None]).sum(dim=2) / count  # [b, hq, d]
+    if forecast.running:
+        if statistics is None:
+            raise ValueError("QueryForecast(running=True) needs the layer's running QueryStatistics; none were given.")
+        mean, covariance = statistics.moments()
+        has_query = (statistics.count > 0)[:, None, None]
+    else:
+        mean, covariance = _step_moments(forecast, inv_freq, query, query_positions, query_valid)
+        has_query = query_valid.any(dim=-1)[:, None, None]
     turn = _mean_rotation(query_positions, query_valid, forecast.horizon, inv_freq, head_dim)  # [b, d, d]
     future_mean = torch.einsum("bij,bhj->bhi", turn, mean)
     grouped_mean = future_mean.reshape(batch, kv_heads, group, head_dim)
     logits = scale * torch.einsum("bkgd,bksd->bkgs", grouped_mean, keys.to(work))
     if forecast.covariance:
-        centred = (unrotated - mean[:, :, None]) * weights[:, None, :, None].sqrt()
-        covariance = centred.transpose(-1, -2) @ centred / count[..., None]  # [b, hq, d, d]
         future = turn[:, None] @ covariance @ turn[:, None].transpose(-1, -2)
         future = future.reshape(batch, kv_heads, group, head_dim, head_dim)
         keyed = keys.to(work)
@@ -111,8 +188,23 @@ def expected_attention(
     scores = probs.sum(dim=2)
     if forecast.value_norm:
         scores = scores * values.to(work).norm(dim=-1)
-    has_query = query_valid.any(dim=-1)[:, None, None]
     return torch.where(has_query, scores, 0.0).to(torch.promote_types(query.dtype, torch.float32))
+
+
+def _step_moments(
+    forecast: QueryForecast, inv_freq: Tensor, query: Tensor, query_positions: Tensor, query_valid: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Mean and covariance of the step's last ``forecast.queries`` valid queries, before RoPE, in float64."""
+    q_len = query.shape[2]
+    last = q_len if forecast.queries is None else min(forecast.queries, q_len)
+    seen = query[:, :, q_len - last :].to(torch.float64)
+    weights = query_valid[:, q_len - last :].to(torch.float64)  # [b, n]
+    unrotated = rerotate(seen, -query_positions[:, None, q_len - last :], inv_freq)
+    count = weights.sum(dim=-1).clamp(min=1.0)[:, None, None]  # [b, 1, 1]
+    mean = (unrotated * weights[:, None, :, None]).sum(dim=2) / count  # [b, hq, d]
+    centred = (unrotated - mean[:, :, None]) * weights[:, None, :, None].sqrt()
+    covariance = centred.transpose(-1, -2) @ centred / count[..., None]  # [b, hq, d, d]
+    return mean, covariance
 
 
 def _mean_rotation(positions: Tensor, valid: Tensor, horizon: int, inv_freq: Tensor, head_dim: int) -> Tensor:

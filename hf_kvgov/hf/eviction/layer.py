@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.eviction.cache import EvictionCache
     from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome
     from hf_kvgov.hf.eviction.recall import LayerRecall
+    from hf_kvgov.policies.query_forecast import QueryStatistics
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -55,6 +56,7 @@ class EvictionLayer(CacheLayerMixin):
         self.scores: Tensor | None = None
         self.seen = 0
         self.recall: LayerRecall | None = None  # the pages of evicted tokens, when the cache recalls them
+        self.query_stats: QueryStatistics | None = None  # every query seen, for a running forecast
 
     @property
     def store(self) -> SlotStore | None:
@@ -153,6 +155,7 @@ class EvictionLayer(CacheLayerMixin):
             recall.reset()
         self._drop_slots()
         self.positions = self.valid = self.scores = None
+        self.query_stats = None
         self.seen = 0
         self.is_initialized = False
 
@@ -189,6 +192,8 @@ class EvictionLayer(CacheLayerMixin):
         )
         if self.recall is not None:
             self.recall.select_rows(rows)
+        if self.query_stats is not None:
+            self.query_stats.select_rows(rows)
         shared = self.owner._shared
         if self.index == 0 and shared is not None:  # the matched prefix is the cache's, reindexed once
             shared.select_rows(rows)

@@ -37,7 +37,8 @@ class EvictionStats:
         fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a
     cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
         ``bytes_used`` is everything the cache holds in memory: ``kv_bytes`` (keys and values as stored: codes
-        and scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass) plus
+        and scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass, and a
+        running forecast's query statistics) plus
         ``recall_bytes`` (with recall: pending pages, page summaries and tables, the recall buffer); what
         recall wrote to and read from disk is in ``recall``.
     """
@@ -69,7 +70,10 @@ def layer_stats(
 ) -> EvictionStats:
     """Build `EvictionStats` from the layers of one cache."""
     kv_bytes = sum(layer.kv_bytes for layer in layers)
-    metadata = sum(_nbytes(layer.positions) + _nbytes(layer.valid) + _nbytes(layer.scores) for layer in layers)
+    metadata = sum(
+        _nbytes(layer.positions) + _nbytes(layer.valid) + _nbytes(layer.scores) + _statistics_bytes(layer)
+        for layer in layers
+    )
     recall_bytes = sum(layer.recall_bytes for layer in layers)
     held = kv_bytes + metadata + recall_bytes
     kept = tuple(_kept(layer.valid, kv_heads) for layer in layers)
@@ -92,6 +96,12 @@ def layer_stats(
         recall_bytes=recall_bytes,
         recall=recall,
     )
+
+
+def _statistics_bytes(layer: _Layer) -> int:
+    """Bytes of a layer's running query statistics (`QueryForecast(running=True)`), 0 without them."""
+    statistics = getattr(layer, "query_stats", None)
+    return 0 if statistics is None else sum(_nbytes(t) for t in (statistics.count, statistics.total, statistics.outer))
 
 
 def _kept(valid: Tensor | None, kv_heads: int) -> tuple[int, ...]:

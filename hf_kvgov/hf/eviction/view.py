@@ -31,6 +31,9 @@ Commit = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None,
 # forecast(query, query_positions, query_valid, keys, values, valid, scale) -> the expected attention of
 # the queries to come to each slot (`hf_kvgov.policies.expected_attention` with the layer's RoPE bound).
 Forecast = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+# observe(query, query_positions, query_valid): add the step's queries to the layer's running statistics
+# (`hf_kvgov.policies.query_forecast.observe_queries`), before the forecast reads them.
+QueryObserver = Callable[[Tensor, Tensor, Tensor], None]
 # read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
 KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
 # extra_slots(query, first_query_positions) -> slots attended beside the kept ones this step (a shared
@@ -49,7 +52,8 @@ class EvictionView:
     optional hook giving the keys attention reads, once the new tokens' validity is known; ``window`` the
     layer's sliding window (None: the layer reads every kept slot); ``extra_slots`` gives slots attended
     before the kept ones and never committed: a shared prefix, recalled pages (None: none); ``forecast``
-    estimates the attention of the queries to come when ``needs.forecast`` asks for it (None otherwise).
+    estimates the attention of the queries to come when ``needs.forecast`` asks for it (None otherwise);
+    ``observe`` adds every step's queries to the layer's running statistics when a policy forecasts from them.
     """
 
     keys: Tensor
@@ -64,6 +68,7 @@ class EvictionView:
     window: int | None = None  # a sliding-window layer's window: kept slots older than it are not read
     extra_slots: ExtraSlots | None = None
     forecast: Forecast | None = None
+    observe: QueryObserver | None = None
     consumed: bool = False
 
     def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
@@ -83,6 +88,8 @@ class EvictionView:
         keys = self.keys if self.read_keys is None else self.read_keys(self.keys, self.positions, valid)
         values, positions, kept_valid, scores = self.values, self.positions, self.kept_valid, self.scores
         query_positions = self.positions[:, 0, -q_len:]
+        if self.observe is not None:
+            self.observe(query, query_positions, new_valid)
         expected = None
         if self.forecast is not None:  # of the kept and new slots, before any extra slot joins them
             expected = self.forecast(query, query_positions, new_valid, keys, values, valid, scale)
