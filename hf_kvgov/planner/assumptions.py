@@ -10,6 +10,19 @@ _SUMMARY_WORDS = {"centroid": "mean key", "bounds": "key range (min and max)"}  
 # Sequential read bandwidth of a PCIe 4.0 NVMe SSD, used to price reading spilled KV back.
 DEFAULT_SSD_READ_BYTES_PER_S = 7e9
 
+# scale_bytes -> how the assumptions name a codec's statistics.
+_STATISTICS_WORDS = {
+    2: "an fp16 scale and zero point",
+    4: "an fp32 scale and zero point",
+    1: "a one-byte logarithmic scale and an e4m3 zero point",
+}
+# fp8 keys' zero point is one e4m3 byte whatever the scales.
+_FP8_KEY_WORDS = {
+    2: "an fp16 scale and an e4m3 zero point",
+    4: "an fp32 scale and an e4m3 zero point",
+    1: "a one-byte logarithmic scale and an e4m3 zero point",
+}
+
 
 def _geometry_lines(plan: Plan) -> list[str]:
     g, o = plan.inputs.geometry, plan.options
@@ -62,17 +75,19 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             "that fraction, which is your workload's, not the library's."
         )
     codec = next((n for n in ("int8", "int4", "int2", "fp8") if n in names), None)
+    statistics = _STATISTICS_WORDS[o.scale_bytes]
+    residual = f", and the blocks holding its newest {o.residual} tokens," if o.residual else ""
     if codec in ("int8", "int4", "int2"):
         lines.append(
-            f"{codec}: keys per channel, values per token (KIVI), an fp{8 * o.scale_bytes} scale and zero "
-            f"point each; each sequence's first {o.sink_blocks} block(s) and its partly filled tail block "
-            f"stay in {o.kv_dtype}. Quality loss is not modelled: measure it on your model (kvgov eval)."
+            f"{codec}: keys per channel, values per token (KIVI), {statistics} each; each sequence's first "
+            f"{o.sink_blocks} block(s){residual} and its partly filled tail block stay in {o.kv_dtype}. Quality "
+            "loss is not modelled: measure it on your model (kvgov eval)."
         )
     if codec == "fp8":
         lines.append(
-            f"fp8: one byte per element; keys centred per channel (an fp{8 * o.scale_bytes} scale and zero "
-            "point each), values one scale per token and head group; first and tail blocks stay in full "
-            "precision. Quality loss is not modelled."
+            f"fp8: one byte per element; keys centred per channel ({_FP8_KEY_WORDS[o.scale_bytes]}), values one "
+            "scale per token "
+            f"and head group; first{residual} and tail blocks stay in full precision. Quality loss is not modelled."
         )
     if "h2o" in names:
         lines.append(

@@ -104,6 +104,9 @@ def test_plot_without_matplotlib_gives_the_install_hint(
         (["--model", "llama-13b", "--lengths", "4096"], "longer than the static buffer of max_len 2,048"),
         (["--scenario", "brief", "--chain", "static,paged"], "uses the article's chain"),
         (["--model", "llama-13b", "--shared-fraction", "1.2"], "must lie in [0, 1)"),
+        (["--model", "llama-13b", "--scale-bytes", "3"], "fp32 (4) or one byte (1: a logarithmic scale"),
+        (["--model", "llama-13b", "--residual", "-1"], "residual must be"),
+        (["--model", "llama-13b", "--chain", "paged,int8,h2o,recall", "--scale-bytes", "1"], "keep fp16 statistics"),
     ],
 )
 def test_bad_input_is_a_sentence_and_exit_code_2(
@@ -160,3 +163,19 @@ def test_help_lists_the_subcommand_options(capsys: pytest.CaptureFixture[str]) -
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--scenario" in out and "--shared-fraction" in out and "[0.5]" in out
+
+
+def test_one_byte_statistics_and_the_residual_window_are_planned(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", "SmolLM2-135M", "--chain", "paged,int2", "--lengths", "2048"]
+    assert _run([*argv, "--scale-bytes", "1", "--residual", "32", "--json", str(tmp_path / "one.json")]) == 0
+    out = capsys.readouterr().out
+    assert "a one-byte logarithmic scale and an e4m3 zero point" in out and "its newest 32 tokens" in out
+    assert _run([*argv, "--json", str(tmp_path / "two.json")]) == 0
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text())["steps"][-1] for n in ("one", "two"))
+    # 2,048 tokens in 16-token blocks, per layer and KV head (head_dim 64), 30 x 3 of them. fp16 statistics:
+    # 127 sealed blocks of 2 x 16 x 16 codes + 64 x 4 key + 16 x 4 value bytes, the sink in fp16 (4,096 B).
+    # One byte, newest 32 in fp16: 125 sealed blocks of 512 + 128 + 32, three fp16 blocks.
+    assert two["bytes_per_sequence"] == 90 * (4096 + 127 * (512 + 256 + 64))
+    assert one["bytes_per_sequence"] == 90 * (3 * 4096 + 125 * (512 + 128 + 32))
