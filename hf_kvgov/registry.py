@@ -248,7 +248,7 @@ def _parse_h2o(argument: str) -> CacheSpec:
 
 
 # Policies served on their own by `PolicyCache` under their registered name (H2O and sinks have their caches).
-POLICY_FAMILIES = ("snapkv", "tova", "key_norm", "mean_mass", "expected_attention")
+POLICY_FAMILIES = ("snapkv", "tova", "key_norm", "mean_mass", "expected_attention", "expected_attention_running")
 
 
 def _sized_policy(policy: str, budget: int | float, model: Any, context_tokens: int, **options: Any) -> PolicyCache:

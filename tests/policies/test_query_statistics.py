@@ -8,8 +8,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import PolicyCache, eviction_attention
-from hf_kvgov.policies import ExpectedAttention, QueryForecast, apply_rope, expected_attention
+from hf_kvgov.policies import ExpectedAttention, QueryForecast, apply_rope, expected_attention, make_policy
 from hf_kvgov.policies.query_forecast import QueryStatistics, observe_queries
+from hf_kvgov.registry import get_cache_spec
 from tests.conftest import tiny_llama
 
 INV_FREQ = 1.0 / (10_000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))  # head_dim 8
@@ -109,3 +110,11 @@ def test_the_statistics_are_counted_in_the_bytes_held() -> None:
     per_layer = 8 * 2 * (1 + 4 * 16 + 4 * 16 * 16)
     assert running.stats().metadata_bytes - plain.stats().metadata_bytes == 2 * per_layer
     assert running.stats().kv_bytes == plain.stats().kv_bytes
+
+
+def test_the_registry_names_the_streaming_setting() -> None:
+    policy = make_policy("expected_attention_running")
+    assert isinstance(policy, ExpectedAttention) and policy.forecast.running
+    assert (policy.sinks, policy.recent, policy.min_budget) == (4, 128, 132)
+    cache = get_cache_spec("expected_attention_running@0.2").build(tiny_llama())
+    assert isinstance(cache, PolicyCache)
