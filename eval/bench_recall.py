@@ -1,4 +1,5 @@
-"""Does recall pay? H2O alone, H2O + spill/recall and the full cache on passkey and streaming perplexity.
+"""Does recall pay? H2O (or another policy) alone, with spill/recall, and the full cache on passkey and streaming
+perplexity.
 
 All three run on the same prompts and tokens in one process. "20% resident" is the same K/V memory for
 both eviction configurations, per (sequence, full-attention layer, KV head): 20% of the tokens as kept
@@ -14,6 +15,8 @@ range per written page together (`Recall.kept_within`). Sliding-window layers ke
     python eval/bench_recall.py --models gemma3-270m --tasks passkey --lengths 4096,8192 --samples 10
     python eval/bench_recall.py --models smollm2,gemma3-270m --tasks stream
     python eval/bench_recall.py --models gemma3-270m --tasks passkey --lengths 8192 --pages 16 --summary centroid
+    python eval/bench_recall.py --models smollm2 --tasks stream \
+        --configs expected_attention_running,expected_attention_running+recall
 
 Prints Markdown tables; ``--json`` writes every row.
 """
@@ -32,27 +35,39 @@ import torch
 from policy_protocols import CHUNK, KEEP, PASSAGES, STREAM, first_evicted, passage_ids, plain_forward, stream_ppl
 from transformers import DynamicCache
 
-from hf_kvgov import HeavyHitterCache, eviction_attention
+from hf_kvgov import HeavyHitterCache, PolicyCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.evaluation.registry import get_synthetic_task
 from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, prompt_text
 from hf_kvgov.evaluation.texts import demo_text
 from hf_kvgov.hf.eviction.model_inputs import layer_windows
 from hf_kvgov.models import load_model
+from hf_kvgov.policies import make_policy
 from hf_kvgov.registry import kv_bytes
 from hf_kvgov.tiers.recall_pages import DEFAULT_SUMMARY, Recall
 
-CONFIGS = ("full", "h2o", "h2o+recall")
+# The eviction policies: H2O, and Expected Attention forecasting from every query seen (the streaming setting).
+POLICIES = ("h2o", "expected_attention_running")
+CONFIGS = ("full", *(f"{p}{r}" for p in POLICIES for r in ("", "+recall")))
+DEFAULT_CONFIGS = ("full", "h2o", "h2o+recall")
 
 
 def eviction_cache(model: Any, config: str, tokens: int, recall: Recall, keep: float) -> Any:
-    """H2O at ``keep`` of ``tokens`` resident slots per (sequence, full layer, KV head), with or without recall."""
+    """The config's policy at ``keep`` of ``tokens`` resident slots per (sequence, full layer, KV head), with or
+    without recall."""
+    policy, _, recalled = config.partition("+")
     resident = max(1, math.floor(keep * tokens))
     sliding = {i: resident for i, window in enumerate(layer_windows(model.config)) if window is not None}
-    if config == "h2o":
-        return HeavyHitterCache(model, budget=resident)
+    if not recalled:
+        return _evicting(model, policy, resident)
     kept = recall.kept_within(resident, tokens)
-    return HeavyHitterCache(model, budget=kept, layer_budgets=sliding or None, recall=recall)
+    return _evicting(model, policy, kept, layer_budgets=sliding or None, recall=recall)
+
+
+def _evicting(model: Any, policy: str, budget: int, **options: Any) -> Any:
+    if policy == "h2o":
+        return HeavyHitterCache(model, budget=budget, **options)
+    return PolicyCache(model, make_policy(policy), budget=budget, **options)
 
 
 def passkey_rows(
@@ -64,7 +79,7 @@ def passkey_rows(
     recall: Recall,
     keep: float,
     new: int,
-    configs: tuple[str, ...] = CONFIGS,
+    configs: tuple[str, ...] = DEFAULT_CONFIGS,
 ) -> list[dict[str, Any]]:
     options = SyntheticOptions(("dynamic",), ("passkey",), tuple(lengths), samples, max_new_tokens=new)
     task = get_synthetic_task("passkey")
@@ -104,7 +119,9 @@ def _generate(model: Any, tokenizer: Any, ids: torch.Tensor, config: str, recall
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), cache
 
 
-def stream_rows(model: Any, tokenizer: Any, name: str, recall: Recall, keep: float) -> list[dict[str, Any]]:
+def stream_rows(
+    model: Any, tokenizer: Any, name: str, recall: Recall, keep: float, configs: tuple[str, ...] = DEFAULT_CONFIGS
+) -> list[dict[str, Any]]:
     forward = plain_forward(model)
     rows = []
     resident = math.floor(keep * STREAM)
@@ -112,7 +129,7 @@ def stream_rows(model: Any, tokenizer: Any, name: str, recall: Recall, keep: flo
         ids = passage_ids(tokenizer, passage, STREAM + 1)
         scored = first_evicted(recall.kept_within(resident, STREAM))  # the earlier of the two caches' first eviction
         full = stream_ppl(forward, DynamicCache(config=model.config), ids, scored)
-        for config in CONFIGS[1:]:
+        for config in (c for c in configs if c != "full"):
             cache = eviction_cache(model, config, STREAM, recall, keep)
             with eviction_attention(model):
                 ppl = stream_ppl(forward, cache, ids, scored)
@@ -191,22 +208,25 @@ def main() -> None:
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--summary", default=DEFAULT_SUMMARY, help="page summary ranking recalls: centroid or bounds")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"passkey configurations among {CONFIGS}")
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary)
     tasks = args.tasks.split(",")
     rows: list[dict[str, Any]] = []
+    configs = tuple(args.configs.split(","))
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; accepted: {', '.join(CONFIGS)}")
     for name in args.models.split(","):
         model, tokenizer = load_model(name)
         if "passkey" in tasks:
             lengths = [int(x) for x in args.lengths.split(",")]
-            configs = tuple(args.configs.split(","))
             rows += passkey_rows(
                 model, tokenizer, name, lengths, args.samples, recall, args.keep, args.new_tokens, configs
             )
         if "stream" in tasks:
-            rows += stream_rows(model, tokenizer, name, recall, args.keep)
+            rows += stream_rows(model, tokenizer, name, recall, args.keep, configs)
     print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}), "
           f"{100 * args.keep:g}% resident, {CHUNK}-token stream chunks\n")  # fmt: skip
     if "passkey" in tasks:
