@@ -52,7 +52,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_inputs(parser)
     _add_knobs(parser)
-    parser.add_argument("--json", metavar="PATH", help="also write the table, claims and assumptions as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the table, claims and assumptions as JSON ('-': only the JSON, to stdout)",
+    )
     parser.add_argument("--plot", metavar="PATH", help="also write a PNG bar chart (needs matplotlib)")
     parser.set_defaults(func=run)
     return parser
@@ -156,9 +160,13 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
 
 
 def _write_json(path: str, plan: Plan, claims: list[Claim]) -> None:
+    text = json.dumps(plan_to_dict(plan, claims), indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(plan_to_dict(plan, claims), indent=2) + "\n", encoding="utf-8")
+    target.write_text(text, encoding="utf-8")
     print(f"Wrote {target}")
 
 
@@ -170,9 +178,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvgov plan: error: {err}", file=sys.stderr)
         return 2
     title = f"Scenario {args.scenario!r}: {find_scenario(args.scenario).description}" if args.scenario else None
-    print(render_plan(plan, claims, title))
+    if args.json != "-":
+        print(render_plan(plan, claims, title))
     if args.json:
-        _write_json(args.json, plan, claims)
+        try:
+            _write_json(args.json, plan, claims)
+        except OSError as err:
+            print(f"kvgov plan: error: cannot write the JSON to {args.json}: {err.strerror or err}", file=sys.stderr)
+            return 2
     if args.plot:
         from hf_kvgov.planner.plot import plot_plan
 

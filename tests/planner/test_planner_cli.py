@@ -179,3 +179,14 @@ def test_one_byte_statistics_and_the_residual_window_are_planned(
     # One byte, newest 32 in fp16: 125 sealed blocks of 512 + 128 + 32, three fp16 blocks.
     assert two["bytes_per_sequence"] == 90 * (4096 + 127 * (512 + 256 + 64))
     assert one["bytes_per_sequence"] == 90 * (3 * 4096 + 125 * (512 + 128 + 32))
+
+
+def test_json_to_stdout_and_an_unwritable_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "SmolLM2-135M", "--chain", "paged,int8", "--lengths", "2048"]
+    assert _run([*argv, "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"][-1]["name"] == "int8"  # only the JSON
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert _run([*argv, "--json", str(blocker / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvgov plan: error: cannot write the JSON to ") and err.count("\n") == 1
