@@ -36,6 +36,7 @@ from torch import Tensor
 
 from hf_kvgov.hf.compat import kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, fraction_label
+from hf_kvgov.hf.eviction.forecast_hooks import forecast_hook, forecasts_running, observer_hook
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
@@ -61,13 +62,12 @@ from hf_kvgov.hf.eviction.slot_steps import (
     with_new_slots,
 )
 from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
-from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, Forecast, KeyReader, QueryObserver
+from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
 from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
 from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
-from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention, observe_queries
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
@@ -240,6 +240,8 @@ class EvictionCache(GovernedCache):
         )
         keys, values, positions, kept_valid = with_new_slots(layer, key_states, value_states, new_positions)
         policy, needs = self._step_policy(layer, q_len)
+        wanted = needs.forecast
+        forecast = None if wanted is None else forecast_hook(layer, wanted, self._rotary.of(layer.index))
         view = EvictionView(
             keys=keys,
             values=values,
@@ -253,45 +255,19 @@ class EvictionCache(GovernedCache):
             chunk=self.query_chunk,
             window=layer.window,
             extra_slots=self._extra_slots_of(layer),
-            forecast=None if needs.forecast is None else self._forecast_of(layer, needs.forecast),
-            observe=self._observer_of(layer, policy),
+            forecast=forecast,
+            observe=observer_hook(layer, self._rotary.of(layer.index)) if self._observes(layer) else None,
         )
         attn_kwargs[VIEW_KEY] = view
         self._awaiting_attention = layer.index
         return key_states, value_states
 
-    def _forecast_of(self, layer: EvictionLayer, forecast: QueryForecast) -> Forecast:
-        """The view's hook estimating the queries to come, with the layer's RoPE frequencies (and, for a running
-        forecast, the layer's query statistics as they stand when attention calls it)."""
-        inv_freq = self._rotary.of(layer.index)
-        if not forecast.running:
-            return functools.partial(expected_attention, forecast, inv_freq)
-
-        def running(
-            query: Tensor, positions: Tensor, query_valid: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
-            scale: float,
-        ) -> Tensor:  # fmt: skip
-            statistics = layer.query_stats
-            return expected_attention(
-                forecast, inv_freq, query, positions, query_valid, keys, values, valid, scale, statistics
-            )
-
-        return running
-
-    def _observer_of(self, layer: EvictionLayer, policy: EvictionPolicy) -> QueryObserver | None:
-        """The view's hook adding every step's queries to the layer's running statistics, when a policy that
-        may evict this layer forecasts from them (steps that do not evict count too); None otherwise."""
-        policies = (self._budgets.policies[layer.index], self.decode_policy, policy)
-        if self._appends_only(layer) or not any(
-            p is not None and p.needs.forecast is not None and p.needs.forecast.running for p in policies
-        ):
-            return None
-        inv_freq = self._rotary.of(layer.index)
-
-        def observe(query: Tensor, positions: Tensor, valid: Tensor) -> None:
-            layer.query_stats = observe_queries(layer.query_stats, inv_freq, query, positions, valid)
-
-        return observe
+    def _observes(self, layer: EvictionLayer) -> bool:
+        """Whether this step's queries join the layer's running statistics: a policy that may still evict it
+        forecasts from them."""
+        return not self._appends_only(layer) and forecasts_running(
+            (self._budgets.policies[layer.index], self.decode_policy)
+        )
 
     def _extra_slots_of(self, layer: EvictionLayer) -> Any:
         """The view's hook for slots attended beside the kept ones: the shared prefix, recalled pages; or None."""

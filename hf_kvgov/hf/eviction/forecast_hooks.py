@@ -1,0 +1,53 @@
+"""The eviction view's hooks for Expected Attention: the forecast of the queries to come, and the running
+query statistics a ``QueryForecast(running=True)`` forecasts from (`hf_kvgov.policies.query_forecast`).
+
+Both are built per layer and step by `EvictionCache`, bound to the layer's RoPE frequencies; the statistics
+live on the layer (`EvictionLayer.query_stats`), so they follow its rows through beams and resets.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from hf_kvgov.hf.eviction.view import Forecast, QueryObserver
+from hf_kvgov.policies import EvictionPolicy
+from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention, observe_queries
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.eviction.layer import EvictionLayer
+
+
+def forecast_hook(layer: EvictionLayer, forecast: QueryForecast, inv_freq: Tensor) -> Forecast:
+    """The expected attention of the queries to come, with the layer's RoPE frequencies (and, for a running
+    forecast, the layer's query statistics as they stand when attention calls it)."""
+    if not forecast.running:
+        return functools.partial(expected_attention, forecast, inv_freq)
+
+    def running(
+        query: Tensor, positions: Tensor, query_valid: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
+        scale: float,
+    ) -> Tensor:  # fmt: skip
+        statistics = layer.query_stats
+        return expected_attention(
+            forecast, inv_freq, query, positions, query_valid, keys, values, valid, scale, statistics
+        )
+
+    return running
+
+
+def forecasts_running(policies: Iterable[EvictionPolicy | None]) -> bool:
+    """Whether one of ``policies`` (those that may evict a layer) forecasts from running statistics."""
+    return any(p is not None and p.needs.forecast is not None and p.needs.forecast.running for p in policies)
+
+
+def observer_hook(layer: EvictionLayer, inv_freq: Tensor) -> QueryObserver:
+    """Adds a step's queries to the layer's running statistics (every step, those that do not evict too)."""
+
+    def observe(query: Tensor, positions: Tensor, valid: Tensor) -> None:
+        layer.query_stats = observe_queries(layer.query_stats, inv_freq, query, positions, valid)
+
+    return observe
