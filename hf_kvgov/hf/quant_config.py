@@ -42,7 +42,7 @@ CODEC_NAMES: dict[tuple[str, int], str] = {
 }
 # scale_bytes -> the codecs' scale dtype. One byte: a logarithmic scale byte and an e4m3 zero point
 # (`hf_kvgov.codecs.numerics`), which is what takes int2 under 0.2x of float16 (`eval/RESULTS.md`).
-SCALE_DTYPES: dict[int, torch.dtype] = {2: torch.float16, 1: LOG_SCALE, 4: torch.float32}
+SCALE_DTYPE_BY_BYTES: dict[int, torch.dtype] = {2: torch.float16, 1: LOG_SCALE, 4: torch.float32}
 FULL_PRECISION = "full"  # a per-layer format: the layer's sealed blocks stay in the model's precision
 # What `layer_formats` accepts per layer: every codec name, "fp8" for e4m3, and "full".
 LAYER_FORMATS: tuple[str, ...] = (*dict.fromkeys(CODEC_NAMES.values()), "fp8", FULL_PRECISION)
@@ -86,7 +86,7 @@ class QuantConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int; got {value!r}.")
-        if isinstance(self.scale_bytes, bool) or self.scale_bytes not in SCALE_DTYPES:
+        if isinstance(self.scale_bytes, bool) or self.scale_bytes not in SCALE_DTYPE_BY_BYTES:
             raise ValueError(
                 f"scale_bytes must be 2 (float16), 1 (one byte: a logarithmic scale and an e4m3 zero) or 4 "
                 f"(float32); got {self.scale_bytes!r}."
@@ -111,7 +111,7 @@ class QuantConfig:
         return CODEC_NAMES[(self.fmt, self.bits)]
 
     def codec(self) -> KVCodec:
-        return get_codec(self.codec_name, group_size=self.group_size, scale_dtype=SCALE_DTYPES[self.scale_bytes])
+        return self._codec_named(self.codec_name)
 
     def layer_format(self, layer: int) -> str:
         """The format layer ``layer`` seals its blocks in: a codec name, or "full"."""
@@ -123,7 +123,10 @@ class QuantConfig:
         """The codec of a quantized layer (its override, else the default)."""
         name = self.layer_format(layer)
         assert name != FULL_PRECISION, f"layer {layer} is kept in full precision"
-        return get_codec(name, group_size=self.group_size, scale_dtype=SCALE_DTYPES[self.scale_bytes])
+        return self._codec_named(name)
+
+    def _codec_named(self, name: str) -> KVCodec:
+        return get_codec(name, group_size=self.group_size, scale_dtype=SCALE_DTYPE_BY_BYTES[self.scale_bytes])
 
     @classmethod
     def load(cls, path: str | Path) -> QuantConfig:

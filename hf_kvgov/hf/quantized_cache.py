@@ -123,9 +123,9 @@ class QuantizedCache(PagedCache):
     Args:
         model_or_config: the model (its dtype and device are used) or its config.
         bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes: see
-            `QuantConfig`
-            (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format; `QuantConfig.load` reads
-            the map ``kvgov check-quant --recommend`` writes, ``QuantizedCache.from_config`` builds from it).
+            `QuantConfig` (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
+            `QuantConfig.load` reads the map ``kvgov check-quant --recommend`` writes,
+            ``QuantizedCache.from_config`` builds from it).
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
         pool: a `QuantizedBlockPool` shared by several caches with the same configuration.
         prefix: a `PrefixCache` over such a pool (its pool is used); enables `match` and `publish`.
@@ -343,8 +343,7 @@ class QuantizedCache(PagedCache):
         """The tree namespace of `match` / `publish`: `namespace` plus how this cache seals blocks.
 
         Caches that seal differently (codec, value groups, statistics' bytes, layers in full precision, sink
-        blocks) never
-        share a block; nor does a `PagedCache` on the same pool, which cannot read sealed blocks.
+        blocks) never share a block; nor does a `PagedCache` on the same pool, which cannot read sealed blocks.
         """
         q = self.quant
         layers = ",".join(map(str, q.full_precision_layers))

@@ -219,7 +219,7 @@ def _sealed_operands(sealed: SealedBlocks, key_cache: torch.Tensor) -> _SealedOp
     # fp8 keys' zero points are e4m3 whatever the scales (the codec's format); the kernel decodes the bytes.
     if fmt.codes_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and zeros != [ONE_BYTE_ZERO]:
         raise ValueError(f"{sealed.format} key_zero must be torch.float8_e4m3fn; got {zeros[0]}.")
-    byte_zeros = zeros == [ONE_BYTE_ZERO] * len(zeros) and bool(zeros)
+    byte_zeros = bool(zeros) and zeros[0] == ONE_BYTE_ZERO
     if byte_zeros:
         key_zero, value_zero = key_zero.view(torch.uint8), value_zero.view(torch.uint8)
     if value_codes.stride() != key_codes.stride():

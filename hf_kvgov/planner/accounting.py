@@ -95,11 +95,14 @@ def run_bytes(run: Run, setup: CacheSetup, head_dim: int) -> int:
     if setup.codec is None or blocks == 0:
         return blocks * full
     sink = min(setup.sink_blocks, blocks) if run.at_sink else 0
-    # Blocks are sealed once full and, at the run's end, older than the residual window (the tail is still
-    # being written); the run starts at a block boundary, so counting from its start gives the same floor.
-    ready = (run.tokens - (setup.residual if run.at_end else 0)) // bs
-    sealed = max(0, ready - sink)
+    sealed = max(0, _sealable_blocks(run, setup) - sink)
     return (blocks - sealed) * full + sealed * setup.sealed_format.block_bytes(bs, head_dim)
+
+
+def _sealable_blocks(run: Run, setup: CacheSetup) -> int:
+    """The run's leading blocks that are full and, at the sequence's end, older than the residual window (the
+    tail is still being written); the run starts at a block boundary, so counting from it gives the same floor."""
+    return (run.tokens - (setup.residual if run.at_end else 0)) // setup.block_size
 
 
 def first_kept_token(window: int | None, length: int, block_size: int) -> int:
@@ -145,7 +148,7 @@ def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
     # Blocks are counted from the run's start: a prefix before it is whole blocks, so the floor is the same.
     cold_blocks = max(0, (run.tokens - 1 - setup.spill_hot_tokens) // bs - pinned)
     if setup.codec is not None:  # only sealed blocks spill: none of the residual window's
-        cold_blocks = min(cold_blocks, max(0, (run.tokens - setup.residual) // bs - pinned))
+        cold_blocks = min(cold_blocks, max(0, _sealable_blocks(run, setup) - pinned))
     hot = Run(tokens=run.tokens - cold_blocks * bs, at_sink=run.at_sink and (cold_blocks == 0 or pinned > 0))
     return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0, at_end=False)
 

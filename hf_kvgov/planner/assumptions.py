@@ -10,18 +10,9 @@ _SUMMARY_WORDS = {"centroid": "mean key", "bounds": "key range (min and max)"}  
 # Sequential read bandwidth of a PCIe 4.0 NVMe SSD, used to price reading spilled KV back.
 DEFAULT_SSD_READ_BYTES_PER_S = 7e9
 
-# scale_bytes -> how the assumptions name a codec's statistics.
-_STATISTICS_WORDS = {
-    2: "an fp16 scale and zero point",
-    4: "an fp32 scale and zero point",
-    1: "a one-byte logarithmic scale and an e4m3 zero point",
-}
-# fp8 keys' zero point is one e4m3 byte whatever the scales.
-_FP8_KEY_WORDS = {
-    2: "an fp16 scale and an e4m3 zero point",
-    4: "an fp32 scale and an e4m3 zero point",
-    1: "a one-byte logarithmic scale and an e4m3 zero point",
-}
+# scale_bytes -> how the assumptions name a codec's scale (an integer codec's zero point is stored alike, or
+# as one e4m3 byte beside a one-byte scale; fp8 keys' zero point is one e4m3 byte whatever the scale).
+_SCALE_WORDS = {2: "an fp16 scale", 4: "an fp32 scale", 1: "a one-byte logarithmic scale"}
 
 
 def _geometry_lines(plan: Plan) -> list[str]:
@@ -75,7 +66,8 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             "that fraction, which is your workload's, not the library's."
         )
     codec = next((n for n in ("int8", "int4", "int2", "fp8") if n in names), None)
-    statistics = _STATISTICS_WORDS[o.scale_bytes]
+    scale = _SCALE_WORDS[o.scale_bytes]
+    statistics = f"{scale} and {'an e4m3' if o.scale_bytes == 1 else 'a'} zero point"
     residual = f", and the blocks holding its newest {o.residual} tokens," if o.residual else ""
     if codec in ("int8", "int4", "int2"):
         lines.append(
@@ -85,9 +77,9 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
         )
     if codec == "fp8":
         lines.append(
-            f"fp8: one byte per element; keys centred per channel ({_FP8_KEY_WORDS[o.scale_bytes]}), values one "
-            "scale per token "
-            f"and head group; first{residual} and tail blocks stay in full precision. Quality loss is not modelled."
+            f"fp8: one byte per element; keys centred per channel ({scale} and an e4m3 zero point), values one "
+            f"scale per token and head group; first{residual} and tail blocks stay in full precision. Quality "
+            "loss is not modelled."
         )
     if "h2o" in names:
         lines.append(

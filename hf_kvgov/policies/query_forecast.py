@@ -164,6 +164,7 @@ def expected_attention(
     kv_heads = keys.shape[1]
     group = q_heads // kv_heads
     work = torch.float64  # a covariance of logits near 1e3 loses the ranking in float32
+    covariance: Tensor | None
     if forecast.running:
         if statistics is None:
             raise ValueError("QueryForecast(running=True) needs the layer's running QueryStatistics; none were given.")
@@ -176,7 +177,7 @@ def expected_attention(
     future_mean = torch.einsum("bij,bhj->bhi", turn, mean)
     grouped_mean = future_mean.reshape(batch, kv_heads, group, head_dim)
     logits = scale * torch.einsum("bkgd,bksd->bkgs", grouped_mean, keys.to(work))
-    if forecast.covariance:
+    if forecast.covariance and covariance is not None:
         future = turn[:, None] @ covariance @ turn[:, None].transpose(-1, -2)
         future = future.reshape(batch, kv_heads, group, head_dim, head_dim)
         keyed = keys.to(work)
@@ -193,8 +194,9 @@ def expected_attention(
 
 def _step_moments(
     forecast: QueryForecast, inv_freq: Tensor, query: Tensor, query_positions: Tensor, query_valid: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Mean and covariance of the step's last ``forecast.queries`` valid queries, before RoPE, in float64."""
+) -> tuple[Tensor, Tensor | None]:
+    """Mean and covariance (None without ``forecast.covariance``) of the step's last ``forecast.queries`` valid
+    queries, before RoPE, in float64."""
     q_len = query.shape[2]
     last = q_len if forecast.queries is None else min(forecast.queries, q_len)
     seen = query[:, :, q_len - last :].to(torch.float64)
@@ -202,6 +204,8 @@ def _step_moments(
     unrotated = rerotate(seen, -query_positions[:, None, q_len - last :], inv_freq)
     count = weights.sum(dim=-1).clamp(min=1.0)[:, None, None]  # [b, 1, 1]
     mean = (unrotated * weights[:, None, :, None]).sum(dim=2) / count  # [b, hq, d]
+    if not forecast.covariance:
+        return mean, None
     centred = (unrotated - mean[:, :, None]) * weights[:, None, :, None].sqrt()
     covariance = centred.transpose(-1, -2) @ centred / count[..., None]  # [b, hq, d, d]
     return mean, covariance
