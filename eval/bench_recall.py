@@ -17,6 +17,7 @@ range per written page together (`Recall.kept_within`). Sliding-window layers ke
     python eval/bench_recall.py --models gemma3-270m --tasks passkey --lengths 8192 --pages 16 --summary centroid
     python eval/bench_recall.py --models smollm2 --tasks stream \
         --configs expected_attention_running,expected_attention_running+recall
+    python eval/bench_recall.py --models smollm2 --tasks stream --buffer shared
 
 Prints Markdown tables; ``--json`` writes every row.
 """
@@ -44,7 +45,7 @@ from hf_kvgov.hf.eviction.model_inputs import layer_windows
 from hf_kvgov.models import load_model
 from hf_kvgov.policies import make_policy
 from hf_kvgov.registry import kv_bytes
-from hf_kvgov.tiers.recall_pages import DEFAULT_SUMMARY, Recall
+from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER, DEFAULT_SUMMARY, Recall
 
 # The eviction policies: H2O, and Expected Attention forecasting from every query seen (the streaming setting).
 POLICIES = ("h2o", "expected_attention_running")
@@ -60,8 +61,15 @@ def eviction_cache(model: Any, config: str, tokens: int, recall: Recall, keep: f
     sliding = {i: resident for i, window in enumerate(layer_windows(model.config)) if window is not None}
     if not recalled:
         return _evicting(model, policy, resident)
-    kept = recall.kept_within(resident, tokens)
+    kept = recalled_budget(model, recall, resident, tokens)
     return _evicting(model, policy, kept, layer_budgets=sliding or None, recall=recall)
+
+
+def recalled_budget(model: Any, recall: Recall, resident: int, tokens: int) -> int:
+    """The kept slots beside recall within ``resident`` slot-equivalents; a shared buffer's pages are spread over
+    the full-attention layers, the ones that recall (sliding layers keep their window)."""
+    recalling = sum(window is None for window in layer_windows(model.config))
+    return recall.kept_within(resident, tokens, layers=recalling)
 
 
 def _evicting(model: Any, policy: str, budget: int, **options: Any) -> Any:
@@ -127,7 +135,7 @@ def stream_rows(
     resident = math.floor(keep * STREAM)
     for passage in PASSAGES:
         ids = passage_ids(tokenizer, passage, STREAM + 1)
-        scored = first_evicted(recall.kept_within(resident, STREAM))  # the earlier of the two caches' first eviction
+        scored = first_evicted(recalled_budget(model, recall, resident, STREAM))  # the earlier of the two caches' first eviction
         full = stream_ppl(forward, DynamicCache(config=model.config), ids, scored)
         for config in (c for c in configs if c != "full"):
             cache = eviction_cache(model, config, STREAM, recall, keep)
@@ -207,11 +215,12 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=8, help="pages recalled per (sequence, layer, KV head) per step")
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--summary", default=DEFAULT_SUMMARY, help="page summary ranking recalls: centroid or bounds")
+    parser.add_argument("--buffer", default=DEFAULT_BUFFER, help="recall buffer: layer (one per layer) or shared")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary)
+    recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary, buffer=args.buffer)
     tasks = args.tasks.split(",")
     rows: list[dict[str, Any]] = []
     configs = tuple(args.configs.split(","))
@@ -227,7 +236,8 @@ def main() -> None:
             )
         if "stream" in tasks:
             rows += stream_rows(model, tokenizer, name, recall, args.keep, configs)
-    print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}), "
+    print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}, "
+          f"summary={args.summary!r}, buffer={args.buffer!r}), "
           f"{100 * args.keep:g}% resident, {CHUNK}-token stream chunks\n")  # fmt: skip
     if "passkey" in tasks:
         print(passkey_table(rows) + "\n")

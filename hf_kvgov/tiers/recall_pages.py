@@ -37,6 +37,9 @@ DEFAULT_PAGE_TOKENS = 16
 # default) or Quest's per-channel min and max ("bounds", an upper bound on a page's attention, twice the bytes).
 SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 DEFAULT_SUMMARY = "centroid"
+# Where recalled pages are held between reads: one buffer per layer, or one buffer every layer takes in turn.
+BUFFERS = ("layer", "shared")
+DEFAULT_BUFFER = "layer"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class Recall:
             two rows). The centroid is the default: it answered more passkeys on Gemma-3 at 4k and 8k and lost
             less streaming perplexity on SmolLM2 (`eval/RESULTS.md`), where the bound's worst case over
             wide heads ranks spread-out pages first. See `hf_kvgov.policies.page_bounds`.
+        buffer: where recalled pages are held: "layer" (each layer keeps the pages it recalled at the previous
+            step, so a run of steps asking about the same passage reads it once; ``pages`` pages per sequence,
+            layer and KV head stay resident) or "shared" (one buffer that the layers take in turn, holding only
+            the pages of the layer being attended: a ``1 / layers`` share of that memory, for reading every
+            step's pages again). The pages attended are the same either way.
     """
 
     path: str | None = None
@@ -62,10 +70,13 @@ class Recall:
     page_tokens: int = DEFAULT_PAGE_TOKENS
     max_write_bytes: int | None = None
     summary: str = DEFAULT_SUMMARY
+    buffer: str = DEFAULT_BUFFER
 
     def __post_init__(self) -> None:
         if self.summary not in SUMMARY_ROWS:
             raise ValueError(f"Recall: summary must be one of {', '.join(SUMMARY_ROWS)}; got {self.summary!r}.")
+        if self.buffer not in BUFFERS:
+            raise ValueError(f"Recall: buffer must be one of {', '.join(BUFFERS)}; got {self.buffer!r}.")
         for name, minimum in (("pages", 0), ("page_tokens", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -79,15 +90,19 @@ class Recall:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
             raise ValueError(f"Recall: path must be a directory for the spill file; {self.path!r} is not one.")
 
-    def kept_within(self, resident_slots: int, tokens: int) -> int:
+    def kept_within(self, resident_slots: int, tokens: int, layers: int = 1) -> int:
         """The budget that keeps one (sequence, layer, KV head) within ``resident_slots`` token-equivalents of
-        K/V memory over ``tokens`` tokens, recall included: the budget, one pending page, ``pages`` recalled
-        pages and one summary per written page (min and max: the bytes of one token's key and value; a
-        centroid: half of them).
+        K/V memory over ``tokens`` tokens, recall included: the budget, one pending page, the recalled pages
+        (``pages`` of them; with a shared buffer, their share over the ``layers`` layers that recall) and one
+        summary per written page (min and max: the bytes of one token's key and value; a centroid: half of
+        them).
 
         Raises ValueError when recall's own pages already take ``resident_slots``.
         """
-        fixed = (self.pages + 1) * self.page_tokens
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"Recall.kept_within: layers must be an int >= 1; got {layers!r}.")
+        recalled = self.pages * self.page_tokens
+        fixed = self.page_tokens + (recalled if self.buffer == "layer" else math.ceil(recalled / layers))
         kept = resident_slots - fixed
         rows = SUMMARY_ROWS[self.summary]  # key rows per page; two are one token's K/V
 
@@ -98,7 +113,8 @@ class Recall:
             kept -= 1
         if kept < 1:
             raise ValueError(
-                f"Recall(pages={self.pages}, page_tokens={self.page_tokens}) holds {fixed} slots of pages per "
+                f"Recall(pages={self.pages}, page_tokens={self.page_tokens}, buffer={self.buffer!r}) holds {fixed} "
+                "slots of pages per "
                 f"(sequence, layer, KV head) plus page summaries, more than {resident_slots} resident slots over "
                 f"{tokens} tokens; recall fewer pages or give a larger budget."
             )

@@ -42,11 +42,11 @@ from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, ch
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
 from hf_kvgov.hf.eviction.recall import (
-    LayerRecall,
     Recall,
     RecallCounters,
     RecalledSlots,
     RecallStats,
+    layer_recalls,
     page_tier_for,
     recall_stats,
 )
@@ -186,9 +186,11 @@ class EvictionCache(GovernedCache):
         self.recall = recall
         self._recall_counters = RecallCounters()
         self._page_tier = None if recall is None else page_tier_for(recall, model, self.head_dim, read_keys, name)
-        for layer in self._eviction_layers:
-            if self._page_tier is not None and recall is not None:
-                layer.recall = LayerRecall(self._page_tier, layer.index, recall, self._recall_counters)
+        if self._page_tier is not None and recall is not None:
+            indices = [layer.index for layer in self._eviction_layers]
+            recalls = layer_recalls(self._page_tier, indices, recall, self._recall_counters)
+            for layer, layer_recall in zip(self._eviction_layers, recalls, strict=True):
+                layer.recall = layer_recall
         self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self._min_budget, decode_policy)
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)

@@ -11,11 +11,13 @@ slots, to::
     the pending page          < page_tokens evicted tokens not yet written (always resident)
     the recalled pages        the ``pages`` pages with the highest score, per (sequence, KV head)
 
-Recalled pages live in a bounded buffer: a page chosen at the previous step is not read again, so a run of
-decode steps asking about the same passage reads it once. Reads per layer step are therefore at most
-``pages`` per (sequence, KV head), and the stats report how many were read. What is resident per
-(sequence, layer, KV head) is the budget, one pending page, ``pages`` recalled pages and one summary per
-written page (``head_dim`` values per ``page_tokens`` tokens for a centroid, ``2 x head_dim`` for bounds).
+Recalled pages live in a bounded buffer (`hf_kvgov.hf.eviction.recall_buffer`): with one buffer per layer
+(the default) a page chosen at the previous step is not read again, so a run of decode steps asking about the
+same passage reads it once; a buffer shared by the layers holds one layer's pages at a time and reads each
+step's again. Reads per layer step are at most ``pages`` per (sequence, KV head), and the stats report how
+many were read. What is resident per (sequence, layer, KV head) is the budget, one pending page, ``pages``
+recalled pages (a shared buffer: one layer's, for all of them) and one summary per written page
+(``head_dim`` values per ``page_tokens`` tokens for a centroid, ``2 x head_dim`` for bounds).
 Recalled slots are attended, never kept: the policy's choice of kept slots is the same as without recall, and
 their attention mass is not counted. With every page recalled (``pages`` >= pages written) attention reads
 every token the sequence ever had, which the tests use to check recall exactly against a full cache.
@@ -33,13 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from hf_kvgov.hf.eviction.recall_buffer import RecallBuffer
 from hf_kvgov.policies import gather_kept
 from hf_kvgov.policies.page_bounds import page_centroid_scores, page_upper_bounds
 from hf_kvgov.tiers.recall_pages import SUMMARY_ROWS, PageTier, Recall
 
 GROWTH_PAGES = 16
 
-__all__ = ["LayerRecall", "Recall", "RecallStats", "RecalledSlots", "recall_stats"]
+__all__ = ["LayerRecall", "Recall", "RecallStats", "RecalledSlots", "layer_recalls", "recall_stats"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +104,14 @@ class RecallCounters:
 
 
 class LayerRecall:
-    """One layer's pending pages, page table with key summaries, and recall buffer (see the module docstring)."""
+    """One layer's pending pages, page table with key summaries, and recall buffer (see the module docstring;
+    ``buffer`` is the layer's own, or the one its cache's layers share)."""
 
-    def __init__(self, tier: PageTier, layer: int, recall: Recall, counters: RecallCounters) -> None:
+    def __init__(
+        self, tier: PageTier, layer: int, recall: Recall, counters: RecallCounters, buffer: RecallBuffer
+    ) -> None:
         self.tier = tier
+        self.buffer = buffer
         self.layer = layer
         self.pages = recall.pages
         self.summary = recall.summary
@@ -122,7 +129,7 @@ class LayerRecall:
         self.page_summary: Tensor | None = None  # [b, hk, pages, rows, d]: (min, max) or (mean,) of the keys
         self.page_last: Tensor | None = None  # long [b, hk, pages]: each page's newest position
         self.page_count: Tensor | None = None  # long [b, hk]
-        self.buffer: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        self.buffer.forget(self.layer)
 
     # ------------------------------------------------------------------ spilling
 
@@ -264,27 +271,21 @@ class LayerRecall:
 
     def _fetch(self, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values ``[b, hk, k, page_tokens, d]`` and positions of the ``chosen`` handles (-1: none):
-        from the buffer when the previous step recalled them, else read (and verified) from disk."""
+        from the buffer when it still holds them, else read (and verified) from disk."""
         wanted = sorted({int(h) for h in chosen.flatten().tolist() if h >= 0})
-        missing = [handle for handle in wanted if handle not in self.buffer]
-        if missing:
-            keys, values, positions = self.tier.read(missing, self.layer)
-            fresh = {h: (keys[i], values[i], positions[i]) for i, h in enumerate(missing)}
-        else:
-            fresh = {}
-        self.buffer = {handle: self.buffer.get(handle) or fresh[handle] for handle in wanted}
+        pages, read = self.buffer.take(self.tier, self.layer, wanted)
         counters = self.counters
         counters.layer_steps += 1
-        counters.pages_read += len(missing)
+        counters.pages_read += read
         counters.pages_recalled += len(wanted)
-        counters.max_pages_read_per_step = max(counters.max_pages_read_per_step, len(missing))
+        counters.max_pages_read_per_step = max(counters.max_pages_read_per_step, read)
         slot_of = {handle: i + 1 for i, handle in enumerate(wanted)}  # 0: the zero page of an empty choice
         index = torch.tensor([slot_of.get(int(h), 0) for h in chosen.flatten().tolist()]).reshape(chosen.shape)
         zero_keys = torch.zeros(self.page_tokens, self.tier.head_dim, dtype=self.tier.dtype)
         stacked = [
-            torch.stack([zero_keys, *(self.buffer[h][0] for h in wanted)]),
-            torch.stack([zero_keys, *(self.buffer[h][1] for h in wanted)]),
-            torch.stack([torch.zeros(self.page_tokens, dtype=torch.long), *(self.buffer[h][2] for h in wanted)]),
+            torch.stack([zero_keys, *(pages[h][0] for h in wanted)]),
+            torch.stack([zero_keys, *(pages[h][1] for h in wanted)]),
+            torch.stack([torch.zeros(self.page_tokens, dtype=torch.long), *(pages[h][2] for h in wanted)]),
         ]
         return stacked[0][index], stacked[1][index], stacked[2][index]
 
@@ -312,13 +313,23 @@ class LayerRecall:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: pending pages, page summaries, page table and the recall buffer."""
+        """Bytes held in memory: pending pages, page summaries, page table and the recall buffer's pages of this
+        layer (a shared buffer is counted by the layer whose pages it holds)."""
         tensors = [
             self.pending_keys, self.pending_values, self.pending_positions, self.pending_count, self.handles,
             self.page_summary, self.page_last, self.page_count,
         ]  # fmt: skip
-        buffered = [tensor for page in self.buffer.values() for tensor in page]
-        return sum(t.numel() * t.element_size() for t in (*tensors, *buffered) if t is not None)
+        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return held + self.buffer.held_bytes(self.layer)
+
+
+def layer_recalls(tier: PageTier, layers: list[int], recall: Recall, counters: RecallCounters) -> list[LayerRecall]:
+    """The recall state of each of a cache's ``layers``: each with its own buffer, or all taking one in turn."""
+    shared = RecallBuffer()
+    return [
+        LayerRecall(tier, layer, recall, counters, shared if recall.buffer == "shared" else RecallBuffer())
+        for layer in layers
+    ]
 
 
 def page_tier_for(recall: Recall, model: Any, head_dim: int, read_keys: object, owner: str) -> PageTier:
