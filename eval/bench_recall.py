@@ -135,7 +135,8 @@ def stream_rows(
     resident = math.floor(keep * STREAM)
     for passage in PASSAGES:
         ids = passage_ids(tokenizer, passage, STREAM + 1)
-        scored = first_evicted(recalled_budget(model, recall, resident, STREAM))  # the earlier of the two caches' first eviction
+        # Scored from the earlier of the two caches' first eviction.
+        scored = first_evicted(recalled_budget(model, recall, resident, STREAM))
         full = stream_ppl(forward, DynamicCache(config=model.config), ids, scored)
         for config in (c for c in configs if c != "full"):
             cache = eviction_cache(model, config, STREAM, recall, keep)

@@ -189,7 +189,10 @@ def _recall(cache: Any) -> dict[str, Any]:
     recall = getattr(cache, "recall", None)
     if recall is None:
         return {}
-    return {"recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens, "recall_summary": recall.summary}
+    return {
+        "recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens, "recall_summary": recall.summary,
+        "recall_buffer": recall.buffer,
+    }  # fmt: skip
 
 
 def _slot_codec(cache: Any) -> dict[str, Any]:

@@ -152,7 +152,7 @@ def _check_spill_with_policy(parts: ChainParts) -> None:
         raise ChainRefused(
             f"With an eviction policy the disk tier holds evicted tokens in pages, so Disk("
             f"{', '.join(f'{n}=...' for n in spill.block_fields_changed())}) has no meaning there; give path=, "
-            "max_write_bytes=, recall_pages=, page_tokens= and recall_summary= only."
+            "max_write_bytes=, recall_pages=, page_tokens=, recall_summary= and recall_buffer= only."
         )
 
 

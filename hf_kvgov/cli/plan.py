@@ -33,6 +33,7 @@ from hf_kvgov.planner.scenario import SCENARIOS, Claim, Scenario, check_claims, 
 from hf_kvgov.planner.setup import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_H2O_RECENT,
+    DEFAULT_RECALL_BUFFER,
     DEFAULT_RECALL_SUMMARY,
     DEFAULT_SPILL_HOT_TOKENS,
 )
@@ -104,6 +105,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--recall-pages", int, DEFAULT_RECALL_PAGES, "pages of evicted tokens recalled per step ('recall' step)"),
         ("--recall-page-tokens", int, DEFAULT_RECALL_PAGE_TOKENS, "tokens per page of evicted tokens"),
         ("--recall-summary", str, DEFAULT_RECALL_SUMMARY, "what ranks a page of evicted tokens: centroid or bounds"),
+        ("--recall-buffer", str, DEFAULT_RECALL_BUFFER, "where recalled pages are held: layer or shared"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--residual", int, 0, "newest tokens a quantized cache keeps in full precision"),
         ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
@@ -149,6 +151,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_pages=args.recall_pages,
         recall_page_tokens=args.recall_page_tokens,
         recall_summary=args.recall_summary,
+        recall_buffer=args.recall_buffer,
         sink_blocks=args.sink_blocks,
         residual=args.residual,
         group_size=args.group_size,

@@ -172,37 +172,44 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
             raise ValueError(f"A sequence of {length} tokens does not fit a static buffer of {setup.max_len}.")
         return SequenceBytes(device=_static_bytes(geometry, setup), disk=0, shared_tokens=0)
     prefix = shared_prefix_tokens(setup, length)
-    device = disk = one_layer_disk = 0
+    device = disk = one_layer_disk = buffers = one_layer_buffer = 0
     for count, window, layer_setup in layer_setups(geometry, setup):
         own = _own_layer_bytes(layer_setup, length, prefix, held_window(setup, window), geometry.head_dim)
-        layer_device, layer_disk = own
+        layer_device, layer_disk, layer_buffer = own
         device += count * geometry.num_kv_heads * layer_device
         disk += count * geometry.num_kv_heads * layer_disk
         one_layer_disk = max(one_layer_disk, geometry.num_kv_heads * layer_disk)
+        buffers += count * geometry.num_kv_heads * layer_buffer
+        one_layer_buffer = max(one_layer_buffer, geometry.num_kv_heads * layer_buffer)
+    # Recalled pages: every layer's buffer, or one buffer shared by the layers, holding one layer's pages.
+    device += one_layer_buffer if setup.recall_buffer == "shared" else buffers
     # A sequence that reads blocks back holds read-ahead rows: one layer of its spilled blocks, up to the cap.
     device += min(setup.spill_buffer_bytes, one_layer_disk)
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
 
 
-def _own_layer_bytes(setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int) -> tuple[int, int]:
-    """(accelerator, disk) bytes that one layer and KV head hold for this sequence alone."""
+def _own_layer_bytes(
+    setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int
+) -> tuple[int, int, int]:
+    """(accelerator, disk, recall buffer) bytes that one layer and KV head hold for this sequence alone (the
+    recall buffer apart: a shared one is counted once per sequence)."""
     visible = private_run(setup, length, prefix, window)
     run = apply_h2o(visible, setup, length - prefix, window)
     if setup.eviction_slots:
         kept = _slot_bytes(setup, run.tokens, head_dim)
         if setup.recall_pages is None:
-            return kept, 0
+            return kept, 0, 0
         # What the policy evicted of what later queries can see (a sliding layer's window - 1 at most).
         seen = visible.tokens if window is None else min(visible.tokens, window - 1)
-        resident, disk = recall_bytes(setup, seen - run.tokens, head_dim)
-        return kept + resident, disk
+        resident, disk, buffer = recall_bytes(setup, seen - run.tokens, head_dim)
+        return kept + resident, disk, buffer
     hot, cold = split_spill(run, setup)  # a sliding layer's run is its window already: only its older part spills
     device = run_bytes(hot, setup, head_dim)
     if setup.h2o_budget is not None:
         # H2O keeps the attention mass and bookkeeping of every kept slot (spilled ones too) on the accelerator.
         per_slot = setup.h2o_score_bytes + setup.h2o_metadata_bytes
         device += math.ceil(run.tokens / setup.block_size) * setup.block_size * per_slot
-    return device, run_bytes(cold, setup, head_dim)
+    return device, run_bytes(cold, setup, head_dim), 0
 
 
 # The recall tier's page table keeps this many spare entries (`hf_kvgov.hf.eviction.recall.GROWTH_PAGES`).
@@ -210,17 +217,18 @@ _RECALL_SPARE_PAGES = 16
 _INDEX_BYTES = 8  # int64 positions, handles and counts
 
 
-def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, int]:
-    """(resident, disk) bytes of one layer and KV head's recall tier once ``evicted`` tokens were evicted.
+def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, int, int]:
+    """(resident, disk, buffer) bytes of one layer and KV head's recall tier once ``evicted`` tokens were evicted.
 
-    As the cache holds them after a decode step: nothing before the first eviction; then one pending page
-    (K/V in the model's dtype, positions, its count), one summary (min and max: a token's K/V bytes; a
-    centroid: half), handle and newest position per written page, spare table entries, and the recall buffer of up to
-    ``recall_pages`` written pages (K/V and positions). On disk: each written page's K/V and positions.
+    As the cache holds them after a decode step: nothing before the first eviction; then, resident, one pending
+    page (K/V in the model's dtype, positions, its count), one summary (min and max: a token's K/V bytes; a
+    centroid: half), handle and newest position per written page and spare table entries; in the recall
+    buffer, up to ``recall_pages`` written pages (K/V and positions). On disk: each written page's K/V and
+    positions.
     """
     assert setup.recall_pages is not None
     if evicted <= 0:
-        return 0, 0
+        return 0, 0, 0
     size = setup.recall_page_tokens
     token = 2 * head_dim * KV_DTYPE_BYTES[setup.kv_dtype] + _INDEX_BYTES  # K, V and position of one token
     written = evicted // size
@@ -230,7 +238,7 @@ def recall_bytes(setup: CacheSetup, evicted: int, head_dim: int) -> tuple[int, i
         summary = RECALL_SUMMARY_ROWS[setup.recall_summary] * head_dim * KV_DTYPE_BYTES[setup.kv_dtype]
         table += (written + _RECALL_SPARE_PAGES) * (summary + 2 * _INDEX_BYTES)
     buffer = min(setup.recall_pages, written) * size * token
-    return pending + table + buffer, written * size * token
+    return pending + table, written * size * token, buffer
 
 
 def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:

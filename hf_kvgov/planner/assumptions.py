@@ -6,6 +6,7 @@ from hf_kvgov.planner.planner import Plan
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, format_bytes
 
 _SUMMARY_WORDS = {"centroid": "mean key", "bounds": "key range (min and max)"}  # what a page leaves resident
+_BUFFER_WORDS = {"layer": "each layer's buffer", "shared": "one buffer the layers share (one layer's pages)"}
 
 # Sequential read bandwidth of a PCIe 4.0 NVMe SSD, used to price reading spilled KV back.
 DEFAULT_SSD_READ_BYTES_PER_S = 7e9
@@ -96,8 +97,8 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             "KV head); every evicted token is written once to a disk page of "
             f"{o.recall_page_tokens} tokens per layer and KV head, whose {_SUMMARY_WORDS[o.recall_summary]} stays "
             f"resident with a pending page in {o.kv_dtype}, and {o.recall_pages} pages per layer come back "
-            "per decode step into a buffer counted here. Reads are capped at those pages, not the whole "
-            "spilled history."
+            f"per decode step into {_BUFFER_WORDS[o.recall_buffer]}, counted here. Reads are capped at those pages, "
+            "not the whole spilled history."
         )
     return lines
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from hf_kvgov.planner.setup import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_H2O_RECENT,
+    DEFAULT_RECALL_BUFFER,
     DEFAULT_RECALL_SUMMARY,
     DEFAULT_SPILL_HOT_TOKENS,
     CacheSetup,
@@ -56,6 +57,7 @@ class ChainOptions:
     recall_pages: int = DEFAULT_RECALL_PAGES
     recall_page_tokens: int = DEFAULT_RECALL_PAGE_TOKENS
     recall_summary: str = DEFAULT_RECALL_SUMMARY
+    recall_buffer: str = DEFAULT_RECALL_BUFFER
 
     def __post_init__(self) -> None:
         # Every knob is checked up front, even for techniques the chain leaves out.
@@ -80,6 +82,7 @@ class ChainOptions:
             recall_pages=self.recall_pages,
             recall_page_tokens=self.recall_page_tokens,
             recall_summary=self.recall_summary,
+            recall_buffer=self.recall_buffer,
         )
 
 
@@ -136,6 +139,7 @@ def _recall(s: CacheSetup, o: ChainOptions) -> CacheSetup:
         recall_pages=o.recall_pages,
         recall_page_tokens=o.recall_page_tokens,
         recall_summary=o.recall_summary,
+        recall_buffer=o.recall_buffer,
     )
 
 

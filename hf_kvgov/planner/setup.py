@@ -23,6 +23,9 @@ DEFAULT_SPILL_HOT_TOKENS = 512
 # a test keeps them equal, the planner imports no torch).
 RECALL_SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 DEFAULT_RECALL_SUMMARY = "centroid"
+# Where recalled pages are held (`hf_kvgov.tiers.recall_pages.BUFFERS`): each layer's own buffer, or one shared.
+RECALL_BUFFERS = ("layer", "shared")
+DEFAULT_RECALL_BUFFER = "layer"
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class CacheSetup:
             (`hf_kvgov.hf.eviction.recall`); on disk: every evicted token in a full page.
         recall_summary: what each written page leaves resident: "centroid" (its mean key) or "bounds" (its
             keys' per-channel min and max), as `Recall.summary`.
+        recall_buffer: where recalled pages are held, as `Recall.buffer`: "layer" (every layer and KV head
+            holds up to ``recall_pages`` pages) or "shared" (one buffer holds one layer's pages, for all).
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
@@ -94,6 +99,7 @@ class CacheSetup:
     recall_pages: int | None = None
     recall_page_tokens: int = 16
     recall_summary: str = DEFAULT_RECALL_SUMMARY
+    recall_buffer: str = DEFAULT_RECALL_BUFFER
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0
@@ -171,6 +177,10 @@ class CacheSetup:
                 raise ValueError(
                     f"CacheSetup.recall_summary must be one of {', '.join(RECALL_SUMMARY_ROWS)}; got "
                     f"{self.recall_summary!r}."
+                )
+            if self.recall_buffer not in RECALL_BUFFERS:
+                raise ValueError(
+                    f"CacheSetup.recall_buffer must be one of {', '.join(RECALL_BUFFERS)}; got {self.recall_buffer!r}."
                 )
             if not self.eviction_slots:
                 raise ValueError("recall_pages recalls what an eviction cache evicts: it needs eviction_slots=True.")

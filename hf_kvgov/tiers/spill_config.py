@@ -11,6 +11,8 @@ from typing import Any
 
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.recall_pages import (
+    BUFFERS,
+    DEFAULT_BUFFER,
     DEFAULT_PAGE_TOKENS,
     DEFAULT_RECALL_PAGES,
     DEFAULT_SUMMARY,
@@ -30,7 +32,8 @@ class DiskCacheConfig:
     In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
     (`hf_kvgov.hf.eviction.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
     recalled per (sequence, layer, KV head) at each step, a page holds ``page_tokens`` tokens and
-    ``recall_summary`` ranks them (`Recall.summary`: "centroid" or "bounds"); the block
+    ``recall_summary`` ranks them (`Recall.summary`: "centroid" or "bounds") and ``recall_buffer`` says where
+    recalled pages are held (`Recall.buffer`: "layer" or "shared"); the block
     fields (``hot_tokens``, ``max_resident_bytes``, ``read_buffer_bytes``, ``prefetch``, ``on_full``,
     ``extent_blocks``) have no meaning there and must stay at their defaults.
     """
@@ -46,6 +49,7 @@ class DiskCacheConfig:
     recall_pages: int = DEFAULT_RECALL_PAGES
     page_tokens: int = DEFAULT_PAGE_TOKENS
     recall_summary: str = DEFAULT_SUMMARY
+    recall_buffer: str = DEFAULT_BUFFER
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
@@ -59,6 +63,8 @@ class DiskCacheConfig:
                 _check_int(name, getattr(self, name), minimum=1 if name != "read_buffer_bytes" else 0)
         if self.recall_summary not in SUMMARY_ROWS:
             raise ValueError(f"recall_summary must be one of {', '.join(SUMMARY_ROWS)}; got {self.recall_summary!r}.")
+        if self.recall_buffer not in BUFFERS:
+            raise ValueError(f"recall_buffer must be one of {', '.join(BUFFERS)}; got {self.recall_buffer!r}.")
         if self.on_full not in ON_FULL:
             raise ValueError(f"on_full must be one of {ON_FULL}; got {self.on_full!r}.")
         if self.max_resident_bytes is not None and self.buffer_bytes >= self.max_resident_bytes:
@@ -69,14 +75,15 @@ class DiskCacheConfig:
 
     def recall(self) -> Recall:
         """The recall tier an eviction chain builds from this spill part."""
-        return Recall(self.path, self.recall_pages, self.page_tokens, self.max_write_bytes, self.recall_summary)
+        pages, tokens, summary, buffer = self.recall_pages, self.page_tokens, self.recall_summary, self.recall_buffer
+        return Recall(self.path, pages, tokens, self.max_write_bytes, summary, buffer)
 
     @classmethod
     def of_recall(cls, recall: Recall) -> DiskCacheConfig:
         """The spill part of an eviction cache built with ``recall=``."""
         return cls(
             path=recall.path, max_write_bytes=recall.max_write_bytes, recall_pages=recall.pages,
-            page_tokens=recall.page_tokens, recall_summary=recall.summary,
+            page_tokens=recall.page_tokens, recall_summary=recall.summary, recall_buffer=recall.buffer,
         )  # fmt: skip
 
     def block_fields_changed(self) -> list[str]:
@@ -88,7 +95,7 @@ class DiskCacheConfig:
     def recall_fields_changed(self) -> list[str]:
         """The recall fields set away from their defaults (meaningless without an eviction policy)."""
         default = DiskCacheConfig()
-        fields = ("recall_pages", "page_tokens", "recall_summary")
+        fields = ("recall_pages", "page_tokens", "recall_summary", "recall_buffer")
         return [name for name in fields if getattr(self, name) != getattr(default, name)]
 
     @property

@@ -294,18 +294,22 @@ def test_the_registry_names_h2o_with_recall() -> None:
         get_cache_spec("h2o@0.2+spill")
 
 
-@pytest.mark.parametrize("summary", ["bounds", "centroid"])
-def test_the_planner_counts_recall_bytes_as_the_cache_holds_them(summary: str) -> None:
+@pytest.mark.parametrize(("summary", "buffer"), [("bounds", "layer"), ("centroid", "layer"), ("centroid", "shared")])
+def test_the_planner_counts_recall_bytes_as_the_cache_holds_them(summary: str, buffer: str) -> None:
     model = tiny_llama()  # full attention only
-    cache = HeavyHitterCache(model, budget=BUDGET, recall=Recall(pages=2, page_tokens=PAGE, summary=summary))
+    recall = Recall(pages=2, page_tokens=PAGE, summary=summary, buffer=buffer)
+    cache = HeavyHitterCache(model, budget=BUDGET, recall=recall)
     generate(model, cache, rows=1, new=3)
     setup = CacheSetup(
         block_size=1, kv_dtype="fp32", h2o_budget=0.5, eviction_slots=True, recall_pages=2, recall_page_tokens=PAGE,
-        recall_summary=summary,
+        recall_summary=summary, recall_buffer=buffer,
     )  # fmt: skip
     evicted = PROMPT + 3 - 1 - BUDGET
-    resident, disk = recall_bytes(setup, evicted, head_dim=16)
-    layers_times_heads = 2 * 2
-    assert cache.stats().recall_bytes == layers_times_heads * resident
+    resident, disk, buffered = recall_bytes(setup, evicted, head_dim=16)
+    layers, heads = 2, 2
+    buffers = heads * buffered if buffer == "shared" else layers * heads * buffered  # a shared one: one layer's
+    assert buffered > 0
+    assert cache.stats().recall_bytes == layers * heads * resident + buffers
+    layers_times_heads = layers * heads
     stats = cache.recall_stats()
     assert stats is not None and stats.bytes_written == layers_times_heads * disk

@@ -110,3 +110,37 @@ def test_kvgov_plan_takes_the_recall_summary_and_refuses_an_unknown_one(capsys: 
     assert _run([*argv, "--recall-summary", "mean"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "recall_summary must be one of bounds, centroid; got 'mean'" in err
+
+
+def test_a_shared_recall_buffer_is_counted_once_per_sequence_as_the_built_cache_holds_it(tmp_path: Path) -> None:
+    model = tiny_llama()
+    geometry = planner_geometry(model)
+    assert geometry is not None
+    length = 1000
+    planned = {}
+    for buffer in ("layer", "shared"):
+        cache = GovernedCache(
+            model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2),
+            spill=Disk(path=str(tmp_path / buffer), recall_buffer=buffer),
+        )  # fmt: skip
+        built = planner_setup(cache, "fp32")
+        assert built is not None and built.recall_buffer == buffer
+        options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent, recall_buffer=buffer)
+        steps = {name: setup for name, _, setup in build_chain(parse_chain("paged,int8,h2o,recall"), options)}
+        planned[buffer] = sequence_bytes(geometry, steps["recall"], length)
+        assert planned[buffer] == sequence_bytes(geometry, built, length)
+    # 800 evicted tokens write 50 pages per layer and KV head, so each buffer holds 8 pages of 16 tokens (K, V in
+    # fp32 and an int64 position each); shared, one layer's buffers are held instead of every layer's.
+    layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    one_layer = kv_heads * DEFAULT_RECALL_PAGES * 16 * (2 * head_dim * 4 + 8)
+    assert planned["layer"].device - planned["shared"].device == (layers - 1) * one_layer
+    assert planned["layer"].disk == planned["shared"].disk
+
+
+def test_kvgov_plan_takes_the_recall_buffer_and_refuses_an_unknown_one(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "SmolLM2-135M", "--chain", "paged,int8,h2o,recall", "--lengths", "2048"]
+    assert _run([*argv, "--recall-buffer", "shared"]) == 0
+    assert "one buffer the layers share (one layer's pages)" in capsys.readouterr().out
+    assert _run([*argv, "--recall-buffer", "global"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "recall_buffer must be one of layer, shared; got 'global'" in err
