@@ -50,6 +50,7 @@ def main() -> None:
         help="hot window of the prefix + disk row (below a request's own part)",
     )
     parser.add_argument("--decode-steps", type=int, default=16, help="interleaved decode rounds")
+    parser.add_argument("--recall-buffer", default="layer", help="the recall step's buffer: layer or shared")
     parser.add_argument("--text", type=Path, default=TEXT, help="text the requests and perplexity are cut from")
     parser.add_argument("--steps", help="comma-separated steps to run (default: all), e.g. paged,h2o,spill")
     parser.add_argument("--json", type=Path, help="write the report here")
@@ -67,6 +68,7 @@ def main() -> None:
         passkey_samples=args.passkey_samples,
         passkey_length=args.passkey_length,
         passkey_new_tokens=args.passkey_new_tokens,
+        recall_buffer=args.recall_buffer,
         steps=None if args.steps is None else tuple(args.steps.split(",")),
     )
     text = args.text.read_text(encoding="utf-8")

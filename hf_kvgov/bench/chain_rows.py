@@ -170,7 +170,8 @@ STEPS: tuple[ChainStep, ...] = (
         numerics="h2o@{h2o_budget}:int8",
     ),
     ChainStep(
-        "spill", "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step)",
+        "spill",
+        "+ disk spill with recall (evicted tokens to 16-token disk pages, 8 recalled per step, {recall_buffer} buffer)",
         evicting(recall_parts), shared_eviction_bytes,
         _SHARED_EVICTION.format(recall=", pending page, page summaries, recall buffer"), shares_document=True,
         numerics="h2o@{h2o_budget}:int8+recall",

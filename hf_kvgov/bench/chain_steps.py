@@ -34,6 +34,7 @@ from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_stats import live_entries
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import kv_bytes
+from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER
 
 AttentionContext = Callable[[Any], contextlib.AbstractContextManager[Any]]
 Parts = dict[str, Any]
@@ -57,6 +58,7 @@ class ChainBenchConfig:
     # RESULTS runs), so a 512-token window would keep all of it and spill nothing.
     spill_hot_tokens_shared: int = 128
     spill_buffer_bytes: int | None = None  # the disk cache's read-ahead cap (None: its default)
+    recall_buffer: str = DEFAULT_BUFFER  # the recall step's `Recall.buffer`: "layer" or "shared"
     chunk: int = 512  # tokens a request writes per step when a shared pool is filled (a prefill chunk)
     ppl_tokens: int = 2048
     ppl_chunk: int = 16
@@ -86,6 +88,7 @@ class ChainBenchConfig:
                 f"(a request has at least one token of its own); got {self.shared_tokens}."
             )
         HeavyHitter(self.h2o_budget)  # the chain's own check of a budget
+        Disk(recall_buffer=self.recall_buffer)  # and of a recall buffer
         self._check_shared_spill()
 
     def _check_shared_spill(self) -> None:
@@ -264,7 +267,7 @@ def h2o_parts(ctx: Context, own_tokens: int) -> Parts:
 
 def recall_parts(ctx: Context, own_tokens: int) -> Parts:
     """H2O's parts, with what it evicts spilled to disk pages and recalled (the tier's default pages)."""
-    return h2o_parts(ctx, own_tokens) | {"spill": Disk(path=ctx.spill_dir)}
+    return h2o_parts(ctx, own_tokens) | {"spill": Disk(path=ctx.spill_dir, recall_buffer=ctx.config.recall_buffer)}
 
 
 def disk_parts(ctx: Context) -> Parts:

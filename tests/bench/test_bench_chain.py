@@ -269,6 +269,26 @@ def test_a_chosen_subset_of_steps_runs_alone(tiny: tuple[Any, Any]) -> None:
     assert report.row("spill").sequences == 8  # as in the full run
 
 
+def test_a_shared_recall_buffer_holds_one_layers_pages_and_fits_more(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    config = ChainBenchConfig(
+        budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, decode_steps=1, ppl_tokens=0,
+        spill_hot_tokens_shared=8, steps=("paged", "spill"), recall_buffer="shared",
+    )  # fmt: skip
+    report = run_chain(model, tokenizer, config, demo_text(), model_name="tiny", progress=False)
+    row = report.row("spill")
+    assert "shared buffer" in row.label
+    # As the recall row of the full run, but the 2 recalled pages of 2 KV heads are held for one of the 2 layers.
+    token = 2 * 16 * 4 + 8
+    per_head = 16 * token + 8 + 8 + (2 + 16) * (16 * 4 + 16)
+    own = 2 * SLOT_BLOCK + 2 * 2 * (9 * (4 + 9) + per_head) + 2 * 2 * 16 * token
+    document = SHARED_BLOCKS * BYTES_PER_BLOCK
+    assert row.kv_bytes_per_token == (document + own) / LENGTH
+    assert row.sequences == row.predicted_sequences == (BUDGET - document) // own == 11  # one buffer per layer: 8
+    with pytest.raises(ValueError, match="recall_buffer must be one of layer, shared; got 'all'"):
+        ChainBenchConfig(BUDGET, SHARED, length=LENGTH, spill_hot_tokens_shared=8, recall_buffer="all")
+
+
 @pytest.mark.parametrize(
     ("steps", "message"), [(("paged", "nope"), r"Unknown chain bench step\(s\) \['nope'\]"), (("prefix",), "reuses")]
 )
