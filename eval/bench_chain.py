@@ -27,6 +27,7 @@ from pathlib import Path
 from hf_kvgov.bench.chain import ChainBenchConfig, chain_markdown, run_chain, write_chain_plots
 from hf_kvgov.data_text import pride_and_prejudice_path
 from hf_kvgov.models import load_model
+from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER
 
 TEXT = pride_and_prejudice_path()  # the complete novel the package ships
 
@@ -50,7 +51,7 @@ def main() -> None:
         help="hot window of the prefix + disk row (below a request's own part)",
     )
     parser.add_argument("--decode-steps", type=int, default=16, help="interleaved decode rounds")
-    parser.add_argument("--recall-buffer", default="layer", help="the recall step's buffer: layer or shared")
+    parser.add_argument("--recall-buffer", default=DEFAULT_BUFFER, help="the recall step's buffer: shared or layer")
     parser.add_argument("--text", type=Path, default=TEXT, help="text the requests and perplexity are cut from")
     parser.add_argument("--steps", help="comma-separated steps to run (default: all), e.g. paged,h2o,spill")
     parser.add_argument("--json", type=Path, help="write the report here")

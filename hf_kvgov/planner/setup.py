@@ -25,7 +25,7 @@ RECALL_SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 DEFAULT_RECALL_SUMMARY = "centroid"
 # Where recalled pages are held (`hf_kvgov.tiers.recall_pages.BUFFERS`): each layer's own buffer, or one shared.
 RECALL_BUFFERS = ("layer", "shared")
-DEFAULT_RECALL_BUFFER = "layer"
+DEFAULT_RECALL_BUFFER = "shared"
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ SUMMARY_ROWS = {"bounds": 2, "centroid": 1}
 DEFAULT_SUMMARY = "centroid"
 # Where recalled pages are held between reads: one buffer per layer, or one buffer every layer takes in turn.
 BUFFERS = ("layer", "shared")
-DEFAULT_BUFFER = "layer"
+DEFAULT_BUFFER = "shared"
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,12 @@ class Recall:
             two rows). The centroid is the default: it answered more passkeys on Gemma-3 at 4k and 8k and lost
             less streaming perplexity on SmolLM2 (`eval/RESULTS.md`), where the bound's worst case over
             wide heads ranks spread-out pages first. See `hf_kvgov.policies.page_bounds`.
-        buffer: where recalled pages are held: "layer" (each layer keeps the pages it recalled at the previous
-            step, so a run of steps asking about the same passage reads it once; ``pages`` pages per sequence,
-            layer and KV head stay resident) or "shared" (one buffer that the layers take in turn, holding only
-            the pages of the layer being attended: a ``1 / layers`` share of that memory, for reading every
-            step's pages again). The pages attended are the same either way.
+        buffer: where recalled pages are held: "shared" (the default: one buffer that the layers take in turn,
+            holding only the pages of the layer being attended, so every step's pages are read again) or
+            "layer" (each layer keeps the pages it recalled at the previous step, so a run of steps asking
+            about the same passage reads it once, and ``pages`` pages per sequence, layer and KV head stay
+            resident: ``layers`` times the memory). The pages attended are the same either way; at equal
+            memory the shared buffer leaves more slots to the policy (`eval/RESULTS.md`).
     """
 
     path: str | None = None

@@ -136,16 +136,17 @@ def test_recall_row_counts_the_kept_slots_and_the_recall_tier(report: ChainRepor
     row = report.row("spill")
     assert (row.chain or "").startswith("HeavyHitterCache") and row.numerics == "h2o@0.2:int8+recall"
     assert "prefix sharing" in (row.chain or "") and "disk spill with recall" in (row.chain or "")
+    assert "shared buffer" in row.label
     # As the H2O row, and 48 - 9 = 39 own tokens evicted per layer and KV head: 2 pages of 16 written, 7 pending.
     # Resident besides the slots: the pending page (16 x (K, V fp32 + int64 position) + its count), the page
-    # table (2 written + 16 spare entries of a mean key, the default summary, and two int64) with its count, and
-    # the 2 pages recalled by the last decode step.
+    # table (2 written + 16 spare entries of a mean key, the default summary, and two int64) with its count; and,
+    # in the shared buffer (the default), the 2 pages of each of the 2 KV heads recalled by the last layer step.
     token = 2 * 16 * 4 + 8
-    recall = 16 * token + 8 + 8 + (2 + 16) * (16 * 4 + 16) + 2 * 16 * token
-    own = 2 * SLOT_BLOCK + 2 * 2 * (9 * (4 + 9) + recall)
+    per_head = 16 * token + 8 + 8 + (2 + 16) * (16 * 4 + 16)
+    own = 2 * SLOT_BLOCK + 2 * 2 * (9 * (4 + 9) + per_head) + 2 * 2 * 16 * token
     document = SHARED_BLOCKS * BYTES_PER_BLOCK
     assert row.kv_bytes_per_token == (document + own) / LENGTH
-    assert row.sequences == row.predicted_sequences == (BUDGET - document) // own == 8  # bounds (2 rows): 7
+    assert row.sequences == row.predicted_sequences == (BUDGET - document) // own == 11
 
 
 def test_disk_side_row_counts_resident_blocks_and_read_ahead(report: ChainReport) -> None:
@@ -266,25 +267,25 @@ def test_a_chosen_subset_of_steps_runs_alone(tiny: tuple[Any, Any]) -> None:
     )  # fmt: skip
     report = run_chain(model, tokenizer, config, demo_text(), model_name="tiny", progress=False)
     assert [r.step for r in report.rows] == ["paged", "spill"]  # in the chain's order
-    assert report.row("spill").sequences == 8  # as in the full run
+    assert report.row("spill").sequences == 11  # as in the full run
 
 
-def test_a_shared_recall_buffer_holds_one_layers_pages_and_fits_more(tiny: tuple[Any, Any]) -> None:
+def test_one_recall_buffer_per_layer_holds_every_layers_pages_and_fits_fewer(tiny: tuple[Any, Any]) -> None:
     model, tokenizer = tiny
     config = ChainBenchConfig(
         budget_bytes=BUDGET, shared_tokens=SHARED, length=LENGTH, decode_steps=1, ppl_tokens=0,
-        spill_hot_tokens_shared=8, steps=("paged", "spill"), recall_buffer="shared",
+        spill_hot_tokens_shared=8, steps=("paged", "spill"), recall_buffer="layer",
     )  # fmt: skip
     report = run_chain(model, tokenizer, config, demo_text(), model_name="tiny", progress=False)
     row = report.row("spill")
-    assert "shared buffer" in row.label
-    # As the recall row of the full run, but the 2 recalled pages of 2 KV heads are held for one of the 2 layers.
+    assert "layer buffer" in row.label
+    # As the recall row of the full run, but each of the 2 layers holds its 2 recalled pages per KV head.
     token = 2 * 16 * 4 + 8
-    per_head = 16 * token + 8 + 8 + (2 + 16) * (16 * 4 + 16)
-    own = 2 * SLOT_BLOCK + 2 * 2 * (9 * (4 + 9) + per_head) + 2 * 2 * 16 * token
+    per_head = 16 * token + 8 + 8 + (2 + 16) * (16 * 4 + 16) + 2 * 16 * token
+    own = 2 * SLOT_BLOCK + 2 * 2 * (9 * (4 + 9) + per_head)
     document = SHARED_BLOCKS * BYTES_PER_BLOCK
     assert row.kv_bytes_per_token == (document + own) / LENGTH
-    assert row.sequences == row.predicted_sequences == (BUDGET - document) // own == 11  # one buffer per layer: 8
+    assert row.sequences == row.predicted_sequences == (BUDGET - document) // own == 8  # shared: 11
     with pytest.raises(ValueError, match="recall_buffer must be one of layer, shared; got 'all'"):
         ChainBenchConfig(BUDGET, SHARED, length=LENGTH, spill_hot_tokens_shared=8, recall_buffer="all")
 

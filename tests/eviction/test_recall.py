@@ -129,7 +129,7 @@ def test_each_evicted_token_is_written_once_in_full_pages() -> None:
 def test_reads_per_step_are_capped_and_recalled_pages_stay_buffered() -> None:
     model = tiny_llama()
     pages = 2
-    cache = HeavyHitterCache(model, budget=BUDGET, recall=Recall(pages=pages, page_tokens=PAGE))
+    cache = HeavyHitterCache(model, budget=BUDGET, recall=Recall(pages=pages, page_tokens=PAGE, buffer="layer"))
     generate(model, cache, new=20)
     stats = cache.recall_stats()
     assert stats is not None

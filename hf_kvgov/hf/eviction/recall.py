@@ -11,10 +11,10 @@ slots, to::
     the pending page          < page_tokens evicted tokens not yet written (always resident)
     the recalled pages        the ``pages`` pages with the highest score, per (sequence, KV head)
 
-Recalled pages live in a bounded buffer (`hf_kvgov.hf.eviction.recall_buffer`): with one buffer per layer
-(the default) a page chosen at the previous step is not read again, so a run of decode steps asking about the
-same passage reads it once; a buffer shared by the layers holds one layer's pages at a time and reads each
-step's again. Reads per layer step are at most ``pages`` per (sequence, KV head), and the stats report how
+Recalled pages live in a bounded buffer (`hf_kvgov.hf.eviction.recall_buffer`): a buffer shared by the
+layers (the default) holds one layer's pages at a time and reads each step's again; with one buffer per layer
+a page chosen at the previous step is not read again, so a run of decode steps asking about the same passage
+reads it once. Reads per layer step are at most ``pages`` per (sequence, KV head), and the stats report how
 many were read. What is resident per (sequence, layer, KV head) is the budget, one pending page, ``pages``
 recalled pages (a shared buffer: one layer's, for all of them) and one summary per written page
 (``head_dim`` values per ``page_tokens`` tokens for a centroid, ``2 x head_dim`` for bounds).
