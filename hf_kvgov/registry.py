@@ -220,7 +220,7 @@ def _options_described(options: dict[str, Any]) -> str:
     if recall is not None:
         text += (
             f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query "
-            "bounds highest are recalled per (sequence, layer, KV head) at each step"
+            f"scores highest are recalled per (sequence, layer, KV head) at each step into {recall.buffer_words}"
         )
     if "layer_budgets" in options:
         text += "; the budget split over the evicting layers as a pyramid (PyramidKV: more below, same total)"

@@ -91,6 +91,11 @@ class Recall:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
             raise ValueError(f"Recall: path must be a directory for the spill file; {self.path!r} is not one.")
 
+    @property
+    def buffer_words(self) -> str:
+        """Where recalled pages are held, in words (cache and registry descriptions)."""
+        return "one buffer the layers share" if self.buffer == "shared" else "each layer's own buffer"
+
     def kept_within(self, resident_slots: int, tokens: int, layers: int = 1) -> int:
         """The budget that keeps one (sequence, layer, KV head) within ``resident_slots`` token-equivalents of
         K/V memory over ``tokens`` tokens, recall included: the budget, one pending page, the recalled pages
