@@ -290,6 +290,9 @@ def test_the_registry_names_h2o_with_recall() -> None:
     cache = get_cache_spec("h2o@0.2:int8+recall").build_for(model, PROMPT)
     assert isinstance(cache, HeavyHitterCache) and cache.recall == Recall() and cache.codec_name == "int8"
     assert cache.budget == math.floor(0.2 * PROMPT)
+    description = get_cache_spec("h2o@0.2:int8+recall").description
+    assert "the 8 pages a query scores highest are recalled" in description
+    assert "into one buffer the layers share" in description
     with pytest.raises(ValueError, match="the suffixes after '\\+' are 'recall', 'pyramid', 'ada', each at most once"):
         get_cache_spec("h2o@0.2+spill")
 
