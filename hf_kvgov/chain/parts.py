@@ -308,8 +308,11 @@ class ChainParts:
         if self.policy is not None:
             steps.append(self.policy.describe())
         if self.spill is not None and self.policy is not None:
-            spill = self.spill
-            steps.append(f"disk spill with recall ({spill.recall_pages} pages of {spill.page_tokens} tokens per step)")
+            recall = self.spill.recall()
+            steps.append(
+                f"disk spill with recall ({recall.pages} pages of {recall.page_tokens} tokens per step, "
+                f"{recall.buffer_words})"
+            )
         elif self.spill is not None:
             steps.append(f"disk spill (hot {self.spill.hot_tokens} tokens)")
         budgets = self.layer_budgets()

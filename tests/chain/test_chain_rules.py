@@ -190,3 +190,7 @@ def test_describe_follows_the_chain_order() -> None:
     assert evicting == "int4 -> H2O 20% -> budgets layer 0: 1.0"
     scored = ChainParts.of(policy=Evict("snapkv", 0.2, heads=HeadAdaptive()), codec="int8").describe()
     assert scored == "int8 -> evict by 'snapkv' 20% (head-adaptive budgets, floor 0.2)"
+    recalling = ChainParts.of(policy=HeavyHitter(0.2), spill=Disk(recall_pages=4, recall_buffer="layer")).describe()
+    assert recalling == "H2O 20% -> disk spill with recall (4 pages of 16 tokens per step, each layer's own buffer)"
+    shared = ChainParts.of(policy=HeavyHitter(0.2), spill=Disk(page_tokens=8)).describe()
+    assert shared == "H2O 20% -> disk spill with recall (8 pages of 8 tokens per step, one buffer the layers share)"

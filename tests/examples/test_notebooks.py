@@ -60,7 +60,7 @@ EXPECTED_TEXT: dict[str, tuple[str, ...]] = {
         "| int8 |",
         "| + H2O 20% | HeavyHitterCache: int8 -> H2O 20% |",
         "| + disk spill | HeavyHitterCache: int8 -> H2O 20% -> disk spill with recall (8 pages of 16 tokens per "
-        "step) |",
+        "step, one buffer the layers share) |",
     ),
 }
 
