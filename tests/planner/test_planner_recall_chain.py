@@ -9,6 +9,7 @@ against the cache's own bytes).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,23 +77,27 @@ def test_kvgov_plan_refuses_recall_without_h2o_in_one_line(capsys: pytest.Captur
     assert err.count("\n") == 0 and "'h2o' must come before it" in err
 
 
-def test_the_recall_summary_follows_the_built_cache_and_a_centroid_is_one_key_row_per_page(tmp_path: Path) -> None:
+def _planned_as_built(tmp_path: Path, field: str, values: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+    """(geometry, {value: planned bytes of 1,000 tokens}) for an int8 H2O 20% recall chain with the recall field
+    `field` ("summary" or "buffer") at each value; checks the planner's step equals the built cache's setup."""
     model = tiny_llama()
     geometry = planner_geometry(model)
     assert geometry is not None
-    length = 1000
     planned = {}
-    for summary in ("centroid", "bounds"):
-        cache = GovernedCache(
-            model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2),
-            spill=Disk(path=str(tmp_path / summary), recall_summary=summary),
-        )  # fmt: skip
+    for value in values:
+        spill = Disk(path=str(tmp_path / value), **{f"recall_{field}": value})
+        cache = GovernedCache(model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=spill)
         built = planner_setup(cache, "fp32")
-        assert built is not None and built.recall_summary == summary
-        options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent, recall_summary=summary)
+        assert built is not None and getattr(built, f"recall_{field}") == value
+        options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent, **{f"recall_{field}": value})
         steps = {name: setup for name, _, setup in build_chain(parse_chain("paged,int8,h2o,recall"), options)}
-        planned[summary] = sequence_bytes(geometry, steps["recall"], length)
-        assert planned[summary] == sequence_bytes(geometry, built, length)
+        planned[value] = sequence_bytes(geometry, steps["recall"], 1000)
+        assert planned[value] == sequence_bytes(geometry, built, 1000)
+    return geometry, planned
+
+
+def test_the_recall_summary_follows_the_built_cache_and_a_centroid_is_one_key_row_per_page(tmp_path: Path) -> None:
+    geometry, planned = _planned_as_built(tmp_path, "summary", ("centroid", "bounds"))
     # H2O keeps 200 of 1,000 tokens, so 800 are evicted: 50 pages written per layer and KV head, plus 16 spare
     # table entries. Bounds keep a second key row (head_dim fp32 values) for each.
     layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
@@ -113,22 +118,7 @@ def test_kvgov_plan_takes_the_recall_summary_and_refuses_an_unknown_one(capsys: 
 
 
 def test_a_shared_recall_buffer_is_counted_once_per_sequence_as_the_built_cache_holds_it(tmp_path: Path) -> None:
-    model = tiny_llama()
-    geometry = planner_geometry(model)
-    assert geometry is not None
-    length = 1000
-    planned = {}
-    for buffer in ("layer", "shared"):
-        cache = GovernedCache(
-            model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2),
-            spill=Disk(path=str(tmp_path / buffer), recall_buffer=buffer),
-        )  # fmt: skip
-        built = planner_setup(cache, "fp32")
-        assert built is not None and built.recall_buffer == buffer
-        options = ChainOptions(max_len=4096, kv_dtype="fp32", h2o_recent=built.h2o_recent, recall_buffer=buffer)
-        steps = {name: setup for name, _, setup in build_chain(parse_chain("paged,int8,h2o,recall"), options)}
-        planned[buffer] = sequence_bytes(geometry, steps["recall"], length)
-        assert planned[buffer] == sequence_bytes(geometry, built, length)
+    geometry, planned = _planned_as_built(tmp_path, "buffer", ("layer", "shared"))
     # 800 evicted tokens write 50 pages per layer and KV head, so each buffer holds 8 pages of 16 tokens (K, V in
     # fp32 and an int64 position each); shared, one layer's buffers are held instead of every layer's.
     layers, kv_heads, head_dim = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
