@@ -261,12 +261,9 @@ def test_main_process_keeps_only_its_own_rows(monkeypatch: pytest.MonkeyPatch) -
     assert [result.name for result in report.results] == ["dynamic"] and report.processes == 2
 
 
-def test_a_real_sigint_stops_a_running_process(tiny_dir: Path, tmp_path: Path) -> None:
-    """SIGINT sent to `kvgov eval ppl` once its progress bar shows the first cache done."""
-    argv = ppl_argv(tiny_dir, tmp_path)
-    argv[argv.index("--tokens") + 1], argv[argv.index("--chunk") + 1] = "400", "1"  # ~400 forwards a cache
-    out_path = tmp_path / "ppl.json"
-    command = [sys.executable, "-m", "hf_kvgov.cli.main", *argv, "--json", str(out_path)]
+def _interrupt_after_the_first_cache(command: list[str]) -> tuple[subprocess.Popen[str], list[str], str]:
+    """Run `command`, send SIGINT once its progress bar shows the first cache done; (process, stderr chars,
+    stdout). The process may have finished before the line was read (a loaded machine): its exit code says."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stderr is not None
@@ -278,8 +275,24 @@ def test_a_real_sigint_stops_a_running_process(tiny_dir: Path, tmp_path: Path) -
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
     out = process.stdout.read() if process.stdout is not None else ""
-    assert process.wait(timeout=60) == 130
+    process.wait(timeout=60)
     reader.join(timeout=10)
+    return process, err, out
+
+
+def test_a_real_sigint_stops_a_running_process(tiny_dir: Path, tmp_path: Path) -> None:
+    """SIGINT sent to `kvgov eval ppl` once its progress bar shows the first cache done."""
+    argv = ppl_argv(tiny_dir, tmp_path)
+    out_path = tmp_path / "ppl.json"
+    argv[argv.index("--tokens") + 1], argv[argv.index("--chunk") + 1] = "400", "1"  # ~400 forwards a cache
+    command = [sys.executable, "-m", "hf_kvgov.cli.main", *argv, "--json", str(out_path)]
+    # On a loaded machine the whole run may end before its progress line is read (the signal then finds no
+    # process and the exit code is 0); such a run tests nothing, so it is run again, up to three times in all.
+    for _ in range(3):
+        process, err, out = _interrupt_after_the_first_cache(command)
+        if process.returncode != 0:
+            break
+    assert process.returncode == 130, "".join(err)[-2000:]
     text = "".join(err)
     assert "Traceback" not in text
     (line,) = kvgov_lines(text)
