@@ -134,10 +134,10 @@ def test_recalling_evicted_pages_halves_what_h2o_alone_loses(smollm2, passage) -
     """H2O at 10% (102 slots), alone and with its evicted tokens recalled (4 pages of 16 per step).
 
     Measured on this passage (``-s`` prints the figures): full 22.06; H2O alone +4.29% holding 4.8 MB; with
-    recall +1.83% holding 11.3 MB (a pending page, key ranges and recalled pages per layer and KV head). So at
-    equal memory H2O with more slots does better on this stream (204 slots: +0.8%, the first test above);
-    recall pays where an evicted token is asked for again (eval/RESULTS.md: passkey). The thresholds leave room
-    for other BLAS builds.
+    recall +1.11% holding 7.1 MB (a pending page and a mean key per written page per layer and KV head, and
+    one layer's recalled pages in the shared buffer). H2O with 204 slots loses +0.8% (the first test above);
+    at equal memory recall pays with more pages (eval/RESULTS.md: streaming with the shared buffer) and where
+    an evicted token is asked for again (passkey). The thresholds leave room for other BLAS builds.
     """
     model, _ = smollm2
     full = perplexity_after_eviction(stream_nll(model, DynamicCache(config=model.config), passage))
