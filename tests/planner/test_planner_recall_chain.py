@@ -9,14 +9,13 @@ against the cache's own bytes).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from hf_kvgov import GovernedCache
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
 from hf_kvgov.chain import Disk, HeavyHitter, Paging
-from hf_kvgov.planner.accounting import sequence_bytes
+from hf_kvgov.planner.accounting import SequenceBytes, sequence_bytes
 from hf_kvgov.planner.chain import (
     DEFAULT_RECALL_PAGE_TOKENS,
     DEFAULT_RECALL_PAGES,
@@ -24,6 +23,7 @@ from hf_kvgov.planner.chain import (
     build_chain,
     parse_chain,
 )
+from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.setup import DEFAULT_RECALL_SUMMARY
 from hf_kvgov.tiers.recall_pages import DEFAULT_PAGE_TOKENS, DEFAULT_SUMMARY, Recall
 from hf_kvgov.tiers.recall_pages import DEFAULT_RECALL_PAGES as TIER_RECALL_PAGES
@@ -77,13 +77,15 @@ def test_kvgov_plan_refuses_recall_without_h2o_in_one_line(capsys: pytest.Captur
     assert err.count("\n") == 0 and "'h2o' must come before it" in err
 
 
-def _planned_as_built(tmp_path: Path, field: str, values: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+def _planned_as_built(
+    tmp_path: Path, field: str, values: tuple[str, ...]
+) -> tuple[ModelGeometry, dict[str, SequenceBytes]]:
     """(geometry, {value: planned bytes of 1,000 tokens}) for an int8 H2O 20% recall chain with the recall field
     `field` ("summary" or "buffer") at each value; checks the planner's step equals the built cache's setup."""
     model = tiny_llama()
     geometry = planner_geometry(model)
     assert geometry is not None
-    planned = {}
+    planned: dict[str, SequenceBytes] = {}
     for value in values:
         spill = Disk(path=str(tmp_path / value), **{f"recall_{field}": value})
         cache = GovernedCache(model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2), spill=spill)
