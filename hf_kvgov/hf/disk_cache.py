@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix, prefix_groups
+from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.block_tier import BlockTier
 from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
-from hf_kvgov.hf.disk_tiered import DiskTieredCache
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedLayer
+from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, TierLayout
@@ -43,8 +43,11 @@ from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 RESIDENT_FIRST_BLOCKS = 1  # the attention-sink block: read by every query, so never worth a round trip
 
 
-class DiskOffloadCache(DiskTieredCache):
+class DiskOffloadCache(PagedCache):
     """Lossless KV cache whose sealed blocks older than a hot window live in a file on disk.
+
+    A `PagedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its raw blocks; this class says
+    how the link lays them out and how attention reads the ones that come back.
 
     Args:
         model_or_config: as for `PagedCache`.
@@ -89,7 +92,7 @@ class DiskOffloadCache(DiskTieredCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        self._init_tier(
+        self.spill_link = BlockTier(
             DiskCacheConfig(
                 path=None if path is None else str(path),
                 hot_tokens=hot_tokens,
@@ -101,7 +104,6 @@ class DiskOffloadCache(DiskTieredCache):
                 extent_blocks=extent_blocks,
             )
         )
-        self._kv_bytes_spilled = 0
         block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size)
         super().__init__(
             model_or_config,
@@ -120,37 +122,20 @@ class DiskOffloadCache(DiskTieredCache):
         layout = TierLayout(
             pool.layers_per_block, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
         )
-        self._attach_tier(pool, layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
-
-    def _count_spilled(self, blocks: int) -> None:
-        assert self.pool is not None
-        self._kv_bytes_spilled += blocks * self.pool.bytes_per_block
-
-    # ------------------------------------------------------------------ spilling
-
-    def _update_layer(
-        self,
-        layer: PagedLayer,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        attn_kwargs: dict[str, Any] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer.index == 0:  # every layer has finished the previous step: its blocks are complete
-            prefix_groups.publish_computed(self)  # before spilling: blocks the tree holds stay resident
-            self._spill_cold_blocks()
-        return super()._update_layer(layer, key_states, value_states, attn_kwargs)
+        self._link.attach(self, pool, layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
 
     # ------------------------------------------------------------------ reading back
 
     def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
         """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
-        return lambda outs: self._take_spilled(layer, layout.handles, outs)
+        return lambda outs: self._link.take(self, layer, layout.handles, outs)
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = self._spilled_layout(layer.index)
+        layout = self._link.spilled_layout(self, layer.index)
         if layout is None:
             return super()._contiguous_kv(layer)
-        pool, i = self._parts()[0], layer.index
+        pool, i = self.pool, layer.index
+        assert pool is not None
         first = self._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
         return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length - first, self._reader(i, layout))
 
@@ -162,7 +147,7 @@ class DiskOffloadCache(DiskTieredCache):
         value_states: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
-        layout = self._spilled_layout(layer.index)
+        layout = self._link.spilled_layout(self, layer.index)
         if layout is not None and attn_kwargs is not None:
             view = attn_kwargs[PAGED_VIEW_KEY]  # spilled blocks are appended after the pool's
             capacity, caches = view.key_cache.shape[0], []
@@ -174,21 +159,6 @@ class DiskOffloadCache(DiskTieredCache):
             view.key_cache, view.value_cache = caches
             view.block_table = layout.paged_table(capacity)
         return result
-
-    # ------------------------------------------------------------------ generate's bookkeeping
-
-    def crop(self, tokens_to_remove: int) -> None:
-        super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
-        if self.tables is not None and self.tables.rows:
-            self._bring_back_tail()
-
-    def _bring_back_tail(self) -> None:
-        """A crop may end inside a spilled block; the next write lands there, so it returns to the pool."""
-        pool, _, prefetcher = self._parts()
-        length = self.get_seq_length()
-        if length % pool.block_size:
-            self._bring_back(length // pool.block_size)
-        prefetcher.clear()
 
     # ------------------------------------------------------------------ accounting
 

@@ -62,6 +62,7 @@ def disk_cache_stats(cache: DiskOffloadCache, base: CacheStats) -> DiskCacheStat
     buffers = reader.buffer_bytes if reader is not None else 0
     resident = resident_blocks * (cache.pool.bytes_per_block if cache.pool is not None else 0) + buffers
     t = cache.tier.stats() if cache.tier is not None else _NO_TIER
+    spilled = cache.blocks_spilled * (cache.pool.bytes_per_block if cache.pool is not None else 0)
     per_token = resident / base.tokens if base.tokens else 0.0
     return DiskCacheStats(
         **(dataclasses.asdict(base) | {"bytes_used": resident, "bytes_per_token": per_token}),
@@ -73,8 +74,8 @@ def disk_cache_stats(cache: DiskOffloadCache, base: CacheStats) -> DiskCacheStat
         disk_file_bytes=t.file_bytes,
         spills=t.blocks_written,
         bytes_written=t.bytes_written,
-        kv_bytes_spilled=cache._kv_bytes_spilled,
-        write_amplification=t.bytes_written / cache._kv_bytes_spilled if cache._kv_bytes_spilled else 0.0,
+        kv_bytes_spilled=spilled,
+        write_amplification=t.bytes_written / spilled if spilled else 0.0,
         fetches=t.fetches,
         blocks_fetched=t.blocks_fetched,
         bytes_read=t.bytes_read,

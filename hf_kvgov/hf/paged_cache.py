@@ -25,6 +25,7 @@ import torch
 
 from hf_kvgov.chain.parts import ChainParts, Paging
 from hf_kvgov.hf import paged_prefix, prefix_groups
+from hf_kvgov.hf.block_tier import BlockTier
 from hf_kvgov.hf.compat import (
     CacheLayerMixin,
     decoder_config,
@@ -42,6 +43,10 @@ from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.tiers.block_table import TieredBlockTables
+from hf_kvgov.tiers.disk_tier import DiskTier
+from hf_kvgov.tiers.prefetch import LayerPrefetcher
+from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 AttentionPath = Literal["contiguous", "paged"]
 ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
@@ -122,6 +127,9 @@ class PagedCache(GovernedCache):
     # Whether the pool this cache creates groups layers by window (see the module docstring); False keeps one
     # group of every layer, every token in every layer (the benchmarks measure the two side by side).
     groups_layers = True
+    # The disk link (`hf_kvgov.hf.block_tier`): a cache that spills sets it before this `__init__`, which may
+    # create the pool, and attaches it with the pool; None keeps every block in memory.
+    spill_link: BlockTier | None = None
 
     def __init__(
         self,
@@ -218,10 +226,16 @@ class PagedCache(GovernedCache):
         return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, devices[0], devices)
 
     def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        pool = BlockPool(self._geometry(dtype, device), groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
-        self._adopt_pool(pool)
+        geometry = self._geometry(dtype, device)
+        if self.spill_link is not None:
+            self.spill_link.check_pool_budget(self, geometry)
+        self._adopt_pool(self._new_pool(geometry))
         # Layers whose device the model did not tell go where their first K/V arrive.
         self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
+
+    def _new_pool(self, geometry: KVGeometry) -> BlockPool:
+        """The pool this cache creates when none was given (a subclass storing blocks differently overrides it)."""
+        return BlockPool(geometry, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         g = pool.geometry
@@ -275,6 +289,8 @@ class PagedCache(GovernedCache):
             self._expand_matched_rows(batch)
         if layer.index == 0:  # every group still holds the prompt blocks the previous step computed
             prefix_groups.publish_computed(self)
+            if self.spill_link is not None:  # after publishing: blocks the tree holds stay resident
+                self.spill_link.spill_cold_blocks(self)
         if key_states.device != self.pool.layer_device(layer.index):
             self._check_layer_device(layer.index, key_states.device)
         tables = self._tables_of(layer.index)
@@ -379,19 +395,30 @@ class PagedCache(GovernedCache):
         length = max(0, self.get_seq_length() + tokens_to_remove)
         for tables in self.all_tables:  # a sliding group refuses before any group changes (it is checked first)
             tables.check_truncate(length)
+        if self.spill_link is not None and self.tables is not None and self.tables.rows:
+            self.spill_link.before_truncate(self, length)
         for tables in self.all_tables:
             tables.truncate(length)
+        if self.spill_link is not None:
+            self.spill_link.after_truncate()
         for layer in self.layers:
             assert isinstance(layer, PagedLayer)
             layer.length = min(layer.length, length)
         self._pending_view = None
 
     def reset(self) -> None:
-        """Forget every token and return every block to the pool (the cache stays usable)."""
-        self.release()
+        """Forget every token and return every block to the pool (the cache stays usable); with a disk tier, disk
+        slots return to the spill file, which stays."""
+        self._forget(close_tier=False)
 
     def release(self) -> None:
-        """Return every block this cache holds to the pool (blocks published to a prefix cache stay there)."""
+        """Return every block this cache holds to the pool (blocks published to a prefix cache stay there); with a
+        disk tier, also stop its reader thread and delete the spill file (and a private directory)."""
+        self._forget(close_tier=True)
+
+    def _forget(self, close_tier: bool) -> None:
+        if self.spill_link is not None:
+            self.spill_link.before_release()
         for tables in self.all_tables:
             tables.release()
         paged_prefix.release_prefix_locks(self)
@@ -399,6 +426,8 @@ class PagedCache(GovernedCache):
         for layer in self.layers:
             layer.reset()
         self._pending_view = None
+        if self.spill_link is not None:
+            self.spill_link.after_release(close=close_tier)
 
     # ------------------------------------------------------------------ prefix sharing
 
@@ -407,12 +436,23 @@ class PagedCache(GovernedCache):
     ) -> dict[str, torch.Tensor]:
         """Fill this empty cache with each row's longest cached prefix; returns the inputs for generate.
 
-        See `hf_kvgov.hf.paged_prefix.match`.
+        See `hf_kvgov.hf.paged_prefix.match`. With a disk tier, the matched blocks stay in memory for as long as
+        this cache holds them.
         """
-        return paged_prefix.match(self, input_ids, attention_mask, pad_token_id)
+        inputs = paged_prefix.match(self, input_ids, attention_mask, pad_token_id)
+        if self.spill_link is not None:
+            self.spill_link.after_match(self)
+        return inputs
 
     def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
-        """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered."""
+        """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered.
+
+        With a disk tier, the spilled blocks it offers come back into memory first. If they cannot
+        (`PoolExhausted`, a store that cannot grow, `SpillCorrupted`), that error is raised and nothing has
+        changed: no block brought back, none published.
+        """
+        if self.spill_link is not None:
+            self.spill_link.before_publish(self, sequences, attention_mask)
         return paged_prefix.publish(self, sequences, attention_mask)
 
     def _publish_tokens(self, rows: list[list[int]], sliding_only: bool) -> int:
@@ -422,6 +462,49 @@ class PagedCache(GovernedCache):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.release()
+
+    # ------------------------------------------------------------------ the disk link's state
+
+    @property
+    def _link(self) -> BlockTier:
+        """The disk link of a cache that has one (its spilling subclasses)."""
+        assert self.spill_link is not None, f"this {type(self).__name__} has no disk tier"
+        return self.spill_link
+
+    @property
+    def disk(self) -> DiskCacheConfig:
+        """The disk tier's settings (a cache with a disk link only)."""
+        assert self.spill_link is not None, f"a {type(self).__name__} without a disk tier has no disk settings"
+        return self.spill_link.disk
+
+    @property
+    def tier(self) -> DiskTier | None:
+        """The spill file (None before the pool exists, or without a disk link)."""
+        return None if self.spill_link is None else self.spill_link.tier
+
+    @property
+    def prefetcher(self) -> LayerPrefetcher | None:
+        return None if self.spill_link is None else self.spill_link.prefetcher
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why spilling stopped (a full disk, the write budget), or None."""
+        return None if self.spill_link is None else self.spill_link.stop_reason
+
+    @property
+    def blocks_spilled(self) -> int:
+        """Distinct blocks written to the disk tier since construction (0 without a disk link)."""
+        return 0 if self.spill_link is None else self.spill_link.blocks_spilled
+
+    @property
+    def tiered_tables(self) -> list[TieredBlockTables]:
+        """Every layer group's block tables whose blocks may spill (none without a disk link)."""
+        return BlockTier.tiered_tables(self)
+
+    def drop_page_cache(self) -> None:
+        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
+        if self.spill_link is not None:
+            self.spill_link.drop_page_cache()
 
     # ------------------------------------------------------------------ accounting
 

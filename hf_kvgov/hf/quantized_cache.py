@@ -69,7 +69,7 @@ from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.layer_groups import LayerGroup, single_group
-from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 
@@ -193,12 +193,9 @@ class QuantizedCache(PagedCache):
                 return single_group(len(windows))
         return groups
 
-    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        formats = self.quant.formats(self.num_layers, dtype)
-        geometry = self._geometry(dtype, device)
-        pool = QuantizedBlockPool(geometry, formats, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
-        self._adopt_pool(pool)
-        self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
+    def _new_pool(self, geometry: KVGeometry) -> BlockPool:
+        formats = self.quant.formats(self.num_layers, geometry.dtype)
+        return QuantizedBlockPool(geometry, formats, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
 
     def _adopt_pool(self, pool: BlockPool) -> None:
         if not isinstance(pool, QuantizedBlockPool):
@@ -332,8 +329,8 @@ class QuantizedCache(PagedCache):
                 tables._changed()
         self._sealed_columns = max(self.quant.sink_blocks, min(self._sealed_columns, whole))
 
-    def release(self) -> None:
-        super().release()
+    def _forget(self, close_tier: bool) -> None:
+        super()._forget(close_tier)
         self._sealed_columns = self.quant.sink_blocks
 
     # ------------------------------------------------------------------ prefix sharing
@@ -364,10 +361,14 @@ class QuantizedCache(PagedCache):
         # (published without `publish`'s sealed copies). Sealing them before the prefill frees their
         # full-precision memory before the prefill needs its own, and the suffix reads what that cache would.
         self._seal_ready_blocks()
+        if self.spill_link is not None:
+            self.spill_link.after_match(self)
         return inputs
 
     def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """As `PagedCache.publish`; full blocks still in full precision past the sink go to the tree sealed."""
+        if self.spill_link is not None:
+            self.spill_link.before_publish(self, sequences, attention_mask)
         return paged_prefix.publish(
             self, sequences, attention_mask, namespace=self.sharing_namespace, sealed_from=self.quant.sink_blocks
         )

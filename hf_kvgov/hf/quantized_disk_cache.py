@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix, prefix_groups
-from hf_kvgov.hf.disk_tiered import DiskTieredCache
+from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.block_tier import BlockTier
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
@@ -68,8 +68,11 @@ from hf_kvgov.tiers.sealed_segments import (
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
 
-class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
+class QuantizedDiskCache(QuantizedCache):
     """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
+
+    A `QuantizedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its sealed blocks; this class
+    says how the link lays out their codes and how attention reads the ones that come back.
 
     Args:
         model_or_config: as for `QuantizedCache`.
@@ -121,8 +124,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         )
         layers = tuple(full_precision_layers)
         quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size, layer_formats, scale_bytes)
-        self._init_tier(disk, sealed=quant)
-        self.blocks_spilled = 0  # distinct blocks written to the tier since construction
+        self.spill_link = BlockTier(disk, sealed=quant)
         block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size, sealed=quant)
         super().__init__(
             model_or_config,
@@ -149,25 +151,7 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         assert isinstance(pool, QuantizedBlockPool)
         layout = sealed_tier_layout(pool, self.disk.extent_blocks)
         # Sealed entries are -1 - sealed id, so spilled ones are numbered below -2**62.
-        self._attach_tier(pool, layout, sealed_blocks(pool), self.quant.sink_blocks, SEALED_SPILLED_IDS)
-
-    def _count_spilled(self, blocks: int) -> None:
-        self.blocks_spilled += blocks
-
-    # ------------------------------------------------------------------ spilling
-
-    def _update_layer(
-        self,
-        layer: PagedLayer,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        attn_kwargs: dict[str, Any] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer.index == 0:  # the previous step is complete: its blocks are sealed, the cold ones can go
-            self._seal_ready_blocks()
-            prefix_groups.publish_computed(self)  # before spilling: blocks the tree holds stay resident
-            self._spill_cold_blocks()
-        return super()._update_layer(layer, key_states, value_states, attn_kwargs)
+        self._link.attach(self, pool, layout, sealed_blocks(pool), self.quant.sink_blocks, SEALED_SPILLED_IDS)
 
     # ------------------------------------------------------------------ reading back
 
@@ -181,11 +165,11 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
         place (`in_place`, the paged path), are the store's pieces followed by the read-back ones: one copy of
         the layer's store per step.
         """
-        pool, layout = self._quantized_pool, self._spilled_layout(layer)
+        pool, layout = self._quantized_pool, self._link.spilled_layout(self, layer)
         if layout is None:
             return None
         stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
-        self._take_spilled(layer, layout.handles, list(stack.values()))
+        self._link.take(self, layer, layout.handles, list(stack.values()))
         stored, fmt = pool.sealed.pieces[layer], pool.sealed.formats[layer]
 
         def read(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,18 +203,6 @@ class QuantizedDiskCache(DiskTieredCache, QuantizedCache):
             view = attn_kwargs[PAGED_VIEW_KEY]
             view.block_table, view.read_sealed, view.sealed = spilled
         return result
-
-    # ------------------------------------------------------------------ generate's bookkeeping
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """As `QuantizedCache.crop`; a spilled block the new tail falls in comes back first (then is decoded)."""
-        if tokens_to_remove <= 0 and any(tables.rows for tables in self.tiered_tables):
-            length, block_size = max(0, self.get_seq_length() + tokens_to_remove), self._quantized_pool.block_size
-            if length % block_size:
-                self._bring_back(length // block_size)
-        super().crop(tokens_to_remove)  # dropped spilled blocks free their disk slots
-        if self.prefetcher is not None:
-            self.prefetcher.clear()
 
     # ------------------------------------------------------------------ accounting
 

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from hf_kvgov.cli.demo import default_prompt
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.disk_tiered import DiskTieredCache
+from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.registry import get_cache_spec, kv_bytes
 
 pytestmark = pytest.mark.real_model
@@ -72,7 +72,7 @@ def test_disk_caches_hold_no_more_than_without_a_tier_on_the_demo_prompt(smollm2
         with spec.attention(model), torch.inference_mode():
             outputs[name] = model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
         held[name] = kv_bytes(cache)
-        if isinstance(cache, DiskTieredCache):
+        if isinstance(cache, DiskOffloadCache | QuantizedDiskCache):
             assert cache.stats().spilled_blocks == 10
             cache.release()
     assert torch.equal(outputs["disk"], outputs["dynamic"]) and torch.equal(outputs["int8+disk"], outputs["int8"])

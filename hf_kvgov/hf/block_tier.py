@@ -1,0 +1,228 @@
+"""`BlockTier`: the disk link of a block cache, whatever its blocks hold.
+
+A `PagedCache` (or `QuantizedCache`) given a tier link spills its cold blocks to a `DiskTier` and reads them
+back ahead of need. The link owns what every spilling cache does the same way: the tier and its read-ahead,
+spilling the blocks that left the hot window at the start of a step (never the ones a prefix tree holds),
+bringing blocks back (a crop into a spilled block, a `publish`), naming the tokens of a damaged block, and
+resetting or releasing the file. The block cache calls it at those points of its own lifetime; what differs
+with the codec (which entries can move and how their bytes are read and written, how many leading blocks
+never move, how spilled entries are numbered, and how attention reads what came back) is given when the
+link is attached (`attach`) and by the cache that reads the spilled blocks (`DiskOffloadCache`,
+`QuantizedDiskCache`).
+
+Layer groups (a hybrid sliding-window model): every group's tables are tiered. A sliding group frees every
+block that left its window (from memory or from disk), so it holds at most about `window + block_size`
+tokens per row, and spills only what is inside its window but older than the hot window: with
+`hot_tokens` at least the window, nothing of a sliding layer is ever written. The tier stores one segment
+per position of a block (a pool block holds one group's layers, `hf_kvgov.storage.layer_groups`), and each
+layer reads the segment of its position; the read-ahead fetches the next layer's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
+from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.storage.block_table import BlockTables
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
+from hf_kvgov.tiers.block_table import TieredBlockTables
+from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
+from hf_kvgov.tiers.kv_segments import SpilledIds, SpilledLayout
+from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
+from hf_kvgov.tiers.prefetch import LayerPrefetcher
+from hf_kvgov.tiers.spill_config import DiskCacheConfig
+
+if TYPE_CHECKING:
+    from hf_kvgov.hf.paged_cache import PagedCache
+
+
+class BlockTier:
+    """The disk link of one block cache (see the module docstring); the cache passes itself to each call.
+
+    Args:
+        disk: the tier's settings.
+        sealed: the codec of a cache that spills sealed blocks (its cap counts full-precision blocks only).
+    """
+
+    def __init__(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
+        self.disk, self.sealed = disk, sealed
+        self.tier: DiskTier | None = None  # created with the pool, on the first K/V
+        self.prefetcher: LayerPrefetcher | None = None
+        self.stop_reason: str | None = None  # why spilling stopped (a full disk, the write budget), or None
+        self.blocks_spilled = 0  # distinct blocks written to the tier since construction
+        self._blocks: TierBlocks | None = None
+        self._resident_first = 0
+
+    # ------------------------------------------------------------------ with the pool
+
+    def check_pool_budget(self, cache: PagedCache, geometry: KVGeometry) -> None:
+        """Refuse a `max_resident_bytes` whose pool cannot hold what one sequence keeps in memory."""
+        pool_bytes, block_size = self.disk.pool_bytes, cache._pool_args["block_size"]
+        if pool_bytes is None or block_size is None:
+            return
+        blocks, kept = disk_prefix.resident_need(block_size, self.disk, self.sealed)
+        # A block holds one position of every group; a sliding group keeps at most its window, the tail and a step.
+        bytes_per_block = geometry.bytes_per_token // geometry.num_layers * len(cache.layout.heads) * block_size
+        per_group = [
+            blocks if g.window is None else min(blocks, math.ceil(g.window / block_size) + 2) for g in cache.groups
+        ]
+        needed = sum(per_group) * bytes_per_block
+        if pool_bytes < needed:
+            raise ValueError(
+                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
+                f"blocks after up to {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {blocks} blocks = "
+                f"{needed} bytes at this geometry. Raise max_resident_bytes, or lower "
+                f"{'residual' if self.sealed is not None else 'hot_tokens'} or read_buffer_bytes."
+            )
+
+    def attach(
+        self,
+        cache: PagedCache,
+        pool: BlockPool,
+        layout: TierLayout,
+        blocks: TierBlocks,
+        resident_first: int,
+        ids: SpilledIds,
+    ) -> None:
+        """The tier file, its read-ahead, and tiered block tables for every layer group of `cache`.
+
+        Args:
+            layout: the tier's segments per (block, position of a block). blocks: what can move, and how.
+            resident_first: leading blocks of each row that never move. ids: how spilled entries are numbered.
+        """
+        heads = pool.layout.heads  # position j of a block is read on the device of the layers at j
+        self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
+        self.prefetcher = LayerPrefetcher(
+            self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
+        )
+        tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, ids, group) for group in pool.groups]
+        cache.tables, cache._other_tables = tables[0], tables[1:]
+        self._blocks, self._resident_first = blocks, resident_first
+
+    def _parts(self) -> tuple[DiskTier, LayerPrefetcher, TierBlocks]:
+        assert self.tier is not None and self.prefetcher is not None and self._blocks is not None
+        return self.tier, self.prefetcher, self._blocks
+
+    @staticmethod
+    def tiered_tables(cache: PagedCache) -> list[TieredBlockTables]:
+        """Every layer group's block tables of `cache` (their blocks may spill)."""
+        return [tables for tables in cache.all_tables if isinstance(tables, TieredBlockTables)]
+
+    @staticmethod
+    def spilled_layout(cache: PagedCache, layer: int) -> SpilledLayout | None:
+        """Where the batch's live blocks of `layer` live, on its device; None when none of them has spilled."""
+        tables = cache._tables_of(layer)
+        assert cache.pool is not None and isinstance(tables, TieredBlockTables)
+        return tables.spilled_layout(cache.pool.layer_device(layer))
+
+    # ------------------------------------------------------------------ spilling
+
+    def spill_cold_blocks(self, cache: PagedCache) -> None:
+        """Write the blocks older than the hot window to disk once (not the tree's), then free them in memory."""
+        tier, _, blocks = self._parts()
+        pool = cache.pool
+        assert pool is not None
+        keep_resident = self.disk.on_full == "keep_resident"
+        private = disk_prefix.private_blocks(blocks, disk_prefix.tree_held(cache))
+        for tables in self.tiered_tables(cache):
+            if self.stop_reason is not None or not tables.rows:
+                continue
+            stop = (tables.num_tokens - self.disk.hot_tokens) // pool.block_size
+            # Not what a sliding group frees at this step's start (queries from `num_tokens` on): never written.
+            kept = tables.first_kept_token(tables.num_tokens) // pool.block_size
+            first = max(self._resident_first, kept)
+            try:
+                moved, cold = spill(pool, tables, tier, first, stop, keep_resident, private)
+            except SpillSpaceExhausted as err:
+                if not keep_resident:
+                    raise
+                self.stop_reason = str(err)
+                return
+            self.blocks_spilled += moved
+            if moved < cold:
+                self.stop_reason = f"write budget: max_write_bytes={self.disk.max_write_bytes} reached"
+
+    # ------------------------------------------------------------------ reading back
+
+    def take(self, cache: PagedCache, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
+        """Read this layer's spilled blocks `handles` into `outs`, then start reading the next spilling layer's
+        (the next layer whose group has spilled blocks: a sliding group may have none)."""
+        prefetcher = self._parts()[1]
+        try:
+            prefetcher.take(cache.layout.position[layer], handles, outs)
+        except SpillCorrupted as err:
+            raise self.located(cache, err) from err
+        for step in range(1, cache.num_layers + 1):  # the next layer (cyclically: the next step's) that reads some
+            following = (layer + step) % cache.num_layers
+            if cache._tables_of(following) is cache._tables_of(layer):  # one group's layers read the same blocks
+                prefetcher.request(cache.layout.position[following], handles)
+                return
+            if (spilled := self.spilled_layout(cache, following)) is not None:
+                prefetcher.request(cache.layout.position[following], spilled.handles)
+                return
+
+    def located(self, cache: PagedCache, err: SpillCorrupted) -> SpillCorrupted:
+        """The same error, naming the layer that reads the damaged segment and the tokens its block holds."""
+        for tables in self.tiered_tables(cache):
+            tokens = tables.tokens_of(err.block)
+            if tokens is not None:
+                assert tables.group is not None
+                layer = tables.group.layers[err.layer]  # the tier numbers a block's segments by position
+                return SpillCorrupted(err.block, layer, err.path, err.offset, tokens)
+        return err
+
+    def bring_back(self, cache: PagedCache, first: int, stop: int | None = None) -> None:
+        """The spilled blocks at block columns [first, stop) (default: `first` only) come back into memory."""
+        tier, prefetcher, blocks = self._parts()
+        assert cache.pool is not None
+        try:
+            for tables in self.tiered_tables(cache):
+                bring_back(cache.pool, tables, tier, first, blocks, stop)
+        except SpillCorrupted as err:
+            raise self.located(cache, err) from err
+        prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
+
+    def before_truncate(self, cache: PagedCache, length: int) -> None:
+        """A crop to `length` may end inside a spilled block; the next write lands there, so it comes back."""
+        assert cache.pool is not None
+        if self.tier is not None and length % cache.pool.block_size:
+            self.bring_back(cache, length // cache.pool.block_size)
+
+    def after_truncate(self) -> None:
+        """Dropped spilled blocks freed their disk slots, whose handles may come back for other blocks."""
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    def after_match(self, cache: PagedCache) -> None:
+        """The matched blocks stay in memory for as long as the cache holds them."""
+        for tables in self.tiered_tables(cache):
+            disk_prefix.make_rows_tiered(tables)
+
+    def before_publish(self, cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Bring the spilled blocks a `publish` offers back into memory, or raise with nothing changed."""
+        disk_prefix.bring_back_offered(cache, sequences, attention_mask, lambda a, b: self.bring_back(cache, a, b))
+
+    # ------------------------------------------------------------------ lifetime
+
+    def before_release(self) -> None:
+        """Before the cache forgets its tokens: the read-ahead rows are freed (the next spill sizes them again)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def after_release(self, close: bool) -> None:
+        """After the cache forgot its tokens; `close`: also stop the reader and delete the spill file."""
+        self.stop_reason = None
+        if close and self.tier is not None:
+            self.tier.close()
+
+    def drop_page_cache(self) -> None:
+        """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""
+        if self.tier is not None:
+            self.tier.drop_page_cache()
