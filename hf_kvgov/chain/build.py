@@ -1,4 +1,4 @@
-"""Build the cache for a chain: `compose` checks the parts and calls the one builder of their mechanism."""
+"""Build the cache for a chain: `compose` checks the parts and calls the one builder of their storage layout."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hf_kvgov.chain.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
-from hf_kvgov.chain.rules import mechanism_for
+from hf_kvgov.chain.rules import layout_for
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
@@ -43,104 +43,31 @@ def compose(
         layers=layers,
         attention=attention,
     )
-    mechanism = mechanism_for(parts, int(decoder_config(model_or_config).num_hidden_layers))
-    return _BUILDERS[mechanism.name](model_or_config, parts)
+    layout = layout_for(parts, int(decoder_config(model_or_config).num_hidden_layers))
+    return _BUILDERS[layout.name](model_or_config, parts)
 
 
-# ------------------------------------------------------------------ one builder per mechanism
+# ------------------------------------------------------------------ one builder per storage layout
 
 
-def _pool_arguments(parts: ChainParts) -> dict[str, Any]:
-    """block_size / caps / pool for a block-storing cache (defaults when the chain names no pool)."""
-    if isinstance(parts.pool, BlockPool):
-        return {"block_size": parts.pool.block_size, "pool": parts.pool}
-    paging = parts.pool if isinstance(parts.pool, Paging) else Paging()
-    return {"block_size": paging.block_size, "max_tokens": paging.max_tokens, "max_bytes": paging.max_bytes}
+def _blocks(model: Any, parts: ChainParts) -> GovernedCache:
+    """The block store with the chain's links, as the named cache those links make it."""
+    configuration = _BLOCK_CONFIGURATIONS[(parts.codec is not None, parts.spill is not None)]
+    return configuration.from_parts(model, parts)
 
 
-def _paged(model: Any, parts: ChainParts) -> GovernedCache:
-
-    arguments = _pool_arguments(parts)
-    return PagedCache(model, **arguments, attention=parts.attention, prefix=parts.prefix, namespace=parts.namespace)  # type: ignore[arg-type]
-
-
-def _quantized(model: Any, parts: ChainParts) -> GovernedCache:
-
-    q = parts.codec
-    assert q is not None, "the quantized mechanism needs a codec"
-    return QuantizedCache(
-        model,
-        bits=q.bits,
-        fmt=q.fmt,
-        residual=q.residual,
-        sink_blocks=q.sink_blocks,
-        full_precision_layers=q.full_precision_layers,
-        group_size=q.group_size,
-        layer_formats=q.layer_formats,
-        scale_bytes=q.scale_bytes,
-        attention=parts.attention,  # type: ignore[arg-type]
-        **_pool_arguments(parts),
-        **_prefix_arguments(parts),
-    )
-
-
-def _prefix_arguments(parts: ChainParts) -> dict[str, Any]:
-    return {} if parts.prefix is None else {"prefix": parts.prefix, "namespace": parts.namespace}
-
-
-def _disk(model: Any, parts: ChainParts) -> GovernedCache:
-    d = parts.spill
-    assert d is not None, "the disk mechanism needs a spill part"
-    # With a tree and no Paging, the blocks are the tree's (None lets the cache take its block size).
-    block_size = parts.pool.block_size if isinstance(parts.pool, (Paging, BlockPool)) else None
-    return DiskOffloadCache(
-        model,
-        path=d.path,
-        hot_tokens=d.hot_tokens,
-        max_resident_bytes=d.max_resident_bytes,
-        max_write_bytes=d.max_write_bytes,
-        block_size=block_size,
-        read_buffer_bytes=d.read_buffer_bytes,
-        prefetch=d.prefetch,
-        on_full=d.on_full,
-        attention=parts.attention,  # type: ignore[arg-type]
-        extent_blocks=d.extent_blocks,
-        **_prefix_arguments(parts),
-    )
-
-
-def _quantized_disk(model: Any, parts: ChainParts) -> GovernedCache:
-    q, d = parts.codec, parts.spill
-    assert q is not None and d is not None, "the quantized_disk mechanism needs a codec and a spill part"
-    # With a tree and no Paging, the blocks are the tree's (None lets the cache take its block size).
-    block_size = parts.pool.block_size if isinstance(parts.pool, (Paging, BlockPool)) else None
-    return QuantizedDiskCache(
-        model,
-        path=d.path,
-        hot_tokens=d.hot_tokens,
-        max_resident_bytes=d.max_resident_bytes,
-        max_write_bytes=d.max_write_bytes,
-        bits=q.bits,
-        fmt=q.fmt,
-        block_size=block_size,
-        residual=q.residual,
-        sink_blocks=q.sink_blocks,
-        full_precision_layers=q.full_precision_layers,
-        group_size=q.group_size,
-        layer_formats=q.layer_formats,
-        scale_bytes=q.scale_bytes,
-        read_buffer_bytes=d.read_buffer_bytes,
-        prefetch=d.prefetch,
-        on_full=d.on_full,
-        attention=parts.attention,  # type: ignore[arg-type]
-        extent_blocks=d.extent_blocks,
-        **_prefix_arguments(parts),
-    )
+# (has a codec, has a disk tier) -> the name a block store with those links goes by; each is the same store.
+_BLOCK_CONFIGURATIONS: dict[tuple[bool, bool], type[PagedCache]] = {
+    (False, False): PagedCache,
+    (True, False): QuantizedCache,
+    (False, True): DiskOffloadCache,
+    (True, True): QuantizedDiskCache,
+}
 
 
 def _eviction(model: Any, parts: ChainParts) -> GovernedCache:
     policy = parts.policy
-    assert policy is not None, "the eviction mechanism needs a policy"
+    assert policy is not None, "the slots layout needs a policy"
     return _POLICY_BUILDERS[type(policy)](model, policy, parts)
 
 
@@ -200,11 +127,8 @@ _POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCache]] = 
 }
 
 _BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {
-    "paged": _paged,
-    "quantized": _quantized,
-    "disk": _disk,
-    "quantized_disk": _quantized_disk,
-    "eviction": _eviction,
+    "blocks": _blocks,
+    "slots": _eviction,
 }
 
 

@@ -3,8 +3,10 @@
 A chain is checked in two passes, both tables rather than branches:
 
 1. every pair of links in `REFUSED_PAIRS` is refused with its sentence (none today: every pair is built);
-2. `MECHANISMS` lists what each cache implementation can take; the chain goes to the first whose
-   required links it has and whose accepted links cover it.
+2. `LAYOUTS` lists the two ways a governed cache stores K/V and the links each takes; the chain goes to the
+   first whose required links it has and whose accepted links cover it. "blocks" is the block store
+   (`PagedCache`, whose codec and disk links are objects it calls); "slots" keeps per-head slots chosen by
+   an eviction policy (`EvictionCache`), in a pool's blocks when given one, with its own codec and recall.
 
 Per-layer overrides are checked against the links they need.
 """
@@ -23,22 +25,20 @@ REFUSED_PAIRS: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
-class Mechanism:
-    """One cache implementation: the links it needs and the links it accepts."""
+class StorageLayout:
+    """One way a governed cache stores K/V: the links it needs and the links it accepts."""
 
     name: str
     needs: frozenset[str]
     accepts: frozenset[str]
 
 
-MECHANISMS: tuple[Mechanism, ...] = (
-    # With spill=, an eviction cache writes what it evicts to disk pages and recalls them (`Recall`).
-    # With pool=, its kept slots live in a shared pool's blocks (`eviction_pool`).
-    Mechanism("eviction", frozenset({"policy"}), frozenset({"policy", "pool", "prefix", "codec", "spill"})),
-    Mechanism("quantized_disk", frozenset({"codec", "spill"}), frozenset({"codec", "spill", "pool", "prefix"})),
-    Mechanism("disk", frozenset({"spill"}), frozenset({"spill", "pool", "prefix"})),
-    Mechanism("quantized", frozenset({"codec"}), frozenset({"codec", "pool", "prefix"})),
-    Mechanism("paged", frozenset(), frozenset({"pool", "prefix"})),
+LAYOUTS: tuple[StorageLayout, ...] = (
+    # Heads keep different tokens, so a policy's kept K/V are per-head slots. With spill=, what it evicts is
+    # written to disk pages and recalled (`Recall`); with pool=, its slots live in a shared pool's blocks.
+    StorageLayout("slots", frozenset({"policy"}), frozenset({"policy", "pool", "prefix", "codec", "spill"})),
+    # Every head keeps every token: one block table per layer group, the codec and disk links called by it.
+    StorageLayout("blocks", frozenset(), frozenset({"pool", "prefix", "codec", "spill"})),
 )
 
 
@@ -46,8 +46,8 @@ class ChainRefused(ValueError):
     """A combination of parts that cannot work; the message says why."""
 
 
-def mechanism_for(parts: ChainParts, num_layers: int | None = None) -> Mechanism:
-    """The implementation that builds `parts`, after refusing combinations that cannot work."""
+def layout_for(parts: ChainParts, num_layers: int | None = None) -> StorageLayout:
+    """The storage layout that serves `parts`, after refusing combinations that cannot work."""
     present = parts.present
     for pair, reason in REFUSED_PAIRS.items():
         if pair <= present:
@@ -55,10 +55,10 @@ def mechanism_for(parts: ChainParts, num_layers: int | None = None) -> Mechanism
             raise ChainRefused(f"A chain cannot have both {first}= and {second}=: {reason}.")
     _check_overrides(parts, num_layers)
     _check_pool(parts)
-    for mechanism in MECHANISMS:
-        if mechanism.needs <= present <= mechanism.accepts:
-            return mechanism
-    raise AssertionError(f"no mechanism for the links {sorted(present)}")  # every pair outside the table fits one
+    for layout in LAYOUTS:
+        if layout.needs <= present <= layout.accepts:
+            return layout
+    raise AssertionError(f"no layout for the links {sorted(present)}")  # every pair outside the table fits one
 
 
 def _check_overrides(parts: ChainParts, num_layers: int | None) -> None:

@@ -1,14 +1,14 @@
 """`BlockTier`: the disk link of a block cache, whatever its blocks hold.
 
-A `PagedCache` (or `QuantizedCache`) given a tier link spills its cold blocks to a `DiskTier` and reads them
-back ahead of need. The link owns what every spilling cache does the same way: the tier and its read-ahead,
-spilling the blocks that left the hot window at the start of a step (never the ones a prefix tree holds),
-bringing blocks back (a crop into a spilled block, a `publish`), naming the tokens of a damaged block, and
-resetting or releasing the file. The block cache calls it at those points of its own lifetime; what differs
-with the codec (which entries can move and how their bytes are read and written, how many leading blocks
-never move, how spilled entries are numbered, and how attention reads what came back) is given when the
-link is attached (`attach`) and by the cache that reads the spilled blocks (`DiskOffloadCache`,
-`QuantizedDiskCache`).
+A `PagedCache` given a disk link (`DiskOffloadCache`, `QuantizedDiskCache`, or ``GovernedCache(...,
+spill=Disk(...))``) spills its cold blocks to a `DiskTier` and reads them back ahead of need. The link owns
+what every spilling cache does the same way: the tier and its read-ahead, spilling the blocks that left the
+hot window at the start of a step (never the ones a prefix tree holds), bringing blocks back (a crop into a
+spilled block, a `publish`), naming the tokens of a damaged block, and resetting or releasing the file. The
+block cache calls it at those points of its own lifetime. What differs with the codec link is a
+`SpillFormat`, given when the link is attached: which entries can move and how their bytes are read and
+written, how many leading blocks never move, how spilled entries are numbered. Raw blocks (no codec) are
+read back here (`raw_kv`, `add_raw_to_view`); sealed ones by the codec link (`hf_kvgov.hf.block_sealer`).
 
 Layer groups (a hybrid sliding-window model): every group's tables are tiered. A sliding group frees every
 block that left its window (from memory or from disk), so it holds at most about `window + block_size`
@@ -21,24 +21,59 @@ layer reads the segment of its position; the read-ahead fetches the next layer's
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.hf import disk_prefix
+from hf_kvgov.hf.disk_stats import disk_cache_stats
+from hf_kvgov.hf.paged_stats import CacheStats
 from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.hf.quantized_disk_stats import quantized_disk_stats
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
-from hf_kvgov.tiers.kv_segments import SpilledIds, SpilledLayout
-from hf_kvgov.tiers.moves import TierBlocks, bring_back, spill
+from hf_kvgov.tiers.kv_segments import (
+    RAW_SPILLED_IDS,
+    SegmentReader,
+    SpilledIds,
+    SpilledLayout,
+    gather_tiered,
+    raw_part_bytes,
+)
+from hf_kvgov.tiers.moves import TierBlocks, bring_back, raw_blocks, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.hf.paged_cache import PagedCache, PagedLayer
+    from hf_kvgov.hf.paged_view import PagedView
+
+RESIDENT_FIRST_BLOCKS = 1  # a raw row's attention-sink block: read by every query, so never worth a round trip
+
+
+@dataclass(frozen=True)
+class SpillFormat:
+    """How the tier holds one codec's blocks.
+
+    Args:
+        layout: the tier's segments per (block, position of a block). blocks: what can move, and how.
+        resident_first: leading blocks of each row that never move. ids: how spilled entries are numbered.
+    """
+
+    layout: TierLayout
+    blocks: TierBlocks
+    resident_first: int
+    ids: SpilledIds
+
+
+def raw_spill_format(pool: BlockPool, extent_blocks: int) -> SpillFormat:
+    """Full-precision pool blocks spill as their raw bytes; the first block of a row stays."""
+    layout = TierLayout(pool.layers_per_block, raw_part_bytes(pool.geometry, pool.block_size), extent_blocks)
+    return SpillFormat(layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
 
 
 class BlockTier:
@@ -80,29 +115,16 @@ class BlockTier:
                 f"{'residual' if self.sealed is not None else 'hot_tokens'} or read_buffer_bytes."
             )
 
-    def attach(
-        self,
-        cache: PagedCache,
-        pool: BlockPool,
-        layout: TierLayout,
-        blocks: TierBlocks,
-        resident_first: int,
-        ids: SpilledIds,
-    ) -> None:
-        """The tier file, its read-ahead, and tiered block tables for every layer group of `cache`.
-
-        Args:
-            layout: the tier's segments per (block, position of a block). blocks: what can move, and how.
-            resident_first: leading blocks of each row that never move. ids: how spilled entries are numbered.
-        """
+    def attach(self, cache: PagedCache, pool: BlockPool, spilled: SpillFormat) -> None:
+        """The tier file, its read-ahead, and tiered block tables for every layer group of `cache`."""
         heads = pool.layout.heads  # position j of a block is read on the device of the layers at j
-        self.tier = DiskTier(layout, self.disk.path, self.disk.max_write_bytes)
+        self.tier = DiskTier(spilled.layout, self.disk.path, self.disk.max_write_bytes)
         self.prefetcher = LayerPrefetcher(
             self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
         )
-        tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, ids, group) for group in pool.groups]
+        tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, spilled.ids, g) for g in pool.groups]
         cache.tables, cache._other_tables = tables[0], tables[1:]
-        self._blocks, self._resident_first = blocks, resident_first
+        self._blocks, self._resident_first = spilled.blocks, spilled.resident_first
 
     def _parts(self) -> tuple[DiskTier, LayerPrefetcher, TierBlocks]:
         assert self.tier is not None and self.prefetcher is not None and self._blocks is not None
@@ -166,6 +188,35 @@ class BlockTier:
                 prefetcher.request(cache.layout.position[following], spilled.handles)
                 return
 
+    def _raw_reader(self, cache: PagedCache, layer: int, layout: SpilledLayout) -> SegmentReader:
+        """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
+        return lambda outs: self.take(cache, layer, layout.handles, outs)
+
+    def raw_kv(self, cache: PagedCache, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A full-precision layer's K/V `[batch, kv_heads, length, head_dim]` with its spilled blocks read back;
+        None when none of them has spilled."""
+        layout, pool, i = self.spilled_layout(cache, layer.index), cache.pool, layer.index
+        if layout is None:
+            return None
+        assert pool is not None
+        first = cache._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
+        reader = self._raw_reader(cache, i, layout)
+        return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length - first, reader)
+
+    def add_raw_to_view(self, cache: PagedCache, layer: PagedLayer, view: PagedView) -> None:
+        """Append a full-precision layer's spilled blocks, read back, after the pool's in the paged view."""
+        layout = self.spilled_layout(cache, layer.index)
+        if layout is None:
+            return
+        capacity, caches = view.key_cache.shape[0], []
+        for pool_layer in (view.key_cache, view.value_cache):
+            copy = pool_layer.new_empty((capacity + len(layout.handles), *pool_layer.shape[1:]))
+            copy[:capacity] = pool_layer
+            caches.append(copy)
+        self._raw_reader(cache, layer.index, layout)([copy[capacity:] for copy in caches])
+        view.key_cache, view.value_cache = caches
+        view.block_table = layout.paged_table(capacity)
+
     def located(self, cache: PagedCache, err: SpillCorrupted) -> SpillCorrupted:
         """The same error, naming the layer that reads the damaged segment and the tokens its block holds."""
         for tables in self.tiered_tables(cache):
@@ -221,6 +272,10 @@ class BlockTier:
         self.stop_reason = None
         if close and self.tier is not None:
             self.tier.close()
+
+    def stats(self, cache: PagedCache, base: CacheStats) -> CacheStats:
+        """`base` with memory counted as resident bytes, plus the tier's counters (and the codec's, if any)."""
+        return disk_cache_stats(cache, base) if cache.sealer is None else quantized_disk_stats(cache, base)
 
     def drop_page_cache(self) -> None:
         """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""

@@ -1,4 +1,4 @@
-"""`DiskOffloadCache`: a `PagedCache` whose cold blocks spill to a file on SSD and come back ahead of need.
+"""`DiskOffloadCache`: the block store with a disk link: cold blocks spill to a file on SSD and come back ahead of need.
 
 In memory (the pool) stay the first block, the blocks holding the latest `hot_tokens` tokens, and the
 tail being written. Every older block is sealed (full) and cold: at the start of each forward step the
@@ -18,36 +18,30 @@ Not counted: the one layer of K/V handed to attention, which every cache materia
 Prefix sharing (``prefix=PrefixCache(pool)``, `match` / `publish` as PagedCache's): the cache draws its blocks
 from the tree's pool, whose own cap bounds memory; blocks the tree holds stay resident and only a row's
 private cold blocks spill (`hf_kvgov.hf.disk_prefix` says why, and what `publish` brings back).
+
+The spilling itself is the disk link's (`hf_kvgov.hf.block_tier.BlockTier`), which `PagedCache` calls; this class
+only configures it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix
-from hf_kvgov.hf.block_tier import BlockTier
-from hf_kvgov.hf.disk_stats import DiskCacheStats, disk_cache_stats
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.hf.block_tier import RESIDENT_FIRST_BLOCKS
+from hf_kvgov.hf.disk_stats import DiskCacheStats
+from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import BlockPool
-from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS, TierLayout
-from hf_kvgov.tiers.kv_segments import RAW_SPILLED_IDS, SegmentReader, SpilledLayout, gather_tiered, raw_part_bytes
-from hf_kvgov.tiers.moves import raw_blocks
+from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
 
-RESIDENT_FIRST_BLOCKS = 1  # the attention-sink block: read by every query, so never worth a round trip
+__all__ = ["RESIDENT_FIRST_BLOCKS", "DiskCacheStats", "DiskOffloadCache"]
 
 
 class DiskOffloadCache(PagedCache):
     """Lossless KV cache whose sealed blocks older than a hot window live in a file on disk.
 
-    A `PagedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its raw blocks; this class says
-    how the link lays them out and how attention reads the ones that come back.
+    A `PagedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its raw blocks.
 
     Args:
         model_or_config: as for `PagedCache`.
@@ -92,76 +86,22 @@ class DiskOffloadCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        self.spill_link = BlockTier(
-            DiskCacheConfig(
-                path=None if path is None else str(path),
-                hot_tokens=hot_tokens,
-                max_resident_bytes=max_resident_bytes,
-                max_write_bytes=max_write_bytes,
-                read_buffer_bytes=read_buffer_bytes,
-                prefetch=prefetch,
-                on_full=on_full,
-                extent_blocks=extent_blocks,
-            )
+        disk = DiskCacheConfig(
+            path=None if path is None else str(path),
+            hot_tokens=hot_tokens,
+            max_resident_bytes=max_resident_bytes,
+            max_write_bytes=max_write_bytes,
+            read_buffer_bytes=read_buffer_bytes,
+            prefetch=prefetch,
+            on_full=on_full,
+            extent_blocks=extent_blocks,
         )
-        block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size)
         super().__init__(
-            model_or_config,
-            block_size,
-            max_bytes=self.disk.pool_bytes,
-            attention=attention,
-            prefix=prefix,
-            namespace=namespace,
+            model_or_config, block_size, attention=attention, prefix=prefix, namespace=namespace, spill=disk
         )
-        self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
-
-    # ------------------------------------------------------------------ pool and tier
-
-    def _adopt_pool(self, pool: BlockPool) -> None:
-        super()._adopt_pool(pool)
-        layout = TierLayout(
-            pool.layers_per_block, raw_part_bytes(pool.geometry, pool.block_size), self.disk.extent_blocks
-        )
-        self._link.attach(self, pool, layout, raw_blocks(pool), RESIDENT_FIRST_BLOCKS, RAW_SPILLED_IDS)
-
-    # ------------------------------------------------------------------ reading back
-
-    def _reader(self, layer: int, layout: SpilledLayout) -> SegmentReader:
-        """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
-        return lambda outs: self._link.take(self, layer, layout.handles, outs)
-
-    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        layout = self._link.spilled_layout(self, layer.index)
-        if layout is None:
-            return super()._contiguous_kv(layer)
-        pool, i = self.pool, layer.index
-        assert pool is not None
-        first = self._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
-        return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length - first, self._reader(i, layout))
-
-    def _hand_view_to_attention(
-        self,
-        layer: PagedLayer,
-        attn_kwargs: dict[str, Any] | None,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
-        layout = self._link.spilled_layout(self, layer.index)
-        if layout is not None and attn_kwargs is not None:
-            view = attn_kwargs[PAGED_VIEW_KEY]  # spilled blocks are appended after the pool's
-            capacity, caches = view.key_cache.shape[0], []
-            for pool_layer in (view.key_cache, view.value_cache):
-                cache = pool_layer.new_empty((capacity + len(layout.handles), *pool_layer.shape[1:]))
-                cache[:capacity] = pool_layer
-                caches.append(cache)
-            self._reader(layer.index, layout)([cache[capacity:] for cache in caches])
-            view.key_cache, view.value_cache = caches
-            view.block_table = layout.paged_table(capacity)
-        return result
-
-    # ------------------------------------------------------------------ accounting
 
     def stats(self) -> DiskCacheStats:
         """`DiskCacheStats`: what this cache holds in memory and on disk (see its docstring)."""
-        return disk_cache_stats(self, super().stats())
+        stats = super().stats()
+        assert isinstance(stats, DiskCacheStats)
+        return stats

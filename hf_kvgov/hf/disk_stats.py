@@ -1,4 +1,5 @@
-"""What a `DiskOffloadCache` holds in memory and on disk: `DiskCacheStats` and how it is counted."""
+"""What a cache with a disk tier and no codec (`DiskOffloadCache`) holds in memory and on disk: `DiskCacheStats`
+and how it is counted."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hf_kvgov.hf.paged_stats import CacheStats, live_entries
 from hf_kvgov.tiers.accounting import TierStats
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.disk_cache import DiskOffloadCache
+    from hf_kvgov.hf.paged_cache import PagedCache
 
 _NO_TIER = TierStats(None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # before the first K/V arrives
 
@@ -53,7 +54,7 @@ class DiskCacheStats(CacheStats):
     prefix_blocks: int = 0  # resident blocks this cache uses that the prefix tree holds (never spilled)
 
 
-def disk_cache_stats(cache: DiskOffloadCache, base: CacheStats) -> DiskCacheStats:
+def disk_cache_stats(cache: PagedCache, base: CacheStats) -> DiskCacheStats:
     """`base` (the paged accounting) with memory counted as resident bytes, plus the tier's counters."""
     held = live_entries(cache)
     resident_blocks = sum(1 for b in held if b >= 0)

@@ -11,8 +11,12 @@ disk tier (sealed blocks spill as codes; optionally under a prefix tree, whose b
 which chain it is, and ``GovernedCache(model, **cache.parts.kwargs())`` builds the same cache.
 
 Constructing `GovernedCache` itself checks the parts (`hf_kvgov.chain.rules`: a combination that cannot
-work raises `ChainRefused` saying why) and returns an instance of the implementation that serves them
-(`hf_kvgov.chain.build`); there is one implementation per mechanism, never a parallel copy.
+work raises `ChainRefused` saying why) and builds them (`hf_kvgov.chain.build`) in one of two storage
+layouts. Without a policy every head keeps every token, so the K/V live in the one block store,
+`PagedCache`, whose codec and disk links are objects it calls (`BlockSealer`, `BlockTier`); the four block
+presets are that store with those links, and a chain comes back as the preset its links name. With a policy
+heads keep different tokens, so the K/V live in per-head slots (`EvictionCache`), in a pool's blocks when
+given one.
 """
 
 from __future__ import annotations

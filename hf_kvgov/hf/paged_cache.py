@@ -14,18 +14,26 @@ grouped by what they keep (`hf_kvgov.storage.layer_groups`), each group has its 
 one pool, and a sliding group frees the blocks that left its window before each step. A sliding layer then
 reports `is_sliding` and the position of its first kept token to the mask, as DynamicCache's sliding layers
 do. A prefix tree over such a pool shares blocks per group (`hf_kvgov.hf.prefix_groups`).
+
+This class is the one block store of every block-storing chain. Its links are objects it calls at fixed
+points of its lifetime, each None when the chain leaves it out: the codec link (`BlockSealer`: full blocks
+sealed into codes) and the disk link (`BlockTier`: cold blocks spilled to a file and read back ahead of
+need). The named caches are its configurations: `QuantizedCache` sets a codec, `DiskOffloadCache` a disk
+tier, `QuantizedDiskCache` both; ``GovernedCache(model, pool=..., prefix=..., codec=..., spill=...)`` builds
+the same store from the chain's parts.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import torch
 
 from hf_kvgov.chain.parts import ChainParts, Paging
-from hf_kvgov.hf import paged_prefix, prefix_groups
-from hf_kvgov.hf.block_tier import BlockTier
+from hf_kvgov.hf import disk_prefix, paged_prefix, prefix_groups
+from hf_kvgov.hf.block_sealer import BlockSealer
+from hf_kvgov.hf.block_tier import BlockTier, SpillFormat, raw_spill_format
 from hf_kvgov.hf.compat import (
     CacheLayerMixin,
     decoder_config,
@@ -38,6 +46,7 @@ from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.hf.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.prefix_layout import RowLayout
+from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
@@ -122,14 +131,16 @@ class PagedCache(GovernedCache):
         attention: "contiguous" or "paged" (see the module docstring).
         prefix: a `PrefixCache` shared across requests; enables `match` and `publish` (its pool is used).
         namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
+        codec: the codec link, a `QuantConfig` (what `QuantizedCache` sets): full blocks are sealed into codes
+            in a `QuantizedBlockPool`; None keeps every block in full precision.
+        spill: the disk link, a `DiskCacheConfig` (what `DiskOffloadCache` sets): cold blocks spill to a file.
+            The cache then creates its pool capped by ``spill.max_resident_bytes`` (or draws from the prefix
+            tree's), so it refuses ``pool=``, ``max_tokens=`` and ``max_bytes=``; None keeps every block in memory.
     """
 
     # Whether the pool this cache creates groups layers by window (see the module docstring); False keeps one
     # group of every layer, every token in every layer (the benchmarks measure the two side by side).
     groups_layers = True
-    # The disk link (`hf_kvgov.hf.block_tier`): a cache that spills sets it before this `__init__`, which may
-    # create the pool, and attaches it with the pool; None keeps every block in memory.
-    spill_link: BlockTier | None = None
 
     def __init__(
         self,
@@ -141,7 +152,17 @@ class PagedCache(GovernedCache):
         attention: AttentionPath = "contiguous",
         prefix: PrefixCache | None = None,
         namespace: str = "",
+        *,
+        codec: QuantConfig | None = None,
+        spill: DiskCacheConfig | None = None,
     ) -> None:
+        # The links come first: the pool may be created below, and each link shapes it.
+        self.sealer = None if codec is None else BlockSealer(codec)
+        self.spill_link = None if spill is None else BlockTier(spill, sealed=codec)
+        if spill is not None:
+            _check_spill_pool(pool, max_tokens, max_bytes)
+            block_size = disk_prefix.cache_block_size(prefix, spill, block_size, sealed=codec)
+            max_bytes = spill.pool_bytes
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
@@ -149,6 +170,8 @@ class PagedCache(GovernedCache):
         windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         self.num_kv_heads, self.head_dim = kv_heads_and_head_dim(config)
         self.num_layers = int(config.num_hidden_layers)
+        if codec is not None:
+            codec.check_model(self.num_layers, self.num_kv_heads, self.head_dim, block_size)
         self.attention: AttentionPath = attention
         self._pool_args = {"block_size": block_size, "max_tokens": max_tokens, "max_bytes": max_bytes}
         self.pool: BlockPool | None = None
@@ -161,11 +184,15 @@ class PagedCache(GovernedCache):
         self._row_layouts: list[RowLayout] | None = None
         self._published_blocks = 0  # prompt blocks published as computed (a tree over layer groups)
         self._expand_rows_on_next_forward = False
-        # The chain as the caller wrote it: a pool they passed, else the paging that sizes the pool.
+        # The chain as the caller wrote it: a pool they passed, else the paging that sizes the pool (a disk
+        # tier's cap is its own part's).
+        paging = Paging(block_size) if spill is not None else Paging(block_size, max_tokens, max_bytes)
         self.parts = ChainParts(
-            pool=Paging(block_size, max_tokens, max_bytes) if pool is None else pool,
+            pool=paging if pool is None else pool,
             prefix=prefix,
             namespace=namespace,
+            codec=codec,
+            spill=spill,
             attention=attention,
         )
         if prefix is not None:
@@ -186,6 +213,31 @@ class PagedCache(GovernedCache):
             layer.is_sliding = self._group(layer.index).window is not None
         super().__init__(layers=layers)
 
+    @classmethod
+    def from_parts(cls, model_or_config: Any, parts: ChainParts) -> Self:
+        """This configuration of the block store, built from a chain's parts (what `GovernedCache` returns).
+
+        The parts are checked by `hf_kvgov.chain.rules` first; the named caches differ only in their constructor's
+        arguments, so each is built here by the one store's.
+        """
+        cache = cls.__new__(cls)
+        pool, given = parts.pool, parts.pool if isinstance(parts.pool, BlockPool) else None
+        paging = pool if isinstance(pool, Paging) else None
+        PagedCache.__init__(
+            cache,
+            model_or_config,
+            block_size=None if pool is None else pool.block_size,  # None: the tree's blocks, else the default
+            max_tokens=None if paging is None or parts.spill is not None else paging.max_tokens,
+            max_bytes=None if paging is None or parts.spill is not None else paging.max_bytes,
+            pool=given,
+            attention=parts.attention,  # type: ignore[arg-type]
+            prefix=parts.prefix,
+            namespace=parts.namespace,
+            codec=parts.codec,
+            spill=parts.spill,
+        )
+        return cache
+
     # ------------------------------------------------------------------ layer groups
 
     def _layer_groups(self, windows: list[int | None]) -> tuple[LayerGroup, ...]:
@@ -194,7 +246,8 @@ class PagedCache(GovernedCache):
         known = {device for device in self._layer_devices if device is not None}
         if not self.groups_layers or len(known) > 1:
             return single_group(len(windows))
-        return layer_groups(windows)
+        groups = layer_groups(windows)
+        return groups if self.sealer is None else self.sealer.layer_groups(groups)
 
     @property
     def groups(self) -> tuple[LayerGroup, ...]:
@@ -234,10 +287,14 @@ class PagedCache(GovernedCache):
         self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
 
     def _new_pool(self, geometry: KVGeometry) -> BlockPool:
-        """The pool this cache creates when none was given (a subclass storing blocks differently overrides it)."""
+        """The pool this cache creates when none was given: sealing blocks with a codec, else plain."""
+        if self.sealer is not None:
+            return self.sealer.new_pool(geometry, self.groups, **self._pool_args)
         return BlockPool(geometry, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
 
     def _adopt_pool(self, pool: BlockPool) -> None:
+        if self.sealer is not None:
+            self.sealer.check_pool(pool, self.num_layers)
         g = pool.geometry
         wanted = (self.num_layers, self.num_kv_heads, self.head_dim)
         if (g.num_layers, g.num_kv_heads, g.head_dim) != wanted:
@@ -250,6 +307,12 @@ class PagedCache(GovernedCache):
         self.tables = BlockTables(pool, pool.groups[0])
         self._other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
         self._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
+        if self.spill_link is not None:  # its tiered tables replace the plain ones
+            self.spill_link.attach(self, pool, self._spill_format(pool))
+
+    def _spill_format(self, pool: BlockPool) -> SpillFormat:
+        extent = self.disk.extent_blocks
+        return raw_spill_format(pool, extent) if self.sealer is None else self.sealer.tier_format(pool, extent)
 
     def _ensure_pool(self, key_states: torch.Tensor) -> None:
         if self.pool is None:
@@ -285,6 +348,10 @@ class PagedCache(GovernedCache):
                 f"Layer {layer.index} stored K/V with {heads} heads of dim {head_dim}; this cache was built "
                 f"for {self.num_kv_heads} KV heads of dim {self.head_dim}."
             )
+        if layer.index == 0 and self.sealer is not None:
+            # Normally a no-op: the previous step's last layer sealed already. This catches a model whose
+            # last layer does not call update (shared-KV layers) or a step that was interrupted.
+            self.sealer.seal_ready_blocks(self)
         if self._expand_rows_on_next_forward:
             self._expand_matched_rows(batch)
         if layer.index == 0:  # every group still holds the prompt blocks the previous step computed
@@ -298,9 +365,12 @@ class PagedCache(GovernedCache):
         slots = tables.slots_on(key_states.device)  # one copy per device per step, not per layer
         self._write_tokens(layer, slots, key_states, value_states)
         layer.length += q_len
-        if self.attention == "contiguous":
-            return self._contiguous_kv(layer)
-        return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+        if self.attention == "paged":
+            return self._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
+        kv = self._contiguous_kv(layer)
+        if self.sealer is not None and layer.index == self.num_layers - 1:
+            self.sealer.seal_ready_blocks(self)  # kv is already a copy: sealing cannot change what attention reads
+        return kv
 
     def _expand_matched_rows(self, batch: int) -> None:
         """generate expands inputs for beams / num_return_sequences but not a cache it was given."""
@@ -311,9 +381,6 @@ class PagedCache(GovernedCache):
             self.batch_repeat_interleave(batch // rows)
             if self._row_layouts is not None:
                 self._row_layouts = [row for row in self._row_layouts for _ in range(batch // rows)]
-
-    # Extension points: a cache that stores blocks differently (quantized codes, a disk tier) overrides
-    # these two and inherits the block tables, generate's bookkeeping and the accounting.
 
     def _write_tokens(
         self, layer: PagedLayer, slots: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor
@@ -334,6 +401,10 @@ class PagedCache(GovernedCache):
 
     def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V as `[batch, kv_heads, length, head_dim]` for any attention implementation."""
+        if self.sealer is not None:  # sealed blocks decoded, spilled ones read back
+            return self.sealer.contiguous_kv(self, layer)
+        if self.spill_link is not None and (kv := self.spill_link.raw_kv(self, layer)) is not None:
+            return kv
         assert self.pool is not None
         table, first = self._tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
         return self.pool.gather(layer.index, table, layer.length - first)
@@ -359,6 +430,10 @@ class PagedCache(GovernedCache):
             )
         table, first = self._tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
         view = PagedView(self.pool.keys[layer.index], self.pool.values[layer.index], table, layer.length - first)
+        if self.sealer is not None:  # a view that decodes sealed entries (spilled ones read back)
+            view = self.sealer.paged_view(self, layer, view)
+        elif self.spill_link is not None:
+            self.spill_link.add_raw_to_view(self, layer, view)
         attn_kwargs[PAGED_VIEW_KEY] = view
         self._pending_view = view
         return key_states, value_states
@@ -386,7 +461,8 @@ class PagedCache(GovernedCache):
                 tables.reorder(indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens (negative, as transformers >= 5 passes it)."""
+        """Drop the last `-tokens_to_remove` tokens (negative, as transformers >= 5 passes it); a spilled block the
+        new tail falls in comes back, and a sealed one is decoded (the next write lands there)."""
         if tokens_to_remove > 0:
             raise ValueError(
                 f"crop expects a negative number of tokens to remove; got {tokens_to_remove}. "
@@ -401,10 +477,11 @@ class PagedCache(GovernedCache):
             tables.truncate(length)
         if self.spill_link is not None:
             self.spill_link.after_truncate()
-        for layer in self.layers:
-            assert isinstance(layer, PagedLayer)
+        for layer in self.paged_layers:
             layer.length = min(layer.length, length)
         self._pending_view = None
+        if self.sealer is not None:
+            self.sealer.after_crop(self)
 
     def reset(self) -> None:
         """Forget every token and return every block to the pool (the cache stays usable); with a disk tier, disk
@@ -428,6 +505,8 @@ class PagedCache(GovernedCache):
         self._pending_view = None
         if self.spill_link is not None:
             self.spill_link.after_release(close=close_tier)
+        if self.sealer is not None:
+            self.sealer.forget()
 
     # ------------------------------------------------------------------ prefix sharing
 
@@ -436,10 +515,16 @@ class PagedCache(GovernedCache):
     ) -> dict[str, torch.Tensor]:
         """Fill this empty cache with each row's longest cached prefix; returns the inputs for generate.
 
-        See `hf_kvgov.hf.paged_prefix.match`. With a disk tier, the matched blocks stay in memory for as long as
-        this cache holds them.
+        See `hf_kvgov.hf.paged_prefix.match`. With a codec, the matched prefix is then sealed as if this cache had
+        computed it. With a disk tier, the matched blocks stay in memory for as long as this cache holds them.
         """
-        inputs = paged_prefix.match(self, input_ids, attention_mask, pad_token_id)
+        inputs = paged_prefix.match(self, input_ids, attention_mask, pad_token_id, namespace=self.sharing_namespace)
+        if self.sealer is not None:
+            # A cache that computed the prefix would have sealed its ready blocks at the end of that step: rows'
+            # padding blocks (masked, zeroed) and any full-precision block past the sink that the tree holds
+            # (published without `publish`'s sealed copies). Sealing them before the prefill frees their
+            # full-precision memory before the prefill needs its own, and the suffix reads what that cache would.
+            self.sealer.seal_ready_blocks(self)
         if self.spill_link is not None:
             self.spill_link.after_match(self)
         return inputs
@@ -447,29 +532,39 @@ class PagedCache(GovernedCache):
     def publish(self, sequences: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
         """Offer this cache's full blocks (prompt and generated) to the prefix tree; returns blocks offered.
 
-        With a disk tier, the spilled blocks it offers come back into memory first. If they cannot
-        (`PoolExhausted`, a store that cannot grow, `SpillCorrupted`), that error is raised and nothing has
-        changed: no block brought back, none published.
+        With a codec, full blocks still in full precision past the sink go to the tree sealed. With a disk tier,
+        the spilled blocks it offers come back into memory first. If they cannot (`PoolExhausted`, a store that
+        cannot grow, `SpillCorrupted`), that error is raised and nothing has changed: no block brought back, none
+        published.
         """
         if self.spill_link is not None:
             self.spill_link.before_publish(self, sequences, attention_mask)
-        return paged_prefix.publish(self, sequences, attention_mask)
+        return paged_prefix.publish(
+            self, sequences, attention_mask, namespace=self.sharing_namespace, sealed_from=self._sealed_from
+        )
 
     def _publish_tokens(self, rows: list[list[int]], sliding_only: bool) -> int:
         """Publish row r's full blocks of `rows[r]` (`sliding_only`: the prompt as computed, `prefix_groups`)."""
-        return paged_prefix.publish_tokens(self, rows, self.namespace, sliding_only=sliding_only)
+        return paged_prefix.publish_tokens(
+            self, rows, self.sharing_namespace, sealed_from=self._sealed_from, sliding_only=sliding_only
+        )
+
+    @property
+    def sharing_namespace(self) -> str:
+        """The tree namespace of `match` / `publish`: `namespace`, plus how this cache seals blocks with a codec
+        (caches sealing differently never share a block, nor does a cache without a codec on the same pool)."""
+        return self.namespace if self.sealer is None else self.sealer.namespace(self.namespace)
+
+    @property
+    def _sealed_from(self) -> int | None:
+        """The first block column `publish` offers sealed (past the sink); None without a codec."""
+        return None if self.sealer is None else self.sealer.quant.sink_blocks
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.release()
 
     # ------------------------------------------------------------------ the disk link's state
-
-    @property
-    def _link(self) -> BlockTier:
-        """The disk link of a cache that has one (its spilling subclasses)."""
-        assert self.spill_link is not None, f"this {type(self).__name__} has no disk tier"
-        return self.spill_link
 
     @property
     def disk(self) -> DiskCacheConfig:
@@ -508,5 +603,29 @@ class PagedCache(GovernedCache):
 
     # ------------------------------------------------------------------ accounting
 
+    @property
+    def paged_layers(self) -> list[PagedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+
     def stats(self) -> CacheStats:
-        return paged_cache_stats(self)
+        """What this cache holds: blocks and bytes (`CacheStats`); with a codec, the bytes as stored
+        (`QuantizedCacheStats`); with a disk tier, memory only plus the tier's counters (`DiskCacheStats`, or
+        `QuantizedDiskCacheStats` with both links)."""
+        base = paged_cache_stats(self)
+        if self.spill_link is not None:
+            return self.spill_link.stats(self, base)
+        return base if self.sealer is None else self.sealer.stats(self, base)
+
+
+def _check_spill_pool(pool: BlockPool | None, max_tokens: int | None, max_bytes: int | None) -> None:
+    """A disk tier creates its own pool, capped by what stays in memory (or draws from a prefix tree's)."""
+    if pool is not None:
+        raise ValueError(
+            "A cache with a disk tier creates its own pool, capped by max_resident_bytes (or draws from the prefix "
+            "tree's pool with prefix=); pass no pool=."
+        )
+    if max_tokens is not None or max_bytes is not None:
+        raise ValueError(
+            "With a disk tier the pool's cap is what stays in memory: give it as max_resident_bytes of the disk "
+            f"settings, not as max_tokens={max_tokens} / max_bytes={max_bytes}."
+        )

@@ -5,11 +5,14 @@ sdpa; the torch reference is the specification)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from hf_kvgov.kernels import dispatch
+from hf_kvgov.kernels.quantized_reference import SealedReader
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 
 PAGED_VIEW_KEY = "kvgov_paged_view"
 
@@ -18,7 +21,7 @@ PAGED_VIEW_KEY = "kvgov_paged_view"
 class PagedView:
     """What the paged attention reads for one layer: the pool's tensors and the batch's block table.
 
-    Caches that store blocks differently (e.g. quantized) subclass it and override `attend`.
+    A cache that stores blocks differently (sealed codes: `QuantizedView`) subclasses it and overrides `attend`.
     """
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
@@ -45,3 +48,34 @@ class PagedView:
             mask=mask,
             softcap=softcap,
         )
+
+
+@dataclass
+class QuantizedView(PagedView):
+    """The paged attention's view of one layer whose table holds sealed (negative) entries."""
+
+    read_sealed: SealedReader | None = None
+    sealed: SealedBlocks | None = None  # the same blocks as stored, for kernels that read codes in place
+    after_attend: Callable[[], None] | None = None  # the last layer seals the blocks this step filled
+
+    def attend(
+        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    ) -> torch.Tensor:
+        """Attention of `query` `[batch, q_heads, q_len, head_dim]`; returns `[batch, q_len, q_heads, head_dim]`."""
+        assert self.read_sealed is not None, "a QuantizedView is built with its sealed-block reader"
+        self.consumed = True
+        out = dispatch.quantized_paged_attention(
+            query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.kv_length,
+            scale,
+            self.read_sealed,
+            self.sealed,
+            mask=mask,
+            softcap=softcap,
+        )
+        if self.after_attend is not None:
+            self.after_attend()
+        return out

@@ -1,4 +1,5 @@
-"""`QuantizedDiskCache`: a `QuantizedCache` whose sealed blocks older than a hot window spill to SSD as codes.
+"""`QuantizedDiskCache`: the block store with a codec and a disk link: sealed blocks older than a hot window
+spill to SSD as codes.
 
 Per row, where each block lives::
 
@@ -33,46 +34,32 @@ Prefix sharing (``prefix=PrefixCache(pool)`` over a `QuantizedBlockPool` of this
 `publish` as `QuantizedCache`'s, so the two share blocks): blocks the tree holds (the sink and sealed codes)
 stay resident, and only a row's private sealed blocks spill; `publish` first brings the spilled blocks it
 offers back into the sealed store, so the tree never points at disk (`hf_kvgov.hf.disk_prefix`).
+
+The two links (`hf_kvgov.hf.block_sealer.BlockSealer`, `hf_kvgov.hf.block_tier.BlockTier`) do the work, called
+by `PagedCache`; this class only configures them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf import disk_prefix
-from hf_kvgov.hf.block_tier import BlockTier
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, AttentionPath, PagedCache, PagedLayer
+from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
-from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats, quantized_disk_stats
-from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
-from hf_kvgov.kernels.sealed_blocks import SealedBlocks
+from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats
 from hf_kvgov.prefix.sharing import PrefixCache
-from hf_kvgov.storage.pool import BlockPool
-from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
-from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
-from hf_kvgov.tiers.sealed_segments import (
-    after_the_store,
-    empty_pieces,
-    read_store_or_stack,
-    sealed_blocks,
-    sealed_tier_layout,
-)
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
+
+__all__ = ["QuantizedDiskCache", "QuantizedDiskCacheStats"]
 
 
 class QuantizedDiskCache(QuantizedCache):
     """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
 
-    A `QuantizedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its sealed blocks; this class
-    says how the link lays out their codes and how attention reads the ones that come back.
+    A `QuantizedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its sealed blocks.
 
     Args:
         model_or_config: as for `QuantizedCache`.
@@ -124,88 +111,20 @@ class QuantizedDiskCache(QuantizedCache):
         )
         layers = tuple(full_precision_layers)
         quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size, layer_formats, scale_bytes)
-        self.spill_link = BlockTier(disk, sealed=quant)
-        block_size = disk_prefix.cache_block_size(prefix, self.disk, block_size, sealed=quant)
-        super().__init__(
+        # The store's own constructor: QuantizedCache's takes no disk link.
+        PagedCache.__init__(
+            self,
             model_or_config,
-            bits,
-            fmt,
             block_size,
-            residual,
-            sink_blocks,
-            layers,
-            group_size,
-            layer_formats,
-            scale_bytes,
-            max_bytes=self.disk.pool_bytes,
             attention=attention,
             prefix=prefix,
             namespace=namespace,
+            codec=quant,
+            spill=disk,
         )
-        self.parts = dataclasses.replace(self.parts, pool=Paging(block_size), spill=self.disk)
-
-    # ------------------------------------------------------------------ pool and tier
-
-    def _adopt_pool(self, pool: BlockPool) -> None:
-        super()._adopt_pool(pool)  # refuses anything but a QuantizedBlockPool of this configuration
-        assert isinstance(pool, QuantizedBlockPool)
-        layout = sealed_tier_layout(pool, self.disk.extent_blocks)
-        # Sealed entries are -1 - sealed id, so spilled ones are numbered below -2**62.
-        self._link.attach(self, pool, layout, sealed_blocks(pool), self.quant.sink_blocks, SEALED_SPILLED_IDS)
-
-    # ------------------------------------------------------------------ reading back
-
-    def _with_spilled(
-        self, layer: int, in_place: bool = False
-    ) -> tuple[torch.Tensor, SealedReader, SealedBlocks | None] | None:
-        """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back and numbered
-        after the store's; None when nothing has spilled.
-
-        The reader copies only the blocks it is asked for. The sealed blocks, for kernels that read codes in
-        place (`in_place`, the paged path), are the store's pieces followed by the read-back ones: one copy of
-        the layer's store per step.
-        """
-        pool, layout = self._quantized_pool, self._link.spilled_layout(self, layer)
-        if layout is None:
-            return None
-        stack = empty_pieces(pool, layer, len(layout.handles), pool.layer_device(layer))
-        self._link.take(self, layer, layout.handles, list(stack.values()))
-        stored, fmt = pool.sealed.pieces[layer], pool.sealed.formats[layer]
-
-        def read(entries: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            return fmt.decode(read_store_or_stack(stored, stack, -1 - entries), dtype)
-
-        if not in_place:
-            return after_the_store(pool, layout), read, None
-        # Kernels reading codes in place take one tensor per piece: the store's, then the stack (one copy).
-        pieces = {name: torch.cat([stored[name], stack[name]]) for name in stored}
-        return after_the_store(pool, layout), read, SealedBlocks(fmt.name, pieces)
-
-    def _contiguous_kv(self, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        spilled = self._with_spilled(layer.index)
-        if spilled is None:
-            return super()._contiguous_kv(layer)
-        pool, (table, read, _) = self._quantized_pool, spilled
-        i = layer.index
-        first = self._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
-        return gather_quantized(pool.keys[i], pool.values[i], table, layer.length - first, read, pool.geometry.dtype)
-
-    def _hand_view_to_attention(
-        self,
-        layer: PagedLayer,
-        attn_kwargs: dict[str, Any] | None,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        result = super()._hand_view_to_attention(layer, attn_kwargs, key_states, value_states)
-        spilled = self._with_spilled(layer.index, in_place=True)
-        if spilled is not None and attn_kwargs is not None:
-            view = attn_kwargs[PAGED_VIEW_KEY]
-            view.block_table, view.read_sealed, view.sealed = spilled
-        return result
-
-    # ------------------------------------------------------------------ accounting
 
     def stats(self) -> QuantizedDiskCacheStats:  # type: ignore[override]
         """What this cache holds in memory and wrote to / read from disk (see `QuantizedDiskCacheStats`)."""
-        return quantized_disk_stats(self, PagedCache.stats(self))
+        stats = PagedCache.stats(self)
+        assert isinstance(stats, QuantizedDiskCacheStats)
+        return stats

@@ -1,5 +1,5 @@
-"""What a `QuantizedDiskCache` holds in memory (full-precision blocks, sealed slots, read-ahead buffers) and
-what it wrote to and read from disk."""
+"""What a cache with a codec and a disk tier (`QuantizedDiskCache`) holds in memory (full-precision blocks, sealed
+slots, read-ahead buffers) and what it wrote to and read from disk."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
+    from hf_kvgov.hf.paged_cache import PagedCache
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class QuantizedDiskCacheStats(CacheStats):
     prefix_blocks: int = 0  # resident blocks this cache uses that the prefix tree holds (never spilled)
 
 
-def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> QuantizedDiskCacheStats:
+def quantized_disk_stats(cache: PagedCache, base: CacheStats) -> QuantizedDiskCacheStats:
     """`cache`'s figures; `base` is its `PagedCache.stats()` (logical tokens, blocks in use)."""
     pool = cache.pool if isinstance(cache.pool, QuantizedBlockPool) else None
     held = live_entries(cache)
@@ -68,7 +68,7 @@ def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> Quantiz
     written, fp_written = cache.blocks_spilled * sealed_block, cache.blocks_spilled * fp_block
     return QuantizedDiskCacheStats(
         **(dataclasses.asdict(base) | {"bytes_used": resident, "bytes_per_token": _per(resident, base.tokens)}),
-        codec=cache.quant.codec_name,
+        codec=_codec_name(cache),
         full_precision_blocks=full,
         sealed_blocks=sealed,
         spilled_blocks=spilled,
@@ -84,7 +84,7 @@ def quantized_disk_stats(cache: QuantizedDiskCache, base: CacheStats) -> Quantiz
     )
 
 
-def _tier_stats(cache: QuantizedDiskCache, written: int) -> dict[str, Any]:
+def _tier_stats(cache: PagedCache, written: int) -> dict[str, Any]:
     reader, t = cache.prefetcher, cache.tier.stats() if cache.tier is not None else None
     return {
         "disk_bytes": t.slots_in_use * t.slot_bytes if t else 0,
@@ -106,3 +106,8 @@ def _tier_stats(cache: QuantizedDiskCache, written: int) -> dict[str, Any]:
 
 def _per(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
+
+
+def _codec_name(cache: PagedCache) -> str:
+    assert cache.sealer is not None, "a cache spilling sealed blocks has a codec"
+    return cache.sealer.quant.codec_name

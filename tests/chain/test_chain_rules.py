@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
-from hf_kvgov.chain.rules import MECHANISMS, REFUSED_PAIRS, mechanism_for
+from hf_kvgov.chain.rules import LAYOUTS, REFUSED_PAIRS, layout_for
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.policies import HeadAdaptive
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -36,28 +36,18 @@ def parts_of(*links: str) -> ChainParts:
     return ChainParts.of(**kwargs)  # type: ignore[arg-type]
 
 
-# Which implementation serves each combination that works, written out by hand (not derived from the table).
-EXPECTED_MECHANISM = {
-    (): "paged",
-    ("pool",): "paged",
-    ("prefix",): "paged",
-    ("pool", "prefix"): "paged",
-    ("codec",): "quantized",
-    ("pool", "codec"): "quantized",
-    ("prefix", "codec"): "quantized",
-    ("pool", "prefix", "codec"): "quantized",
-    ("spill",): "disk",
-    ("pool", "spill"): "disk",
-    ("codec", "spill"): "quantized_disk",
-    ("pool", "codec", "spill"): "quantized_disk",
-    ("prefix", "codec", "spill"): "quantized_disk",
-    ("pool", "prefix", "codec", "spill"): "quantized_disk",
-    ("prefix", "spill"): "disk",
-    ("pool", "prefix", "spill"): "disk",
-    # Every chain with a policy is an eviction cache: its slots in the pool's blocks, a shared prefix read as
-    # computed, what it evicts spilled and recalled.
+# Which storage layout serves each combination that works, written out by hand (not derived from the table):
+# every chain without a policy is the block store (its codec and disk tier are links of that store); every
+# chain with a policy keeps per-head slots: in the pool's blocks, a shared prefix read as computed, what it
+# evicts spilled and recalled.
+EXPECTED_LAYOUT = {
     **{
-        tuple(link for link in LINKS if link in {"policy", *others}): "eviction"
+        tuple(link for link in LINKS if link in others): "blocks"
+        for size in range(len(LINKS))
+        for others in itertools.combinations(("pool", "prefix", "codec", "spill"), size)
+    },
+    **{
+        tuple(link for link in LINKS if link in {"policy", *others}): "slots"
         for size in range(len(LINKS))
         for others in itertools.combinations(("pool", "prefix", "codec", "spill"), size)
     },
@@ -69,18 +59,18 @@ def test_every_combination_is_built_or_refused_with_a_reason(size: int) -> None:
     for links in itertools.combinations(LINKS, size):
         parts = parts_of(*links)
         assert parts.present == frozenset(links)
-        if links in EXPECTED_MECHANISM:
-            assert mechanism_for(parts).name == EXPECTED_MECHANISM[links]
+        if links in EXPECTED_LAYOUT:
+            assert layout_for(parts).name == EXPECTED_LAYOUT[links]
             continue
         with pytest.raises(ChainRefused, match="A chain cannot have both") as refused:
-            mechanism_for(parts)
+            layout_for(parts)
         named = [link for link in links if f"{link}=" in str(refused.value)]
         assert len(named) == 2, str(refused.value)  # the sentence names the two links that clash
 
 
-def test_the_refusal_table_covers_exactly_the_combinations_no_mechanism_serves() -> None:
+def test_the_refusal_table_covers_exactly_the_combinations_no_layout_serves() -> None:
     for pair in itertools.combinations(LINKS, 2):
-        served = any(set(pair) <= m.accepts for m in MECHANISMS)
+        served = any(set(pair) <= m.accepts for m in LAYOUTS)
         assert (frozenset(pair) in REFUSED_PAIRS) == (not served), pair
 
 
@@ -112,49 +102,49 @@ def test_kwargs_round_trip() -> None:
 )
 def test_overrides_and_knobs_that_cannot_apply_are_refused(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ChainRefused, match=message):
-        mechanism_for(ChainParts.of(**kwargs))  # type: ignore[arg-type]
+        layout_for(ChainParts.of(**kwargs))  # type: ignore[arg-type]
 
 
 def test_a_disk_tier_with_a_tree_draws_from_the_trees_pool() -> None:
     tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
-    assert mechanism_for(ChainParts.of(prefix=tree, pool=tree.pool, spill=Disk(hot_tokens=64))).name == "disk"
+    assert layout_for(ChainParts.of(prefix=tree, pool=tree.pool, spill=Disk(hot_tokens=64))).name == "blocks"
     with pytest.raises(ChainRefused, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
-        mechanism_for(ChainParts.of(prefix=tree, spill=Disk(max_resident_bytes=65536)))
+        layout_for(ChainParts.of(prefix=tree, spill=Disk(max_resident_bytes=65536)))
     with pytest.raises(ChainRefused, match="prefix= brings its own pool, whose cap applies"):
-        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(16, max_tokens=1024), spill=Disk()))
+        layout_for(ChainParts.of(prefix=tree, pool=Paging(16, max_tokens=1024), spill=Disk()))
     other = BlockPool(KVGeometry(2, 2, 8), block_size=16)
     with pytest.raises(ChainRefused, match="pass that same pool as pool="):
-        mechanism_for(ChainParts.of(prefix=tree, pool=other, spill=Disk()))
+        layout_for(ChainParts.of(prefix=tree, pool=other, spill=Disk()))
 
 
 def test_a_disk_tier_of_codes_takes_a_tree_and_full_precision_layers() -> None:
     tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
-    assert mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk())).name == "quantized_disk"
+    assert layout_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk())).name == "blocks"
     with pytest.raises(ChainRefused, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
-        mechanism_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk(max_resident_bytes=65536)))
+        layout_for(ChainParts.of(prefix=tree, codec="int8", spill=Disk(max_resident_bytes=65536)))
     with pytest.raises(ChainRefused, match="differs from the prefix tree's 16-token blocks"):
-        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(block_size=4), codec="int8", spill=Disk()))
+        layout_for(ChainParts.of(prefix=tree, pool=Paging(block_size=4), codec="int8", spill=Disk()))
     parts = ChainParts.of(codec="int4", spill=Disk(), layers={1: Layer(full_precision=True)})
-    assert mechanism_for(parts).name == "quantized_disk"
+    assert layout_for(parts).name == "blocks"
 
 
 def test_layer_outside_the_model_is_refused() -> None:
     parts = ChainParts.of(codec="int8", layers={5: Layer(full_precision=True)})
     with pytest.raises(ChainRefused, match=r"layer 5, but the model has layers 0\.\.3"):
-        mechanism_for(parts, num_layers=4)
-    assert mechanism_for(parts, num_layers=6).name == "quantized"
+        layout_for(parts, num_layers=4)
+    assert layout_for(parts, num_layers=6).name == "blocks"
 
 
 def test_prefix_pool_must_be_the_trees_pool() -> None:
     tree = PrefixCache(BlockPool(KVGeometry(2, 2, 8), block_size=16))
     other = BlockPool(KVGeometry(2, 2, 8), block_size=16)
     with pytest.raises(ChainRefused, match="same pool"):
-        mechanism_for(ChainParts.of(prefix=tree, pool=other))
+        layout_for(ChainParts.of(prefix=tree, pool=other))
     with pytest.raises(ChainRefused, match="same block size"):
-        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(block_size=32)))
+        layout_for(ChainParts.of(prefix=tree, pool=Paging(block_size=32)))
     with pytest.raises(ChainRefused, match="its own pool, whose cap"):
-        mechanism_for(ChainParts.of(prefix=tree, pool=Paging(max_bytes=4096)))
-    assert mechanism_for(ChainParts.of(prefix=tree, pool=tree.pool)).name == "paged"
+        layout_for(ChainParts.of(prefix=tree, pool=Paging(max_bytes=4096)))
+    assert layout_for(ChainParts.of(prefix=tree, pool=tree.pool)).name == "blocks"
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Each preset is built directly and through ``GovernedCache(model, **preset.parts.kwargs())`` and, for the
 hand-written compositions, through the parts a user would write. Both run the same generate on the tiny
-model; the tokens and every step's logits must be identical (the same mechanism runs, so not even float
+model; the tokens and every step's logits must be identical (the same store runs, so not even float
 noise may differ).
 """
 
@@ -189,3 +189,38 @@ def test_the_whole_chain_builds(tmp_path: Any, policy: Any, kind: type) -> None:
     assert cache.prefix is tree
     out = generate(MODEL, cache)
     assert out.sequences.shape == (2, 31) and cache.stats().kv_bytes == cache.pool.num_used * cache.pool.bytes_per_block
+
+
+BLOCK_PRESETS = [name for name in sorted(PRESETS) if not isinstance(PRESETS[name](MODEL), EvictionCache)]
+
+
+@pytest.mark.parametrize("name", BLOCK_PRESETS)
+def test_each_block_preset_is_the_one_store_with_its_links(name: str) -> None:
+    """The store itself, given a preset's parts, is that preset token for token: the presets add no behaviour."""
+    preset = PRESETS[name](MODEL)
+    store = PagedCache.from_parts(MODEL, preset.parts)
+    assert type(store) is PagedCache and store.parts == preset.parts
+    assert (store.sealer is None) == (preset.parts.codec is None)
+    assert (store.spill_link is None) == (preset.parts.spill is None)
+    assert_identical(generate(MODEL, preset), generate(MODEL, store))
+
+
+@pytest.mark.parametrize("preset", [QuantizedCache, DiskOffloadCache, QuantizedDiskCache])
+def test_block_presets_override_only_their_constructor_and_the_type_of_their_stats(preset: type) -> None:
+    overridden = {name for name in vars(preset) if name in dir(PagedCache) and callable(getattr(PagedCache, name))}
+    assert overridden <= {"__init__", "stats"}, overridden
+
+
+def test_the_store_takes_its_links_as_arguments(tmp_path: Any) -> None:
+    from hf_kvgov.chain.parts import codec_config
+
+    int8 = codec_config("int8")
+    store = PagedCache(MODEL, block_size=4, codec=int8, spill=Disk(path=str(tmp_path), hot_tokens=8))
+    preset = QuantizedDiskCache(MODEL, path=str(tmp_path), hot_tokens=8, block_size=4)
+    assert store.parts == preset.parts
+    assert_identical(generate(MODEL, preset), generate(MODEL, store))
+    assert store.stats().spilled_blocks > 0  # type: ignore[attr-defined]  # a QuantizedDiskCacheStats
+    with pytest.raises(ValueError, match="creates its own pool"):
+        PagedCache(MODEL, pool=store.pool, spill=Disk())
+    with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
+        PagedCache(MODEL, max_tokens=64, spill=Disk())
