@@ -35,7 +35,6 @@ from hf_kvgov.hf import disk_prefix, paged_prefix, prefix_groups
 from hf_kvgov.hf.block_sealer import BlockSealer
 from hf_kvgov.hf.block_tier import BlockTier, SpillFormat, raw_spill_format
 from hf_kvgov.hf.compat import (
-    CacheLayerMixin,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
@@ -43,6 +42,7 @@ from hf_kvgov.hf.compat import (
     model_layer_devices,
 )
 from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.paged_layer import PagedLayer, check_spill_pool, resolve_block_size
 from hf_kvgov.hf.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.prefix_layout import RowLayout
@@ -51,69 +51,17 @@ from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
+# The names other modules take from here (the layer, view and stats live in their own modules).
+__all__ = ["ATTENTION_PATHS", "PAGED_VIEW_KEY", "AttentionPath", "CacheStats", "PagedCache", "PagedLayer", "PagedView"]
+
 AttentionPath = Literal["contiguous", "paged"]
 ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
-
-
-class PagedLayer(CacheLayerMixin):
-    """One decoder layer's view of a `PagedCache`; the blocks themselves belong to the pool."""
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self, owner: PagedCache, index: int) -> None:
-        super().__init__()
-        self.owner = owner
-        self.index = index
-        self.length = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.owner._ensure_pool(key_states)
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self.owner._update_layer(self, key_states, value_states, kwargs.get("kwargs"))
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        first = self.owner._first_kept_token(self.index, self.length)
-        return self.length + query_length - first, first
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
-
-
-def resolve_block_size(block_size: int | None, given: BlockPool | None) -> int:
-    """The block size of a cache: the one asked for, else the given pool's, else `DEFAULT_BLOCK_SIZE`.
-
-    A size that differs from the pool the cache draws from (its own `pool=`, or its prefix tree's) is refused
-    rather than silently replaced: the caller would plan memory and kernels for blocks it does not get.
-    """
-    if block_size is None:
-        return given.block_size if given is not None else DEFAULT_BLOCK_SIZE
-    if given is not None and block_size != given.block_size:
-        raise ValueError(
-            f"block_size={block_size}, but the cache draws its blocks from a pool (pool= or the prefix tree's) of "
-            f"{given.block_size}-token blocks; pass block_size={given.block_size} or leave it unset."
-        )
-    return block_size
 
 
 class PagedCache(GovernedCache):
@@ -160,7 +108,7 @@ class PagedCache(GovernedCache):
         self.sealer = None if codec is None else BlockSealer(codec)
         self.spill_link = None if spill is None else BlockTier(spill, sealed=codec)
         if spill is not None:
-            _check_spill_pool(pool, max_tokens, max_bytes)
+            check_spill_pool(pool, max_tokens, max_bytes)
             block_size = disk_prefix.cache_block_size(prefix, spill, block_size, sealed=codec)
             max_bytes = spill.pool_bytes
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
@@ -615,17 +563,3 @@ class PagedCache(GovernedCache):
         if self.spill_link is not None:
             return self.spill_link.stats(self, base)
         return base if self.sealer is None else self.sealer.stats(self, base)
-
-
-def _check_spill_pool(pool: BlockPool | None, max_tokens: int | None, max_bytes: int | None) -> None:
-    """A disk tier creates its own pool, capped by what stays in memory (or draws from a prefix tree's)."""
-    if pool is not None:
-        raise ValueError(
-            "A cache with a disk tier creates its own pool, capped by max_resident_bytes (or draws from the prefix "
-            "tree's pool with prefix=); pass no pool=."
-        )
-    if max_tokens is not None or max_bytes is not None:
-        raise ValueError(
-            "With a disk tier the pool's cap is what stays in memory: give it as max_resident_bytes of the disk "
-            f"settings, not as max_tokens={max_tokens} / max_bytes={max_bytes}."
-        )
