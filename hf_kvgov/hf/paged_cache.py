@@ -65,9 +65,10 @@ ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
 
 
 class PagedCache(GovernedCache):
-    """KV cache in fixed-size blocks from a `BlockPool`; token-for-token equal to `DynamicCache`.
+    """KV cache in fixed-size blocks from a `BlockPool`; without a codec, token-for-token equal to `DynamicCache`.
 
-    The chain with paged blocks only (and prefix sharing when `prefix` is given): a `GovernedCache` preset.
+    The chain with paged blocks only (and prefix sharing when `prefix` is given): a `GovernedCache` preset. With
+    ``codec=`` and / or ``spill=`` it is the block store of every chain without an eviction policy.
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config (dtype and device are
@@ -108,7 +109,7 @@ class PagedCache(GovernedCache):
         self.sealer = None if codec is None else BlockSealer(codec)
         self.spill_link = None if spill is None else BlockTier(spill, sealed=codec)
         if spill is not None:
-            check_spill_pool(pool, max_tokens, max_bytes)
+            check_spill_pool(None if prefix is not None and pool is prefix.pool else pool, max_tokens, max_bytes)
             block_size = disk_prefix.cache_block_size(prefix, spill, block_size, sealed=codec)
             max_bytes = spill.pool_bytes
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)

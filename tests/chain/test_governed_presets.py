@@ -224,3 +224,11 @@ def test_the_store_takes_its_links_as_arguments(tmp_path: Any) -> None:
         PagedCache(MODEL, pool=store.pool, spill=Disk())
     with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
         PagedCache(MODEL, max_tokens=64, spill=Disk())
+
+
+def test_a_disk_tier_named_with_its_trees_pool_draws_from_the_tree() -> None:
+    tree = prefix_tree(MODEL, pool=Paging(block_size=4))
+    cache = GovernedCache(MODEL, pool=tree.pool, prefix=tree, spill=Disk(hot_tokens=8))
+    reference = DiskOffloadCache(MODEL, hot_tokens=8, prefix=tree)
+    assert isinstance(cache, DiskOffloadCache) and cache.pool is tree.pool
+    assert_identical(generate(MODEL, reference), generate(MODEL, cache))
