@@ -31,9 +31,9 @@ from typing import Any, Literal, Self
 import torch
 
 from hf_kvgov.chain.parts import ChainParts, Paging
-from hf_kvgov.hf import disk_prefix, paged_prefix, prefix_groups
+from hf_kvgov.hf import disk_prefix, paged_pool, paged_prefix, prefix_groups
 from hf_kvgov.hf.block_sealer import BlockSealer
-from hf_kvgov.hf.block_tier import BlockTier, SpillFormat, raw_spill_format
+from hf_kvgov.hf.block_tier import BlockTier
 from hf_kvgov.hf.compat import (
     decoder_config,
     kv_heads_and_head_dim,
@@ -49,9 +49,8 @@ from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
-from hf_kvgov.storage.geometry import check_placement
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
-from hf_kvgov.storage.pool import BlockPool, KVGeometry
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
@@ -149,14 +148,15 @@ class PagedCache(GovernedCache):
                 raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
             pool = prefix.pool
         self._layer_devices = model_layer_devices(model_or_config, self.num_layers)  # None: the first K/V tells
+        self._placeable = frozenset[int]()  # layers placed where their first K/V arrive (`paged_pool`)
         groups = pool.groups if pool is not None else self._layer_groups(windows)
         self.layout = GroupLayout.of(groups, self.num_layers)
         if pool is not None:
-            self._adopt_pool(pool)
+            paged_pool.adopt_pool(self, pool)
         else:
             dtype_device = model_dtype_and_device(model_or_config)
             if dtype_device is not None and None not in self._layer_devices:
-                self._create_pool(*dtype_device)
+                paged_pool.create_pool(self, *dtype_device)
         layers: list[Any] = [PagedLayer(self, i) for i in range(self.num_layers)]
         for layer in layers:
             layer.is_sliding = self._group(layer.index).window is not None
@@ -222,63 +222,9 @@ class PagedCache(GovernedCache):
 
     # ------------------------------------------------------------------ pool
 
-    def _geometry(self, dtype: torch.dtype, device: torch.device) -> KVGeometry:
-        """Each layer's blocks on the device the model runs it on; `device` for layers not known yet."""
-        devices = tuple(device if known is None else known for known in self._layer_devices)
-        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype, devices[0], devices)
-
-    def _create_pool(self, dtype: torch.dtype, device: torch.device) -> None:
-        geometry = self._geometry(dtype, device)
-        if self.spill_link is not None:
-            self.spill_link.check_pool_budget(self, geometry)
-        self._adopt_pool(self._new_pool(geometry))
-        # Layers whose device the model did not tell go where their first K/V arrive.
-        self._placeable = frozenset(i for i, known in enumerate(self._layer_devices) if known is None)
-
-    def _new_pool(self, geometry: KVGeometry) -> BlockPool:
-        """The pool this cache creates when none was given: sealing blocks with a codec, else plain."""
-        if self.sealer is not None:
-            return self.sealer.new_pool(geometry, self.groups, **self._pool_args)
-        return BlockPool(geometry, groups=self.groups, **self._pool_args)  # type: ignore[arg-type]
-
-    def _adopt_pool(self, pool: BlockPool) -> None:
-        if self.sealer is not None:
-            self.sealer.check_pool(pool, self.num_layers)
-        g = pool.geometry
-        wanted = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if (g.num_layers, g.num_kv_heads, g.head_dim) != wanted:
-            raise ValueError(
-                f"The pool's geometry (layers, kv heads, head dim) = {(g.num_layers, g.num_kv_heads, g.head_dim)} "
-                f"does not match the model's {wanted}; create the pool from this model's geometry."
-            )
-        check_placement(self._layer_devices, [pool.layer_device(i) for i in range(self.num_layers)])
-        self.pool = pool
-        self.tables = BlockTables(pool, pool.groups[0])
-        self._other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
-        self._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
-        if self.spill_link is not None:  # its tiered tables replace the plain ones
-            self.spill_link.attach(self, pool, self._spill_format(pool))
-
-    def _spill_format(self, pool: BlockPool) -> SpillFormat:
-        extent = self.disk.extent_blocks
-        return raw_spill_format(pool, extent) if self.sealer is None else self.sealer.tier_format(pool, extent)
-
     def _ensure_pool(self, key_states: torch.Tensor) -> None:
         if self.pool is None:
-            self._create_pool(key_states.dtype, key_states.device)
-
-    def _check_layer_device(self, layer: int, device: torch.device) -> None:
-        """K/V of `layer` arrived on `device`, not where its blocks are: place an unknown layer, else refuse."""
-        assert self.pool is not None
-        if layer in self._placeable and not self.pool.is_written(layer):
-            self.pool.place_layer(layer, device)
-            return
-        raise ValueError(
-            f"Layer {layer} stored K/V on {device}, but this cache keeps layer {layer}'s blocks on "
-            f"{self.pool.layer_device(layer)} and never moves K/V between devices. Build the cache from the "
-            "model after placing it (from_pretrained(device_map=...) or dispatch_model), so each layer's "
-            "blocks follow model.hf_device_map, or pass a pool whose KVGeometry.layer_devices match it."
-        )
+            paged_pool.create_pool(self, key_states.dtype, key_states.device)
 
     # ------------------------------------------------------------------ the hot path
 
@@ -308,7 +254,7 @@ class PagedCache(GovernedCache):
             if self.spill_link is not None:  # after publishing: blocks the tree holds stay resident
                 self.spill_link.spill_cold_blocks(self)
         if key_states.device != self.pool.layer_device(layer.index):
-            self._check_layer_device(layer.index, key_states.device)
+            paged_pool.check_layer_device(self, layer.index, key_states.device)
         tables = self._tables_of(layer.index)
         tables.slots_for(batch, layer.length, q_len)
         slots = tables.slots_on(key_states.device)  # one copy per device per step, not per layer
