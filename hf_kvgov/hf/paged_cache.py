@@ -170,15 +170,15 @@ class PagedCache(GovernedCache):
         arguments, so each is built here by the one store's.
         """
         cache = cls.__new__(cls)
-        pool, given = parts.pool, parts.pool if isinstance(parts.pool, BlockPool) else None
-        paging = pool if isinstance(pool, Paging) else None
+        pool = parts.pool
+        paging = pool if isinstance(pool, Paging) else Paging()  # its caps as given: a disk tier refuses a cap
         PagedCache.__init__(
             cache,
             model_or_config,
             block_size=None if pool is None else pool.block_size,  # None: the tree's blocks, else the default
-            max_tokens=None if paging is None or parts.spill is not None else paging.max_tokens,
-            max_bytes=None if paging is None or parts.spill is not None else paging.max_bytes,
-            pool=given,
+            max_tokens=paging.max_tokens,
+            max_bytes=paging.max_bytes,
+            pool=pool if isinstance(pool, BlockPool) else None,
             attention=parts.attention,  # type: ignore[arg-type]
             prefix=parts.prefix,
             namespace=parts.namespace,

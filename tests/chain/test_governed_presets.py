@@ -28,7 +28,7 @@ from hf_kvgov import (
     paged_attention,
     prefix_tree,
 )
-from hf_kvgov.chain import Disk, Evict, HeavyHitter, Layer, Paging, Sink
+from hf_kvgov.chain import ChainParts, Disk, Evict, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.hf.eviction import EvictionCache
 from hf_kvgov.policies import HeadAdaptive, Pyramid, SnapKV
 from hf_kvgov.policies import HeavyHitter as PolicyHeavyHitter
@@ -224,6 +224,9 @@ def test_the_store_takes_its_links_as_arguments(tmp_path: Any) -> None:
         PagedCache(MODEL, pool=store.pool, spill=Disk())
     with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
         PagedCache(MODEL, max_tokens=64, spill=Disk())
+    unchecked = ChainParts(pool=Paging(4, max_tokens=64), spill=Disk())  # parts the chain rules would refuse
+    with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
+        PagedCache.from_parts(MODEL, unchecked)
 
 
 def test_a_disk_tier_named_with_its_trees_pool_draws_from_the_tree() -> None:
