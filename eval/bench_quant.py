@@ -53,7 +53,7 @@ from transformers import QuantizedCache as HFQuantizedCache
 
 from hf_kvgov.bench.timing import interleaved, machine_description
 from hf_kvgov.data_text import pride_and_prejudice_path
-from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE
+from hf_kvgov.engine.quant_config import COMPACT_BLOCK_SIZE
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.models import load_model
 from hf_kvgov.quality import score_in_lockstep

@@ -39,7 +39,7 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.evaluation.registry import get_synthetic_task
-from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, prompt_text
+from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, prompt_text
 from hf_kvgov.evaluation.texts import demo_text
 from hf_kvgov.hf.eviction.model_inputs import layer_windows
 from hf_kvgov.models import load_model

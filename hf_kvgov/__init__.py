@@ -18,7 +18,8 @@ _EXPORTS = {
     "BlockTables": "hf_kvgov.storage.block_table",
     "KVGovError": "hf_kvgov.errors",
     "PoolExhausted": "hf_kvgov.errors",
-    "GovernedCache": "hf_kvgov.hf.governed",
+    "GovernedCache": "hf_kvgov.chain.build",
+    "GovernedCacheBase": "hf_kvgov.hf.governed",
     "prefix_tree": "hf_kvgov.chain.build",
     "ChainParts": "hf_kvgov.chain",
     "ChainRefused": "hf_kvgov.chain",
@@ -43,7 +44,7 @@ _EXPORTS = {
     "EvictionStats": "hf_kvgov.hf.eviction",
     "Recall": "hf_kvgov.tiers.recall_pages",
     "eviction_pool": "hf_kvgov.hf.eviction.pooled_slots",
-    "RecallStats": "hf_kvgov.hf.eviction.recall",
+    "RecallStats": "hf_kvgov.engine.slots.recall",
     "eviction_attention": "hf_kvgov.hf.eviction",
     "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
     "DiskCacheStats": "hf_kvgov.hf.disk_cache",
@@ -55,7 +56,7 @@ _EXPORTS = {
     "QuantizedCacheStats": "hf_kvgov.hf.quantized_cache",
     "QuantizedDiskCache": "hf_kvgov.hf.quantized_disk_cache",
     "QuantizedDiskCacheStats": "hf_kvgov.hf.quantized_disk_cache",
-    "QuantConfig": "hf_kvgov.hf.quant_config",
+    "QuantConfig": "hf_kvgov.engine.quant_config",
     "QuantizedBlockPool": "hf_kvgov.storage.quantized_pool",
     "check_quantization": "hf_kvgov.quality",
     "CheckOptions": "hf_kvgov.quality",
@@ -75,6 +76,7 @@ __all__ = [
     "Evict",
     "EvictionStats",
     "GovernedCache",
+    "GovernedCacheBase",
     "HeavyHitter",
     "HeavyHitterCache",
     "KVGeometry",
@@ -113,7 +115,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
-    from hf_kvgov.chain.build import prefix_tree
+    from hf_kvgov.chain.build import GovernedCache, prefix_tree
+    from hf_kvgov.engine.quant_config import QuantConfig
+    from hf_kvgov.engine.slots.recall import RecallStats
     from hf_kvgov.errors import (
         KVGovError,
         PoolExhausted,
@@ -126,10 +130,8 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
     from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
-    from hf_kvgov.hf.eviction.recall import RecallStats
-    from hf_kvgov.hf.governed import GovernedCache
+    from hf_kvgov.hf.governed import GovernedCacheBase
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache
-    from hf_kvgov.hf.quant_config import QuantConfig
     from hf_kvgov.hf.quantized_cache import QuantizedCache, QuantizedCacheStats
     from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache, QuantizedDiskCacheStats
     from hf_kvgov.models import load_model

@@ -29,12 +29,12 @@ from typing import Any
 
 from transformers import DynamicCache
 
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.policies import make_policy

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import CacheSpec, kv_bytes

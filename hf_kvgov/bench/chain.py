@@ -38,7 +38,7 @@ from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.chain.rules import ChainRefused
 from hf_kvgov.data_text import demo_text
 from hf_kvgov.evaluation.ppl_run import PerplexityOptions, run_perplexity
-from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, run_synthetic
+from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
 from hf_kvgov.evaluation.texts import Document
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import fixed

@@ -38,9 +38,9 @@ from hf_kvgov.bench.chain_steps import (
     shared_pool_refused,
     written,
 )
-from hf_kvgov.chain.parts import Paging
-from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_stats import live_entries
+from hf_kvgov.engine.disk_prefix import tree_held
+from hf_kvgov.engine.paged_stats import live_entries
+from hf_kvgov.engine.parts import Paging
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import kv_bytes
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner.config_loading import geometry_from_config
@@ -171,7 +171,7 @@ def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
         block_size=_slot_block(cache),
         kv_dtype=kv_dtype,
         h2o_budget=fraction,
-        h2o_recent=cache._min_budget,
+        h2o_recent=cache.min_budget,
         h2o_score_bytes=_SCORE_BYTES,
         h2o_metadata_bytes=_SLOT_METADATA_BYTES,
         eviction_slots=True,

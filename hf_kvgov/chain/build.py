@@ -1,26 +1,26 @@
-"""Build the cache for a chain: `compose` checks the parts and calls the one builder of their storage layout."""
+"""Build the cache for a chain: `GovernedCache` checks the parts and calls the one builder of their storage layout."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hf_kvgov.chain.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
 from hf_kvgov.chain.rules import layout_for
+from hf_kvgov.engine.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
-from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.hf.governed import GovernedCacheBase
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
 
-def compose(
+def GovernedCache(
     model_or_config: Any,
     *,
     pool: Paging | BlockPool | None = None,
@@ -31,8 +31,22 @@ def compose(
     spill: DiskCacheConfig | None = None,
     layers: Mapping[int, Layer] | None = None,
     attention: str = "contiguous",
-) -> GovernedCache:
-    """Build the cache for these parts (what ``GovernedCache(...)`` returns)."""
+) -> GovernedCacheBase:
+    """The cache these parts make, checked by `hf_kvgov.chain.rules` (`ChainRefused` says why not).
+
+    Args:
+        model_or_config: the model the cache serves (or its config, for block-storing caches).
+        pool: `Paging(block_size, max_tokens | max_bytes)` to create a pool, or an existing `BlockPool`.
+        prefix: a `PrefixCache` shared across requests (its pool is used); namespace: its tenant salt.
+        codec: "int8", "int4", "int2", "fp8" (e4m3), "fp8_e5m2", or a `QuantConfig`.
+        policy: an eviction policy, `HeavyHitter(budget, ...)`, `Sink(n_sink, window, ...)` or `Evict(...)`.
+        spill: a disk tier, `Disk(path, hot_tokens, max_resident_bytes, max_write_bytes, ...)`.
+        layers: per-layer overrides, ``{layer: Layer(full_precision=True)}`` or ``Layer(budget=...)``.
+        attention: "contiguous" or "paged" for block-storing caches (see `ChainParts`).
+
+    Returns the preset the parts name (`PagedCache`, `QuantizedCache`, ..., `HeavyHitterCache`), a
+    `GovernedCacheBase`.
+    """
     parts = ChainParts.of(
         pool=pool,
         prefix=prefix,
@@ -50,7 +64,7 @@ def compose(
 # ------------------------------------------------------------------ one builder per storage layout
 
 
-def _blocks(model: Any, parts: ChainParts) -> GovernedCache:
+def _blocks(model: Any, parts: ChainParts) -> GovernedCacheBase:
     """The block store with the chain's links, as the named cache those links make it."""
     configuration = _BLOCK_CONFIGURATIONS[(parts.codec is not None, parts.spill is not None)]
     return configuration.from_parts(model, parts)
@@ -65,7 +79,7 @@ _BLOCK_CONFIGURATIONS: dict[tuple[bool, bool], type[PagedCache]] = {
 }
 
 
-def _eviction(model: Any, parts: ChainParts) -> GovernedCache:
+def _eviction(model: Any, parts: ChainParts) -> GovernedCacheBase:
     policy = parts.policy
     assert policy is not None, "the slots layout needs a policy"
     return _POLICY_BUILDERS[type(policy)](model, policy, parts)
@@ -102,31 +116,31 @@ def _eviction_arguments(model: Any, policy: Policy, parts: ChainParts) -> dict[s
     return arguments
 
 
-def _heavy_hitter(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+def _heavy_hitter(model: Any, policy: Any, parts: ChainParts) -> GovernedCacheBase:
 
     h: HeavyHitter = policy
     return HeavyHitterCache(model, h.budget, h.recent, h.heavy, **_eviction_arguments(model, h, parts))
 
 
-def _sink(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+def _sink(model: Any, policy: Any, parts: ChainParts) -> GovernedCacheBase:
 
     s: Sink = policy
     return SinkCache(model, s.n_sink, s.window, s.budget, **_eviction_arguments(model, s, parts))
 
 
-def _evict(model: Any, policy: Any, parts: ChainParts) -> GovernedCache:
+def _evict(model: Any, policy: Any, parts: ChainParts) -> GovernedCacheBase:
     e: Evict = policy
     arguments = _eviction_arguments(model, e, parts)
     return PolicyCache(model, e.policy, e.budget, decode_policy=e.decode_policy, compress=e.compress, **arguments)
 
 
-_POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCache]] = {
+_POLICY_BUILDERS: dict[type, Callable[[Any, Any, ChainParts], GovernedCacheBase]] = {
     HeavyHitter: _heavy_hitter,
     Sink: _sink,
     Evict: _evict,
 }
 
-_BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCache]] = {
+_BUILDERS: dict[str, Callable[[Any, ChainParts], GovernedCacheBase]] = {
     "blocks": _blocks,
     "slots": _eviction,
 }
@@ -146,7 +160,7 @@ def prefix_tree(
     (blocks are shared as stored); the pool is the one such a cache would create, with `pool`'s block size
     and cap. Needs a model (its dtype and devices place the pool).
     """
-    owner = compose(model, pool=pool, codec=codec, layers=layers)
+    owner = GovernedCache(model, pool=pool, codec=codec, layers=layers)
     assert isinstance(owner, PagedCache)
     if owner.pool is None:
         raise ValueError(

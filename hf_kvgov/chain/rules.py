@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_kvgov.chain.parts import ChainParts, Paging, Sink
+from hf_kvgov.engine.parts import ChainParts, Paging, Sink
 from hf_kvgov.storage.pool import BlockPool
 
 # (link, link) -> why the two cannot be combined. Every pair is built today (an eviction policy keeps its

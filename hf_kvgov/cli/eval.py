@@ -32,7 +32,7 @@ from hf_kvgov.evaluation.longbench.data import HUB_DATASET
 from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
 from hf_kvgov.evaluation.ppl_run import PerplexityOptions, run_perplexity
 from hf_kvgov.evaluation.report import EvalReport, emit
-from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, run_synthetic
+from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
 from hf_kvgov.evaluation.texts import TextSource, load_documents
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.partial import Progress

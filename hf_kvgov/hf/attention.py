@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
+from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, PagedView
 
 ATTENTION_NAME = "kvgov_paged"
@@ -87,7 +87,7 @@ def register() -> str:
 
 def use_paged_attention(model: Any) -> str:
     """Switch `model` to the hf_kvgov attention; returns the implementation it had before."""
-    previous = str(model.config._attn_implementation)
+    previous = attention_implementation(model.config)
     model.set_attn_implementation(register())
     return previous
 

@@ -25,6 +25,7 @@ __all__ = [
     "Cache",
     "CacheLayerMixin",
     "LayerKind",
+    "attention_implementation",
     "decoder_config",
     "layer_kinds",
     "model_layer_devices",
@@ -39,6 +40,14 @@ class LayerKind:
     """What a decoder layer's attention needs from the cache."""
 
     sliding_window: int | None  # None: the layer attends to every previous token
+
+
+def attention_implementation(config: Any) -> str:
+    """The attention implementation a model's config names ("sdpa", "eager", a registered name).
+
+    transformers keeps it in the config's `_attn_implementation`; this is the one place that reads it.
+    """
+    return str(getattr(config, "_attn_implementation", ""))
 
 
 def decoder_config(model_or_config: Any) -> PretrainedConfig:

@@ -17,9 +17,9 @@ Not counted: the one layer of K/V handed to attention, which every cache materia
 
 Prefix sharing (``prefix=PrefixCache(pool)``, `match` / `publish` as PagedCache's): the cache draws its blocks
 from the tree's pool, whose own cap bounds memory; blocks the tree holds stay resident and only a row's
-private cold blocks spill (`hf_kvgov.hf.disk_prefix` says why, and what `publish` brings back).
+private cold blocks spill (`hf_kvgov.engine.disk_prefix` says why, and what `publish` brings back).
 
-The spilling itself is the disk link's (`hf_kvgov.hf.block_tier.BlockTier`), which `PagedCache` calls; this class
+The spilling itself is the disk link's (`hf_kvgov.engine.block_tier.BlockTier`), which `PagedCache` calls; this class
 only configures it.
 """
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hf_kvgov.hf.block_tier import RESIDENT_FIRST_BLOCKS
-from hf_kvgov.hf.disk_stats import DiskCacheStats
+from hf_kvgov.engine.block_tier import RESIDENT_FIRST_BLOCKS
+from hf_kvgov.engine.disk_stats import DiskCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
@@ -41,7 +41,7 @@ __all__ = ["RESIDENT_FIRST_BLOCKS", "DiskCacheStats", "DiskOffloadCache"]
 class DiskOffloadCache(PagedCache):
     """Lossless KV cache whose sealed blocks older than a hot window live in a file on disk.
 
-    A `PagedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its raw blocks.
+    A `PagedCache` with a disk link (`hf_kvgov.engine.block_tier.BlockTier`) over its raw blocks.
 
     Args:
         model_or_config: as for `PagedCache`.

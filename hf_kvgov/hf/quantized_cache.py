@@ -18,7 +18,7 @@ see them; a sealed id, like a block id, spans one group's layers. Sealing walks 
 `full_precision_layers` that would share a position of the groups with quantized layers the cache keeps one
 group (see `_layer_groups`).
 
-The sealing itself is the codec link's (`hf_kvgov.hf.block_sealer.BlockSealer`), which `PagedCache` calls; this
+The sealing itself is the codec link's (`hf_kvgov.engine.block_sealer.BlockSealer`), which `PagedCache` calls; this
 class only configures it. Everything else is PagedCache's: block tables, beams (sealed blocks are immutable and
 stay shared), left padding, crop (a crop into a sealed block decodes it back into a writable full-precision block),
 and both attention paths. The paged path decodes one chunk of blocks at a time
@@ -47,10 +47,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.engine.paged_view import QuantizedView
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.quantized_stats import QuantizedCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
-from hf_kvgov.hf.paged_view import QuantizedView
-from hf_kvgov.hf.quant_config import QuantConfig
-from hf_kvgov.hf.quantized_stats import QuantizedCacheStats
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool

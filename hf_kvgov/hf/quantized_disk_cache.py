@@ -33,9 +33,9 @@ codes per row) and the blocks a step seals, which spill at the start of the next
 Prefix sharing (``prefix=PrefixCache(pool)`` over a `QuantizedBlockPool` of this configuration, `match` /
 `publish` as `QuantizedCache`'s, so the two share blocks): blocks the tree holds (the sink and sealed codes)
 stay resident, and only a row's private sealed blocks spill; `publish` first brings the spilled blocks it
-offers back into the sealed store, so the tree never points at disk (`hf_kvgov.hf.disk_prefix`).
+offers back into the sealed store, so the tree never points at disk (`hf_kvgov.engine.disk_prefix`).
 
-The two links (`hf_kvgov.hf.block_sealer.BlockSealer`, `hf_kvgov.hf.block_tier.BlockTier`) do the work, called
+The two links (`hf_kvgov.engine.block_sealer.BlockSealer`, `hf_kvgov.engine.block_tier.BlockTier`) do the work, called
 by `PagedCache`; this class only configures them.
 """
 
@@ -45,10 +45,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.quantized_disk_stats import QuantizedDiskCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
-from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
-from hf_kvgov.hf.quantized_disk_stats import QuantizedDiskCacheStats
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
@@ -59,7 +59,7 @@ __all__ = ["QuantizedDiskCache", "QuantizedDiskCacheStats"]
 class QuantizedDiskCache(QuantizedCache):
     """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
 
-    A `QuantizedCache` with a disk link (`hf_kvgov.hf.block_tier.BlockTier`) over its sealed blocks.
+    A `QuantizedCache` with a disk link (`hf_kvgov.engine.block_tier.BlockTier`) over its sealed blocks.
 
     Args:
         model_or_config: as for `QuantizedCache`.

@@ -212,7 +212,7 @@ def _own_layer_bytes(
     return device, run_bytes(cold, setup, head_dim), 0
 
 
-# The recall tier's page table keeps this many spare entries (`hf_kvgov.hf.eviction.recall.GROWTH_PAGES`).
+# The recall tier's page table keeps this many spare entries (`hf_kvgov.engine.slots.recall.GROWTH_PAGES`).
 _RECALL_SPARE_PAGES = 16
 _INDEX_BYTES = 8  # int64 positions, handles and counts
 

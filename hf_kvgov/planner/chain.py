@@ -8,7 +8,7 @@ other technique works on paged blocks, so it needs ``paged`` before it.
 ``spill`` moves cold blocks to disk (what `DiskOffloadCache` does). ``recall`` is what hf_kvgov builds for a
 policy with ``spill=Disk(path)``: H2O keeps per-head slots in pool blocks (`CacheSetup.eviction_slots`), each
 evicted token goes to a disk page once, and ``recall_pages`` pages come back per step into a bounded buffer
-(`hf_kvgov.hf.eviction.recall`). It needs ``h2o`` before it, and excludes ``spill``.
+(`hf_kvgov.engine.slots.recall`). It needs ``h2o`` before it, and excludes ``spill``.
 """
 
 from __future__ import annotations

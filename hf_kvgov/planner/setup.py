@@ -64,7 +64,7 @@ class CacheSetup:
             ``recall_page_tokens`` tokens and ``recall_pages`` of them are recalled per step (None: evicted
             tokens are dropped). Resident per layer and KV head besides the kept slots: one pending page,
             the recalled pages, and one summary per written page with its table entry
-            (`hf_kvgov.hf.eviction.recall`); on disk: every evicted token in a full page.
+            (`hf_kvgov.engine.slots.recall`); on disk: every evicted token in a full page.
         recall_summary: what each written page leaves resident: "centroid" (its mean key) or "bounds" (its
             keys' per-channel min and max), as `Recall.summary`.
         recall_buffer: where recalled pages are held, as `Recall.buffer`: "layer" (every layer and KV head

@@ -1,7 +1,7 @@
 """Budgets and their parts given either as token counts or as fractions.
 
 A cache budget is the number of slots each (sequence, KV head) may keep: an int, or a float fraction of
-a declared length or of generate's prompt (``hf_kvgov.hf.eviction.budget_basis`` says which). The
+a declared length or of generate's prompt (``hf_kvgov.engine.slots.budget_basis`` says which). The
 parts of a budget (H2O's recent window and heavy hitters) are ints or fractions of the resolved budget.
 """
 

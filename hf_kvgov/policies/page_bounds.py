@@ -7,7 +7,7 @@ page can score more than::
 
 (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). The bound is
 two matrix products, so ranking thousands of pages per step is cheap, and it is exact for a page of one
-key. The recall tier can rank pages by it (`Recall(summary="bounds")`, `hf_kvgov.hf.eviction.recall`).
+key. The recall tier can rank pages by it (`Recall(summary="bounds")`, `hf_kvgov.engine.slots.recall`).
 
 The bound sums a worst case over every channel, so with wide heads (Gemma-3's 256 channels) a page whose
 keys spread over a wide range in many channels outranks the page a query really attends to. The centroid

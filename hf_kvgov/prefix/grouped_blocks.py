@@ -12,7 +12,7 @@ table says which pool blocks an entry stands for::
 
 A hit at any point needs every full-attention block before it; a sliding group's block serves only hits whose
 window covers it. An entry may lack either: a full-attention block until the request that computed it
-publishes it (a prompt's sliding blocks are published as computed, `hf_kvgov.hf.prefix_groups`), a sliding
+publishes it (a prompt's sliding blocks are published as computed, `hf_kvgov.engine.prefix_groups`), a sliding
 block that its request had freed already, or that the tree let go when the pool needed room (`trim`, before
 it evicts whole entries). A hit is exact when every group has the blocks it needs (`servable`).
 

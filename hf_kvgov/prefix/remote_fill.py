@@ -12,29 +12,16 @@ room in the pool) leaves the hit where the local tree left it, and generate comp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.prefix.remote_tier import RemoteTier
+from hf_kvgov.prefix.tree_ids import pool_id, tree_id
 from hf_kvgov.storage.pool import BlockPool
-from hf_kvgov.tiers.redis_tier import Fetched
-from hf_kvgov.tiers.remote_stats import RemoteStats
 from hf_kvgov.tiers.remote_values import load, snapshot
-from hf_kvgov.tiers.remote_writer import Snapshot
 
 if TYPE_CHECKING:
     from hf_kvgov.prefix.sharing import PrefixCache
-
-
-class RemoteTier(Protocol):
-    """What `PrefixCache` needs of a remote store (`hf_kvgov.tiers.redis_tier.RedisTier` is one)."""
-
-    def bind(self, pool: BlockPool) -> None: ...
-    def keys(self, tokens: Sequence[int], namespace: str = "") -> list[bytes]: ...
-    def fetch(self, keys: Sequence[bytes], held: Sequence[bytes] = ()) -> Fetched: ...
-    def put(self, keys: Sequence[bytes], snap: Snapshot) -> None: ...
-    def flush(self, timeout: float | None = None) -> bool: ...
-    def stats(self) -> RemoteStats: ...
-    def close(self) -> None: ...
 
 
 def extend(
@@ -42,8 +29,6 @@ def extend(
 ) -> list[int]:
     """`hit` (pool ids the caller holds and has locked) extended by the blocks the store has after it; blocks of
     `hit` the store lost are queued to be written again."""
-    from hf_kvgov.prefix.sharing import pool_id, tree_id
-
     bs = prefix.block_size
     if len(hit) >= max_blocks:
         return hit

@@ -23,7 +23,7 @@ from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.remote_entries import EntryBlocks, load_entries, snapshot_entries, split_entry
 
 if TYPE_CHECKING:
-    from hf_kvgov.prefix.remote_fill import RemoteTier
+    from hf_kvgov.prefix.remote_tier import RemoteTier
     from hf_kvgov.prefix.sharing import PrefixCache
 
 
@@ -61,7 +61,7 @@ def extend(
         return hit
     keys = remote.keys(tokens[: max_blocks * bs], namespace)
     found = remote.fetch(keys[len(entries) :], held=keys[: len(entries)])
-    with pool._lock:  # see the module docstring
+    with pool.lock:  # see the module docstring
         if not found.held_intact:
             held = tokens[: len(entries) * bs]  # the local hit's entries, lost by the store: written again
             write_positions(pool, grouped, remote, held, namespace, entries, range(len(entries)))

@@ -46,23 +46,11 @@ from dataclasses import dataclass
 from hf_kvgov.prefix import remote_fill, remote_groups
 from hf_kvgov.prefix.grouped_blocks import Blocks, GroupedBlocks
 from hf_kvgov.prefix.radix_tree import RadixTree
+from hf_kvgov.prefix.remote_tier import RemoteTier
 from hf_kvgov.prefix.results import PrefixCacheStats
+from hf_kvgov.prefix.tree_ids import pool_id, tree_id
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.remote_stats import RemoteStats
-
-# Tree ids at and above this stand for sealed blocks: sealed entry e < 0 is tree id SEALED_BASE - 1 - e.
-# No pool reaches 2**62 full-precision blocks, so the two ranges never meet.
-SEALED_BASE = 1 << 62
-
-
-def tree_id(block_id: int) -> int:
-    """The tree's (non-negative) id for a pool block-table entry, sealed (< 0) or not."""
-    return SEALED_BASE - 1 - block_id if block_id < 0 else block_id
-
-
-def pool_id(tree_block_id: int) -> int:
-    """The pool's block-table entry for a tree id (inverse of `tree_id`)."""
-    return SEALED_BASE - 1 - tree_block_id if tree_block_id >= SEALED_BASE else tree_block_id
 
 
 def _tree_ids(block_ids: Sequence[int]) -> list[int]:
@@ -97,7 +85,7 @@ class PrefixCache:
         remote: a tier shared with other processes (`hf_kvgov.tiers.redis_tier.RedisTier`), or None.
     """
 
-    def __init__(self, pool: BlockPool, priority: str = "lru", remote: remote_fill.RemoteTier | None = None) -> None:
+    def __init__(self, pool: BlockPool, priority: str = "lru", remote: RemoteTier | None = None) -> None:
         grouped = len(pool.groups) > 1 or pool.groups[0].window is not None
         if remote is not None:
             remote.bind(pool)
@@ -137,7 +125,7 @@ class PrefixCache:
         the first token the next query sees (None before it). The caller holds one pool reference on each.
         """
         grouped = self._require_groups(True, "match_groups", "match")
-        with self.pool._lock:  # see the module docstring
+        with self.pool.lock:  # see the module docstring
             found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
             entries = list(found.block_ids)
             tables = self.hit_tables(grouped, entries)
@@ -169,7 +157,7 @@ class PrefixCache:
         for them; a sliding block the cached entry lacks is taken from the caller.
         """
         grouped = self._require_groups(True, "publish_groups", "publish")
-        with self.pool._lock:  # see the module docstring
+        with self.pool.lock:  # see the module docstring
             return self._publish_groups(grouped, token_ids, tables, namespace)
 
     def _publish_groups(
@@ -276,7 +264,7 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Evict every unlocked cached block; returns how many were evicted."""
-        with self.pool._lock:
+        with self.pool.lock:
             return self._evict(len(self.tree))
 
     def check_invariants(self) -> None:
@@ -285,7 +273,7 @@ class PrefixCache:
         self.tree.check_invariants()
         if self.grouped is None:
             return
-        with self.pool._lock:
+        with self.pool.lock:
             self.grouped.check(lambda entry: entry in self.tree, len(self.tree), self.pool.ref_count)
 
     def close(self) -> None:

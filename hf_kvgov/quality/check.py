@@ -34,7 +34,7 @@ from typing import Any, Literal, get_args
 import torch
 from tqdm import tqdm
 
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
 from hf_kvgov.quality.grouped_attention import grouped_sdpa_on_cpu

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
+from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
 
 ATTENTION_NAME = "kvgov_grouped_sdpa"
 _STOCK = "sdpa"
@@ -57,7 +57,7 @@ def register() -> str:
 @contextlib.contextmanager
 def grouped_sdpa_on_cpu(model: Any) -> Iterator[None]:
     """Within the block, `model` attends with `grouped_sdpa_forward` if it is on a CPU and uses sdpa."""
-    previous = str(getattr(model.config, "_attn_implementation", ""))
+    previous = attention_implementation(model.config)
     device = getattr(model, "device", None)
     if previous != _STOCK or device is None or device.type != "cpu":
         yield

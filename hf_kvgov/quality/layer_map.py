@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from hf_kvgov.codecs.registry import get_codec
+from hf_kvgov.engine.quant_config import FULL_PRECISION, QuantConfig
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
-from hf_kvgov.hf.quant_config import FULL_PRECISION, QuantConfig
 from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
 from hf_kvgov.quality.check import FORMAT_OPTIONS, CheckOptions, ConfigRunner, tokenize
 from hf_kvgov.quality.grouped_attention import grouped_sdpa_on_cpu

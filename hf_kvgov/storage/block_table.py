@@ -104,7 +104,7 @@ def prepare_writes(tables: Sequence[BlockTable], start: int, end: int) -> bool:
     if not tables:
         return False
     pool = tables[0].pool
-    with pool._lock:
+    with pool.lock:
         copied_away: dict[int, int] = {}
         plans = [table.write_plan(start, end, copied_away) for table in tables]
         total = sum(len(shared) + appended for shared, appended in plans)
@@ -146,7 +146,8 @@ class BlockTables:
     def batch_size(self) -> int:
         return len(self.rows)
 
-    def _changed(self) -> None:
+    def invalidate_views(self) -> None:
+        """Forget the cached table tensors and slots: the rows changed outside `slots_for` (a match, a seal)."""
         self._tensors.clear()
         self._slots_key = None
 
@@ -180,7 +181,7 @@ class BlockTables:
             for row in self.rows:
                 row.free_before(first)
             self.first_block = first
-            self._changed()
+            self.invalidate_views()
 
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         """Slots for token positions [start, start + count) of every row, allocating as needed.
@@ -190,7 +191,7 @@ class BlockTables:
         """
         if not self.rows:
             self.rows = [BlockTable(self.pool) for _ in range(batch)]
-            self._changed()
+            self.invalidate_views()
         if batch != len(self.rows):
             raise ValueError(
                 f"The cache holds {len(self.rows)} sequences but received a batch of {batch}; "
@@ -204,7 +205,7 @@ class BlockTables:
             return self._slots
         self._free_out_of_window(start)
         if prepare_writes(self.rows, start, end):
-            self._changed()
+            self.invalidate_views()
         self.num_tokens = max(self.num_tokens, end)
         bs = self.pool.block_size
         positions = torch.arange(start, end, device=self.pool.geometry.device)
@@ -233,7 +234,7 @@ class BlockTables:
         new_rows = [self.rows[i].fork() for i in indices]
         self.release_rows()
         self.rows = new_rows
-        self._changed()
+        self.invalidate_views()
 
     def check_truncate(self, num_tokens: int) -> None:
         """Raise a `ValueError` if `truncate(num_tokens)` would need tokens this sliding group already freed.
@@ -254,7 +255,7 @@ class BlockTables:
         for row in self.rows:
             row.truncate(num_tokens)
         self.num_tokens = min(self.num_tokens, num_tokens)
-        self._changed()
+        self.invalidate_views()
 
     def release_rows(self) -> None:
         for row in self.rows:
@@ -265,7 +266,7 @@ class BlockTables:
         self.release_rows()
         self.num_tokens = 0
         self.first_block = 0
-        self._changed()
+        self.invalidate_views()
 
     def blocks_held(self) -> int:
         """Distinct blocks referenced by this batch (shared blocks count once)."""

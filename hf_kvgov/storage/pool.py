@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -210,10 +210,7 @@ class BlockPool:
             return
         room = short if self.max_blocks is None else min(short, self.max_blocks - self.capacity)
         if room > 0:
-            # At least double: amortised O(1) growth. The first growth also leaves 1/8 of headroom, so the
-            # decode steps right after a prefill do not copy the whole pool to add one block per row.
-            headroom = room // 8 if self.capacity == 0 else 0
-            target = max(room + headroom, self._growth, self.capacity)
+            target = self._growth_step(room)
             if self.max_blocks is not None:
                 target = min(target, self.max_blocks - self.capacity)
             self._grow(target)
@@ -225,6 +222,15 @@ class BlockPool:
             short = n - len(self._free)  # trust the free list, not the reclaimer's count
         if short > 0:
             raise PoolExhausted(n, len(self._free), self.max_blocks or self.capacity, self.block_size)
+
+    def _growth_step(self, short: int) -> int:
+        """Blocks to add when `short` more are needed, before any cap is applied.
+
+        At least double: amortised O(1) growth. The first growth also leaves 1/8 of headroom, so the decode
+        steps right after a prefill do not copy the whole pool to add one block per row.
+        """
+        headroom = short // 8 if self.capacity == 0 else 0
+        return max(short + headroom, self._growth, self.capacity)
 
     def _grow(self, extra: int) -> None:
         # Pool memory outlives any one forward pass: allocate it as normal tensors even when the first
@@ -242,6 +248,36 @@ class BlockPool:
         )
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
+
+    def _free_tail(self, dropping: Mapping[int, int] | None = None) -> int:
+        """How many blocks at the end of the tensors are free, or become free once the references counted in
+        `dropping` (block id -> references) are dropped: what `_release_tail` could give back."""
+        dropping = dropping or {}
+        count = 0
+        for block_id in range(self.capacity - 1, -1, -1):
+            if self._ref[block_id] != dropping.get(block_id, 0):
+                break
+            count += 1
+        return count
+
+    def _release_tail(self, count: int) -> None:
+        """Give back the memory of the last `count` blocks, which must be free: the tensors shrink (a copy
+        of the blocks kept, as growth copies them) and those ids leave the free list.
+
+        Freeing a block never shrinks the pool by itself: ids are stable, so a free block before a live one
+        keeps its bytes. A `QuantizedBlockPool` under a byte cap calls this when its sealed store needs them.
+        """
+        if count <= 0:
+            return
+        keep = self.capacity - count
+        assert all(self._ref[block_id] == 0 for block_id in range(keep, self.capacity)), "only free blocks go"
+        with torch.inference_mode(False):
+            self._set_tensors(
+                [self.keys[h][:keep].clone() for h in self._heads],
+                [self.values[h][:keep].clone() for h in self._heads],
+            )
+        del self._ref[keep:]
+        self._free = deque(block_id for block_id in self._free if block_id < keep)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a fork shares blocks instead of copying them)."""

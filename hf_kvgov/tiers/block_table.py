@@ -96,7 +96,7 @@ class TieredBlockTables(BlockTables):
     def slots_for(self, batch: int, start: int, count: int) -> torch.Tensor:
         if not self.rows:
             self.rows = [TieredBlockTable(self.pool, self.tier, ids=self.ids) for _ in range(batch)]
-            self._changed()
+            self.invalidate_views()
         return super().slots_for(batch, start, count)
 
     def references(self, first: int, stop: int, spilled: bool) -> dict[int, int]:
@@ -115,7 +115,7 @@ class TieredBlockTables(BlockTables):
         """Swap live entries in every row (a block moved between tiers); references are the caller's business."""
         for row in self.rows:
             row.block_ids[row.freed :] = [mapping.get(b, b) for b in row.live_ids]
-        self._changed()
+        self.invalidate_views()
 
     def has_spilled(self) -> bool:
         return any(self.ids.is_spilled(b) for row in self.rows for b in row.live_ids)

@@ -30,7 +30,7 @@ class DiskCacheConfig:
     """What `DiskOffloadCache` keeps in memory and may write (its docstring describes each field).
 
     In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
-    (`hf_kvgov.hf.eviction.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
+    (`hf_kvgov.engine.slots.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
     recalled per (sequence, layer, KV head) at each step, a page holds ``page_tokens`` tokens and
     ``recall_summary`` ranks them (`Recall.summary`: "centroid" or "bounds") and ``recall_buffer`` says where
     recalled pages are held (`Recall.buffer`: "layer" or "shared"); the block

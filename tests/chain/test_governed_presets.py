@@ -18,6 +18,7 @@ import torch
 from hf_kvgov import (
     DiskOffloadCache,
     GovernedCache,
+    GovernedCacheBase,
     HeavyHitterCache,
     PagedCache,
     PolicyCache,
@@ -157,7 +158,7 @@ def assert_identical(first: Any, second: Any) -> None:
 def test_preset_and_its_composed_equivalent_are_the_same_cache(name: str) -> None:
     preset = PRESETS[name](MODEL)
     composed = GovernedCache(MODEL, **preset.parts.kwargs())
-    assert isinstance(preset, GovernedCache)
+    assert isinstance(preset, GovernedCacheBase)
     assert type(composed) is type(preset)
     assert composed.parts == preset.parts
     assert_identical(generate(MODEL, preset), generate(MODEL, composed))
@@ -212,7 +213,7 @@ def test_block_presets_override_only_their_constructor_and_the_type_of_their_sta
 
 
 def test_the_store_takes_its_links_as_arguments(tmp_path: Any) -> None:
-    from hf_kvgov.chain.parts import codec_config
+    from hf_kvgov.engine.parts import codec_config
 
     int8 = codec_config("int8")
     store = PagedCache(MODEL, block_size=4, codec=int8, spill=Disk(path=str(tmp_path), hot_tokens=8))

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hf_kvgov.cli.main import main
+from hf_kvgov.evaluation import synthetic_run
 from hf_kvgov.evaluation.generation import Generated
 from hf_kvgov.evaluation.registry import generate_synthetic
-from hf_kvgov.evaluation.synthetic import run as synthetic_run
-from hf_kvgov.evaluation.synthetic.run import SyntheticOptions, build_items, run_synthetic
+from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
 from tests.evaluation.eval_tiny import TINY_KV_BYTES_PER_TOKEN, save_tiny_model, tiny_tokenizer
 
 FILLER = (

@@ -19,7 +19,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from hf_kvgov import HeavyHitterCache, SinkCache, eviction_attention
 from hf_kvgov.codecs import Int8Codec, KVCodec, get_codec
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.engine.quant_config import QuantConfig
 from tests.conftest import tiny_llama
 from tests.eviction.test_eviction_reference import (
     ReferenceH2O,

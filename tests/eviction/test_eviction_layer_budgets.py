@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import GovernedCache, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
-from hf_kvgov.chain.parts import HeavyHitter, Layer
+from hf_kvgov.engine.parts import HeavyHitter, Layer
 from hf_kvgov.policies import SnapKV
 from hf_kvgov.policies.pyramid import Pyramid
 from tests.conftest import tiny_llama

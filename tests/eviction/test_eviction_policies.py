@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import eviction_attention
+from hf_kvgov.engine.slots import view as view_module
 from hf_kvgov.hf.eviction import PolicyCache
-from hf_kvgov.hf.eviction import view as view_module
 from hf_kvgov.policies import (
     TOVA,
     EvictionPolicy,

@@ -92,7 +92,7 @@ def requests_on_one_document(model: Any) -> Iterator[tuple[torch.Tensor, Any, li
         cache = HeavyHitterCache(model, budget=4, recent=2, prefix=tree)
         seen = counted_prefix_slots(cache)
         out = run(model, cache, prompt)
-        assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
+        assert cache.shared is not None and cache.shared.tokens == [DOCUMENT]
         assert cache.get_seq_length() == DOCUMENT + 7 + NEW - 1
         yield prompt, cache, seen, out
         cache.release()
@@ -133,7 +133,7 @@ def test_with_room_for_its_own_tokens_a_request_equals_the_full_cache(beams: int
         HeavyHitterCache(model, budget=100, codec="int8", prefix=tree),
     ):
         out = run(model, cache, ids, mask, num_beams=beams)
-        assert cache._shared is not None and cache._shared.tokens[:1] == [DOCUMENT]
+        assert cache.shared is not None and cache.shared.tokens[:1] == [DOCUMENT]
         tolerance = 0.05 if cache.codec_name else 1e-5  # int8 slots hold the request's own tokens as codes
         assert largest_gap(out, full) < tolerance
         if not cache.codec_name:  # the inputs are laid out around the hit: compare what was generated
@@ -163,7 +163,7 @@ def test_the_issue_chain_builds_and_generates(tmp_path: Any) -> None:
     assert out.sequences.shape[1] == DOCUMENT + 40 + NEW
     recall = cache.recall_stats()
     assert recall is not None and recall.pages_written > 0  # its own evicted tokens went to disk
-    assert cache._shared is not None and cache._shared.tokens == [DOCUMENT]
+    assert cache.shared is not None and cache.shared.tokens == [DOCUMENT]
 
 
 @pytest.mark.parametrize("beams", [1, 2])
@@ -180,7 +180,7 @@ def test_on_a_hybrid_model_a_request_with_room_equals_the_full_cache(beams: int)
         GovernedCache(model, prefix=tree, pool=Paging(BLOCK), policy=HeavyHitter(100)),  # slots in pool blocks
     ):
         out = run(model, cache, ids, mask, num_beams=beams)
-        assert cache._shared is not None and cache._shared.tokens[:1] == [DOCUMENT]
+        assert cache.shared is not None and cache.shared.tokens[:1] == [DOCUMENT]
         assert largest_gap(out, full) < 1e-5
         assert torch.equal(out.sequences[:, -NEW:], full.sequences[:, -NEW:])
         cache.release()

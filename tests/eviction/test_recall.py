@@ -19,8 +19,8 @@ from transformers import DynamicCache
 
 from hf_kvgov import HeavyHitterCache, PolicyCache, Recall, eviction_attention
 from hf_kvgov.chain import ChainRefused, Disk, HeavyHitter, Sink
+from hf_kvgov.chain.build import GovernedCache
 from hf_kvgov.errors import SpillCorrupted, SpillFileLost, SpillSpaceExhausted
-from hf_kvgov.hf.governed import GovernedCache
 from hf_kvgov.planner.accounting import recall_bytes
 from hf_kvgov.planner.setup import CacheSetup
 from hf_kvgov.policies import HeavyHitter as HeavyHitterPolicy

@@ -15,8 +15,8 @@ import torch
 
 from hf_kvgov import HeavyHitterCache, Recall
 from hf_kvgov.chain import Disk, HeavyHitter
-from hf_kvgov.hf.eviction.recall_buffer import RecallBuffer
-from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.chain.build import GovernedCache
+from hf_kvgov.engine.slots.recall_buffer import RecallBuffer
 from hf_kvgov.planner.chain import ChainOptions
 from hf_kvgov.tiers.recall_pages import PageTier
 from tests.conftest import tiny_gemma3, tiny_llama

@@ -23,7 +23,7 @@ import pytest
 import torch
 from kernel_helpers import DEVICE, assert_matches
 
-from hf_kvgov.hf.paged_view import PagedView
+from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.kernels import dispatch, flash_paged
 from hf_kvgov.kernels.reference import paged_attention_reference
 from hf_kvgov.kernels.synthetic import PagedCase, make_case

@@ -16,7 +16,7 @@ import torch
 
 from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes, shared_store_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup, predict, with_shared_prefix
-from hf_kvgov.chain.parts import Disk, Paging
+from hf_kvgov.chain.build import GovernedCache
+from hf_kvgov.engine.parts import Disk, Paging
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.governed import GovernedCache
-from hf_kvgov.hf.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes

@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from hf_kvgov import PolicyCache, eviction_attention
-from hf_kvgov.hf.eviction import view as view_module
+from hf_kvgov.engine.slots import view as view_module
 from hf_kvgov.policies import ExpectedAttention, QueryForecast, SlotFacts, apply_rope, expected_attention, make_policy
 from tests.conftest import tiny_llama
 from tests.eviction.test_eviction_policies import Recording

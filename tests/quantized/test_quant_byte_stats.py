@@ -19,7 +19,7 @@ from hf_kvgov import GovernedCache, HeavyHitterCache, paged_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
 from hf_kvgov.chain import Disk, Paging
 from hf_kvgov.codecs.numerics import LOG_SCALE, ONE_BYTE_ZERO
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.planner import sequence_bytes
 from tests.conftest import tiny_llama

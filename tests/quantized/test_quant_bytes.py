@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_kvgov import PagedCache
-from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE, QuantConfig
+from hf_kvgov.engine.quant_config import COMPACT_BLOCK_SIZE, QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.storage.sealed_store import SealedBlockStore
 

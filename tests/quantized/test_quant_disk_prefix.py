@@ -26,7 +26,8 @@ from hf_kvgov import GovernedCache, QuantizedDiskCache, prefix_tree
 from hf_kvgov.chain import Disk, Paging
 from hf_kvgov.errors import PoolExhausted, SpillCorrupted
 from hf_kvgov.hf.quantized_cache import QuantizedCache
-from hf_kvgov.prefix.sharing import PrefixCache, tree_id
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.prefix.tree_ids import tree_id
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from tests.conftest import tiny_llama
 from tests.prefix_requests import assert_identical, tokens

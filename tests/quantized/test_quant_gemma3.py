@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvgov import PagedCache, paged_attention
-from hf_kvgov.hf.quant_config import COMPACT_BLOCK_SIZE
+from hf_kvgov.engine.quant_config import COMPACT_BLOCK_SIZE
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.quality import RunningScore, StackedCache
 from hf_kvgov.registry import kv_bytes

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from hf_kvgov import PagedCache, paged_attention
+from hf_kvgov.engine import paged_prefix
 from hf_kvgov.errors import PoolExhausted
-from hf_kvgov.hf import paged_prefix
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool

@@ -14,15 +14,15 @@ They keep different tokens in each KV head, so they need the hf_kvgov eviction a
 scales; ``layer_budgets={0: 1.0}`` gives single layers their own budget.
 """
 
+from hf_kvgov.engine.slots.slot_codecs import SLOT_CODECS
+from hf_kvgov.engine.slots.stats import EvictionStats
+from hf_kvgov.engine.slots.view import ATTENTION_NAME
 from hf_kvgov.hf.eviction.attention import eviction_attention, use_eviction_attention
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.heavy_hitter import HeavyHitterCache
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.policy_cache import PolicyCache
 from hf_kvgov.hf.eviction.sink import SinkCache
-from hf_kvgov.hf.eviction.slot_codecs import SLOT_CODECS
-from hf_kvgov.hf.eviction.stats import EvictionStats
-from hf_kvgov.hf.eviction.view import ATTENTION_NAME
 
 __all__ = [
     "ATTENTION_NAME",

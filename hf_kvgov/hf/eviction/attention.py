@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_kvgov.engine.slots.view import ATTENTION_NAME, VIEW_KEY, EvictionView
 from hf_kvgov.hf.attention import sdpa_over_given_kv
-from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, sdpa_mask
-from hf_kvgov.hf.eviction.view import ATTENTION_NAME, VIEW_KEY, EvictionView
+from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
 
 _registered = False
 
@@ -72,7 +72,7 @@ def register() -> str:
 
 def use_eviction_attention(model: Any) -> str:
     """Switch ``model`` to the eviction attention; returns the implementation it had before."""
-    previous = str(model.config._attn_implementation)
+    previous = attention_implementation(model.config)
     model.set_attn_implementation(register())
     return previous
 

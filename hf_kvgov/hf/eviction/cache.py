@@ -34,14 +34,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.compat import kv_heads_and_head_dim
-from hf_kvgov.hf.eviction.budget_basis import BudgetBasis, check_budget_of, fraction_label
-from hf_kvgov.hf.eviction.forecast_hooks import forecast_hook, forecasts_running, observer_hook
-from hf_kvgov.hf.eviction.layer import EvictionLayer
-from hf_kvgov.hf.eviction.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
-from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
-from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
-from hf_kvgov.hf.eviction.recall import (
+from hf_kvgov.engine.slots.budget_basis import BudgetBasis, check_budget_of, fraction_label
+from hf_kvgov.engine.slots.forecast_hooks import forecast_hook, forecasts_running, observer_hook
+from hf_kvgov.engine.slots.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
+from hf_kvgov.engine.slots.recall import (
     Recall,
     RecallCounters,
     RecalledSlots,
@@ -50,20 +46,24 @@ from hf_kvgov.hf.eviction.recall import (
     page_tier_for,
     recall_stats,
 )
-from hf_kvgov.hf.eviction.rotary import LayerFrequencies
-from hf_kvgov.hf.eviction.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_empty
-from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
-from hf_kvgov.hf.eviction.slot_codecs import CodecSpec, slot_formats
-from hf_kvgov.hf.eviction.slot_steps import (
+from hf_kvgov.engine.slots.shared_prefix import SharedPrefix, check_prefix, check_prefix_geometry, match_empty
+from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.engine.slots.slot_codecs import CodecSpec, slot_formats
+from hf_kvgov.engine.slots.slot_steps import (
     check_attention,
     check_shapes,
     newest,
     visible_to_next_queries,
     with_new_slots,
 )
-from hf_kvgov.hf.eviction.stats import EvictionStats, layer_stats
-from hf_kvgov.hf.eviction.view import VIEW_KEY, EvictionView, KeyReader
-from hf_kvgov.hf.governed import GovernedCache
+from hf_kvgov.engine.slots.stats import EvictionStats, layer_stats
+from hf_kvgov.engine.slots.view import VIEW_KEY, EvictionView, KeyReader
+from hf_kvgov.hf.compat import attention_implementation, kv_heads_and_head_dim
+from hf_kvgov.hf.eviction.layer import EvictionLayer
+from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
+from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
+from hf_kvgov.hf.eviction.rotary import LayerFrequencies
+from hf_kvgov.hf.governed import GovernedCacheBase
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
 from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
@@ -75,7 +75,7 @@ PolicyFactory = Callable[[int], EvictionPolicy]
 COMPRESS_MODES = ("always", "prefill")
 
 
-class EvictionCache(GovernedCache):
+class EvictionCache(GovernedCacheBase):
     """A fixed budget of slots per (sequence, KV head), kept by an eviction policy.
 
     Use a subclass (`HeavyHitterCache`, `SinkCache`) under ``with hf_kvgov.eviction_attention(model):``.
@@ -173,7 +173,7 @@ class EvictionCache(GovernedCache):
         self._rotary = LayerFrequencies(model, name, "turns queries to the positions to come")
         self._budget_spec = budget
         self._policy_for = policy_for
-        self._min_budget = min_budget
+        self.min_budget = min_budget
         self._read_keys = read_keys
         self.decode_policy = decode_policy
         self.query_chunk = query_chunk
@@ -191,7 +191,7 @@ class EvictionCache(GovernedCache):
             recalls = layer_recalls(self._page_tier, indices, recall, self._recall_counters)
             for layer, layer_recall in zip(self._eviction_layers, recalls, strict=True):
                 layer.recall = layer_recall
-        self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self._min_budget, decode_policy)
+        self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self.min_budget, decode_policy)
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)
         self.pool = pool
@@ -205,7 +205,7 @@ class EvictionCache(GovernedCache):
         if not isinstance(namespace, str):
             raise TypeError(f"{name}: namespace must be a str (a tenant salt); got {namespace!r}.")
         self.namespace = namespace
-        self._shared: SharedPrefix | None = None  # the tree's blocks this request matched
+        self.shared: SharedPrefix | None = None  # the tree's blocks this request matched
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
 
@@ -226,7 +226,7 @@ class EvictionCache(GovernedCache):
 
     # ------------------------------------------------------------------ one step
 
-    def _stage(
+    def stage(
         self, layer: EvictionLayer, key_states: Tensor, value_states: Tensor, attn_kwargs: dict[str, Any] | None
     ) -> tuple[Tensor, Tensor]:
         """Hand attention the kept + new slots of ``[batch, kv_heads, q_len, head_dim]`` new K/V."""
@@ -235,8 +235,8 @@ class EvictionCache(GovernedCache):
         batch, _, q_len, _ = key_states.shape
         if layer.index == 0:
             self._check_basis(q_len)
-            if self._shared is not None:
-                self._shared.expand_to(batch, type(self).__name__)
+            if self.shared is not None:
+                self.shared.expand_to(batch, type(self).__name__)
         new_positions = new_token_positions(
             attn_kwargs.get("position_ids"), batch, q_len, layer.seen, key_states.device
         )
@@ -273,29 +273,29 @@ class EvictionCache(GovernedCache):
 
     def _extra_slots_of(self, layer: EvictionLayer) -> Any:
         """The view's hook for slots attended beside the kept ones: the shared prefix, recalled pages; or None."""
-        if self._shared is None and layer.recall is None:
+        if self.shared is None and layer.recall is None:
             return None
         return functools.partial(self._extra_slots, layer)
 
     def _extra_slots(self, layer: EvictionLayer, query: Tensor, first_query: Tensor) -> RecalledSlots | None:
-        shared = [] if self._shared is None or not self._shared.longest else [self._shared.slots(layer.index)]
+        shared = [] if self.shared is None or not self.shared.longest else [self.shared.slots(layer.index)]
         recalled = None if layer.recall is None else layer.recall.recalled(query, first_query, layer.window)
         return RecalledSlots.join([*shared, *([] if recalled is None else [recalled])])
 
     @property
     def shared_prefix_tokens(self) -> list[int]:
         """Tokens each row reads from the prefix tree (empty before `match`)."""
-        return [] if self._shared is None else self._shared.tokens
+        return [] if self.shared is None else self.shared.tokens
 
     @property
     def shared_prefix_blocks(self) -> list[int]:
         """Pool blocks of the tree each row reads, over every layer group (empty before `match`): with layer
         groups a sliding group's blocks are only those of its window, so the tokens do not say it."""
-        return [] if self._shared is None else self._shared.blocks
+        return [] if self.shared is None else self.shared.blocks
 
     def _started(self, layer: EvictionLayer) -> bool:
         """Whether the layer has stored a chunk of its own (the tokens after a matched prefix)."""
-        return layer.seen > (0 if self._shared is None else self._shared.longest)
+        return layer.seen > (0 if self.shared is None else self.shared.longest)
 
     # ------------------------------------------------------------------ prefix sharing
 
@@ -307,9 +307,9 @@ class EvictionCache(GovernedCache):
 
         Needs an empty cache built with ``prefix=``; the budget then governs the tokens after the prefix.
         """
-        self._shared, inputs = match_empty(self, self.prefix, input_ids, attention_mask, pad_token_id)
+        self.shared, inputs = match_empty(self, self.prefix, input_ids, attention_mask, pad_token_id)
         for layer in self._eviction_layers:
-            layer.seen = self._shared.longest
+            layer.seen = self.shared.longest
         return inputs
 
     def _step_policy(self, layer: EvictionLayer, q_len: int) -> tuple[EvictionPolicy, FactNeeds]:
@@ -391,14 +391,16 @@ class EvictionCache(GovernedCache):
 
     def _resolve_budget(self, first_length: int) -> None:
         if self.policy is None:
-            self.budget = resolve_budget(self._budget_spec, first_length, self._min_budget)
+            self.budget = resolve_budget(self._budget_spec, first_length, self.min_budget)
             self.policy = self._policy_for(self.budget)
         self._budgets.resolve(first_length)
 
     # ------------------------------------------------------------------ checks
 
     def _check_attention(self, attn_kwargs: dict[str, Any] | None) -> dict[str, Any]:
-        return check_attention(type(self).__name__, self._config, self._awaiting_attention, attn_kwargs)
+        return check_attention(
+            type(self).__name__, attention_implementation(self._config), self._awaiting_attention, attn_kwargs
+        )
 
     def _check_shapes(self, layer: EvictionLayer, key_states: Tensor) -> None:
         check_shapes(type(self).__name__, layer, key_states, self.num_kv_heads, self.head_dim)
@@ -413,9 +415,9 @@ class EvictionCache(GovernedCache):
     def reset(self) -> None:
         """Forget every token; a fraction of generate's prompt is resolved again on the next prompt."""
         super().reset()
-        if self._shared is not None:
-            self._shared.release()
-            self._shared = None
+        if self.shared is not None:
+            self.shared.release()
+            self.shared = None
         self._recall_counters.reset()
         self._awaiting_attention = None
         self._budgets.reset()

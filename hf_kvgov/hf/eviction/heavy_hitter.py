@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_kvgov.chain.parts import ChainParts, Disk, allocation_of, budget_overrides
-from hf_kvgov.chain.parts import HeavyHitter as HeavyHitterPart
+from hf_kvgov.engine.parts import ChainParts, Disk, allocation_of, budget_overrides
+from hf_kvgov.engine.parts import HeavyHitter as HeavyHitterPart
+from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
+from hf_kvgov.engine.slots.recall import Recall
+from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
-from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
-from hf_kvgov.hf.eviction.recall import Recall
-from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
-from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import HeadAdaptive, HeavyHitter
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -53,7 +53,7 @@ class HeavyHitterCache(EvictionCache):
         compress: "always" (every step evicts down to the budget) or "prefill" (only the first chunk is
             evicted; later tokens are appended, as after a one-time compression of the prompt).
         recall: a `Recall`: evicted tokens go to disk pages and the pages the queries need are attended
-            again (see `hf_kvgov.hf.eviction.recall`); None: evicted tokens are dropped.
+            again (see `hf_kvgov.engine.slots.recall`); None: evicted tokens are dropped.
         pool: a `BlockPool` from `hf_kvgov.eviction_pool(model, codec=...)` shared with other eviction caches:
             the kept slots live in its blocks (a full pool raises `PoolExhausted`); None: the cache's own tensors.
         prefix, namespace: a `PrefixCache` over a full-precision pool and the namespace `match` looks in: a

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from hf_kvgov.engine.slots.slot_store import DenseFormat, SlotFormat, SlotStore
 from hf_kvgov.hf.compat import CacheLayerMixin
-from hf_kvgov.hf.eviction.slot_store import DenseFormat, SlotFormat, SlotStore
 
 if TYPE_CHECKING:
+    from hf_kvgov.engine.slots.recall import LayerRecall
     from hf_kvgov.hf.eviction.cache import EvictionCache
     from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome
-    from hf_kvgov.hf.eviction.recall import LayerRecall
     from hf_kvgov.policies.query_forecast import QueryStatistics
 
 
@@ -120,7 +120,7 @@ class EvictionLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        return self.owner._stage(self, key_states, value_states, kwargs.get("kwargs"))
+        return self.owner.stage(self, key_states, value_states, kwargs.get("kwargs"))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, self.seen
@@ -194,6 +194,6 @@ class EvictionLayer(CacheLayerMixin):
             self.recall.select_rows(rows)
         if self.query_stats is not None:
             self.query_stats.select_rows(rows)
-        shared = self.owner._shared
+        shared = self.owner.shared
         if self.index == 0 and shared is not None:  # the matched prefix is the cache's, reindexed once
             shared.select_rows(rows)

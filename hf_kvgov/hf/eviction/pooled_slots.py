@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.coded_slots import CodedSlots
-from hf_kvgov.hf.eviction.slot_store import DenseSlots, QuantizedFormat, QuantizedSlots, SlotFormat, SlotStore
+from hf_kvgov.engine.slots.coded_slots import CodedSlots
+from hf_kvgov.engine.slots.slot_store import DenseSlots, QuantizedFormat, QuantizedSlots, SlotFormat, SlotStore
 from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
@@ -110,9 +110,9 @@ def eviction_pool(
     Pass it as ``pool=`` to as many `HeavyHitterCache` / `PolicyCache` instances as share the memory;
     ``max_tokens`` counts slot rows (one kept token of every KV head of one layer), ``max_bytes`` bytes.
     """
+    from hf_kvgov.engine.slots.slot_codecs import slot_formats
     from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
     from hf_kvgov.hf.eviction.model_inputs import layer_windows
-    from hf_kvgov.hf.eviction.slot_codecs import slot_formats
 
     config = decoder_config(model)
     heads, head_dim = kv_heads_and_head_dim(config)

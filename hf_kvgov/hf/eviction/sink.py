@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.chain.parts import ChainParts, Sink, allocation_of, budget_overrides
+from hf_kvgov.engine.parts import ChainParts, Sink, allocation_of, budget_overrides
+from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
+from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
+from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
-from hf_kvgov.hf.eviction.layer_budgets import LayerBudgetSpec
 from hf_kvgov.hf.eviction.rotary import rotary_inv_freq
-from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK
-from hf_kvgov.hf.eviction.slot_codecs import CodecSpec
 from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.storage.pool import BlockPool

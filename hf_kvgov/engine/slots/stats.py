@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.eviction.recall import RecallStats
+    from hf_kvgov.engine.slots.recall import RecallStats
 
 
 class _Layer(Protocol):

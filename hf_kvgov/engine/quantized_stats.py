@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from hf_kvgov.hf.paged_stats import CacheStats, live_entries
+from hf_kvgov.engine.paged_stats import CacheStats, live_entries
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class QuantizedCacheStats(CacheStats):
     compression: float  # unquantized_bytes / bytes_used
 
 
-def quantized_cache_stats(cache: PagedCache, base: CacheStats, codec: str) -> QuantizedCacheStats:
+def quantized_cache_stats(cache: BlockStore, base: CacheStats, codec: str) -> QuantizedCacheStats:
     """`base` (the paged accounting of `cache`) with bytes counted as stored; distinct blocks count once."""
     pool = cache.pool if isinstance(cache.pool, QuantizedBlockPool) else None
     distinct = live_entries(cache)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.codecs import KVCodec
-from hf_kvgov.hf.eviction.coded_slots import CodedSlots, decode_slots, encode_slots
+from hf_kvgov.engine.slots.coded_slots import CodedSlots, decode_slots, encode_slots
 from hf_kvgov.policies import gather_kept
 
 

@@ -8,7 +8,7 @@ spilled block, a `publish`), naming the tokens of a damaged block, and resetting
 block cache calls it at those points of its own lifetime. What differs with the codec link is a
 `SpillFormat`, given when the link is attached: which entries can move and how their bytes are read and
 written, how many leading blocks never move, how spilled entries are numbered. Raw blocks (no codec) are
-read back here (`raw_kv`, `add_raw_to_view`); sealed ones by the codec link (`hf_kvgov.hf.block_sealer`).
+read back here (`raw_kv`, `add_raw_to_view`); sealed ones by the codec link (`hf_kvgov.engine.block_sealer`).
 
 Layer groups (a hybrid sliding-window model): every group's tables are tiered. A sliding group frees every
 block that left its window (from memory or from disk), so it holds at most about `window + block_size`
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_kvgov.engine import disk_prefix
+from hf_kvgov.engine.disk_stats import disk_cache_stats
+from hf_kvgov.engine.paged_stats import CacheStats
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.quantized_disk_stats import quantized_disk_stats
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
-from hf_kvgov.hf import disk_prefix
-from hf_kvgov.hf.disk_stats import disk_cache_stats
-from hf_kvgov.hf.paged_stats import CacheStats
-from hf_kvgov.hf.quant_config import QuantConfig
-from hf_kvgov.hf.quantized_disk_stats import quantized_disk_stats
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.tiers.block_table import TieredBlockTables
@@ -49,8 +49,8 @@ from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache, PagedLayer
-    from hf_kvgov.hf.paged_view import PagedView
+    from hf_kvgov.engine.block_store import BlockStore, StoreLayer
+    from hf_kvgov.engine.paged_view import PagedView
 
 RESIDENT_FIRST_BLOCKS = 1  # a raw row's attention-sink block: read by every query, so never worth a round trip
 
@@ -95,9 +95,9 @@ class BlockTier:
 
     # ------------------------------------------------------------------ with the pool
 
-    def check_pool_budget(self, cache: PagedCache, geometry: KVGeometry) -> None:
+    def check_pool_budget(self, cache: BlockStore, geometry: KVGeometry) -> None:
         """Refuse a `max_resident_bytes` whose pool cannot hold what one sequence keeps in memory."""
-        pool_bytes, block_size = self.disk.pool_bytes, cache._pool_args["block_size"]
+        pool_bytes, block_size = self.disk.pool_bytes, cache.pool_args["block_size"]
         if pool_bytes is None or block_size is None:
             return
         blocks, kept = disk_prefix.resident_need(block_size, self.disk, self.sealed)
@@ -115,7 +115,7 @@ class BlockTier:
                 f"{'residual' if self.sealed is not None else 'hot_tokens'} or read_buffer_bytes."
             )
 
-    def attach(self, cache: PagedCache, pool: BlockPool, spilled: SpillFormat) -> None:
+    def attach(self, cache: BlockStore, pool: BlockPool, spilled: SpillFormat) -> None:
         """The tier file, its read-ahead, and tiered block tables for every layer group of `cache`."""
         heads = pool.layout.heads  # position j of a block is read on the device of the layers at j
         self.tier = DiskTier(spilled.layout, self.disk.path, self.disk.max_write_bytes)
@@ -123,7 +123,7 @@ class BlockTier:
             self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
         )
         tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, spilled.ids, g) for g in pool.groups]
-        cache.tables, cache._other_tables = tables[0], tables[1:]
+        cache.tables, cache.other_tables = tables[0], tables[1:]
         self._blocks, self._resident_first = spilled.blocks, spilled.resident_first
 
     def _parts(self) -> tuple[DiskTier, LayerPrefetcher, TierBlocks]:
@@ -131,20 +131,20 @@ class BlockTier:
         return self.tier, self.prefetcher, self._blocks
 
     @staticmethod
-    def tiered_tables(cache: PagedCache) -> list[TieredBlockTables]:
+    def tiered_tables(cache: BlockStore) -> list[TieredBlockTables]:
         """Every layer group's block tables of `cache` (their blocks may spill)."""
         return [tables for tables in cache.all_tables if isinstance(tables, TieredBlockTables)]
 
     @staticmethod
-    def spilled_layout(cache: PagedCache, layer: int) -> SpilledLayout | None:
+    def spilled_layout(cache: BlockStore, layer: int) -> SpilledLayout | None:
         """Where the batch's live blocks of `layer` live, on its device; None when none of them has spilled."""
-        tables = cache._tables_of(layer)
+        tables = cache.tables_of(layer)
         assert cache.pool is not None and isinstance(tables, TieredBlockTables)
         return tables.spilled_layout(cache.pool.layer_device(layer))
 
     # ------------------------------------------------------------------ spilling
 
-    def spill_cold_blocks(self, cache: PagedCache) -> None:
+    def spill_cold_blocks(self, cache: BlockStore) -> None:
         """Write the blocks older than the hot window to disk once (not the tree's), then free them in memory."""
         tier, _, blocks = self._parts()
         pool = cache.pool
@@ -171,7 +171,7 @@ class BlockTier:
 
     # ------------------------------------------------------------------ reading back
 
-    def take(self, cache: PagedCache, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
+    def take(self, cache: BlockStore, layer: int, handles: list[int], outs: list[torch.Tensor]) -> None:
         """Read this layer's spilled blocks `handles` into `outs`, then start reading the next spilling layer's
         (the next layer whose group has spilled blocks: a sliding group may have none)."""
         prefetcher = self._parts()[1]
@@ -181,29 +181,29 @@ class BlockTier:
             raise self.located(cache, err) from err
         for step in range(1, cache.num_layers + 1):  # the next layer (cyclically: the next step's) that reads some
             following = (layer + step) % cache.num_layers
-            if cache._tables_of(following) is cache._tables_of(layer):  # one group's layers read the same blocks
+            if cache.tables_of(following) is cache.tables_of(layer):  # one group's layers read the same blocks
                 prefetcher.request(cache.layout.position[following], handles)
                 return
             if (spilled := self.spilled_layout(cache, following)) is not None:
                 prefetcher.request(cache.layout.position[following], spilled.handles)
                 return
 
-    def _raw_reader(self, cache: PagedCache, layer: int, layout: SpilledLayout) -> SegmentReader:
+    def _raw_reader(self, cache: BlockStore, layer: int, layout: SpilledLayout) -> SegmentReader:
         """Reads this layer's spilled blocks into the tensors given, then starts reading the next layer's."""
         return lambda outs: self.take(cache, layer, layout.handles, outs)
 
-    def raw_kv(self, cache: PagedCache, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def raw_kv(self, cache: BlockStore, layer: StoreLayer) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A full-precision layer's K/V `[batch, kv_heads, length, head_dim]` with its spilled blocks read back;
         None when none of them has spilled."""
         layout, pool, i = self.spilled_layout(cache, layer.index), cache.pool, layer.index
         if layout is None:
             return None
         assert pool is not None
-        first = cache._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
+        first = cache.tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
         reader = self._raw_reader(cache, i, layout)
         return gather_tiered(pool.keys[i], pool.values[i], layout, layer.length - first, reader)
 
-    def add_raw_to_view(self, cache: PagedCache, layer: PagedLayer, view: PagedView) -> None:
+    def add_raw_to_view(self, cache: BlockStore, layer: StoreLayer, view: PagedView) -> None:
         """Append a full-precision layer's spilled blocks, read back, after the pool's in the paged view."""
         layout = self.spilled_layout(cache, layer.index)
         if layout is None:
@@ -217,7 +217,7 @@ class BlockTier:
         view.key_cache, view.value_cache = caches
         view.block_table = layout.paged_table(capacity)
 
-    def located(self, cache: PagedCache, err: SpillCorrupted) -> SpillCorrupted:
+    def located(self, cache: BlockStore, err: SpillCorrupted) -> SpillCorrupted:
         """The same error, naming the layer that reads the damaged segment and the tokens its block holds."""
         for tables in self.tiered_tables(cache):
             tokens = tables.tokens_of(err.block)
@@ -227,7 +227,7 @@ class BlockTier:
                 return SpillCorrupted(err.block, layer, err.path, err.offset, tokens)
         return err
 
-    def bring_back(self, cache: PagedCache, first: int, stop: int | None = None) -> None:
+    def bring_back(self, cache: BlockStore, first: int, stop: int | None = None) -> None:
         """The spilled blocks at block columns [first, stop) (default: `first` only) come back into memory."""
         tier, prefetcher, blocks = self._parts()
         assert cache.pool is not None
@@ -238,7 +238,7 @@ class BlockTier:
             raise self.located(cache, err) from err
         prefetcher.clear()  # the freed disk slots' handles may come back for other blocks
 
-    def before_truncate(self, cache: PagedCache, length: int) -> None:
+    def before_truncate(self, cache: BlockStore, length: int) -> None:
         """A crop to `length` may end inside a spilled block; the next write lands there, so it comes back."""
         assert cache.pool is not None
         if self.tier is not None and length % cache.pool.block_size:
@@ -251,12 +251,12 @@ class BlockTier:
 
     # ------------------------------------------------------------------ prefix sharing
 
-    def after_match(self, cache: PagedCache) -> None:
+    def after_match(self, cache: BlockStore) -> None:
         """The matched blocks stay in memory for as long as the cache holds them."""
         for tables in self.tiered_tables(cache):
             disk_prefix.make_rows_tiered(tables)
 
-    def before_publish(self, cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def before_publish(self, cache: BlockStore, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """Bring the spilled blocks a `publish` offers back into memory, or raise with nothing changed."""
         disk_prefix.bring_back_offered(cache, sequences, attention_mask, lambda a, b: self.bring_back(cache, a, b))
 
@@ -273,7 +273,7 @@ class BlockTier:
         if close and self.tier is not None:
             self.tier.close()
 
-    def stats(self, cache: PagedCache, base: CacheStats) -> CacheStats:
+    def stats(self, cache: BlockStore, base: CacheStats) -> CacheStats:
         """`base` with memory counted as resident bytes, plus the tier's counters (and the codec's, if any)."""
         return disk_cache_stats(cache, base) if cache.sealer is None else quantized_disk_stats(cache, base)
 

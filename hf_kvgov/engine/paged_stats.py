@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 
 @dataclass(frozen=True)
@@ -27,17 +27,17 @@ class CacheStats:
     attention: str
 
 
-def live_entries(cache: PagedCache) -> set[int]:
+def live_entries(cache: BlockStore) -> set[int]:
     """The distinct table entries (pool ids, sealed or spilled ones) every group's rows still hold."""
     return {block for tables in cache.all_tables for row in tables.rows for block in row.live_ids}
 
 
-def paged_cache_stats(cache: PagedCache) -> CacheStats:
+def paged_cache_stats(cache: BlockStore) -> CacheStats:
     """Blocks in use are the distinct live blocks of every group's rows (shared blocks count once)."""
     pool, tables = cache.pool, cache.tables
-    length = cache.get_seq_length()
+    length = cache.stored_tokens()
     if pool is None or tables is None:
-        return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, cache._pool_args["block_size"] or 0, cache.attention)
+        return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, cache.pool_args["block_size"] or 0, cache.attention)
     bs = pool.block_size
     filled: dict[int, int] = {}
     for group_tables in cache.all_tables:

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.slot_attention import DEFAULT_QUERY_CHUNK, attend_slots, new_tokens_valid
+from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK, attend_slots, new_tokens_valid
 from hf_kvgov.policies import FactNeeds
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.eviction.recall import RecalledSlots
+    from hf_kvgov.engine.slots.recall import RecalledSlots
 
 ATTENTION_NAME = "kvgov_evict"
 VIEW_KEY = "kvgov_eviction_view"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.view import Forecast, QueryObserver
+from hf_kvgov.engine.slots.view import Forecast, QueryObserver
 from hf_kvgov.policies import EvictionPolicy
 from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention, observe_queries
 

@@ -11,7 +11,7 @@ slots, to::
     the pending page          < page_tokens evicted tokens not yet written (always resident)
     the recalled pages        the ``pages`` pages with the highest score, per (sequence, KV head)
 
-Recalled pages live in a bounded buffer (`hf_kvgov.hf.eviction.recall_buffer`): a buffer shared by the
+Recalled pages live in a bounded buffer (`hf_kvgov.engine.slots.recall_buffer`): a buffer shared by the
 layers (the default) holds one layer's pages at a time and reads each step's again; with one buffer per layer
 a page chosen at the previous step is not read again, so a run of decode steps asking about the same passage
 reads it once. Reads per layer step are at most ``pages`` per (sequence, KV head), and the stats report how
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.recall_buffer import RecallBuffer
+from hf_kvgov.engine.slots.recall_buffer import RecallBuffer
 from hf_kvgov.policies import gather_kept
 from hf_kvgov.policies.page_bounds import page_centroid_scores, page_upper_bounds
 from hf_kvgov.tiers.recall_pages import SUMMARY_ROWS, PageTier, Recall

@@ -7,12 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_stats import CacheStats, live_entries
+from hf_kvgov.engine.disk_prefix import tree_held
+from hf_kvgov.engine.paged_stats import CacheStats, live_entries
 from hf_kvgov.tiers.accounting import TierStats
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 _NO_TIER = TierStats(None, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0)  # before the first K/V arrives
 
@@ -54,7 +54,7 @@ class DiskCacheStats(CacheStats):
     prefix_blocks: int = 0  # resident blocks this cache uses that the prefix tree holds (never spilled)
 
 
-def disk_cache_stats(cache: PagedCache, base: CacheStats) -> DiskCacheStats:
+def disk_cache_stats(cache: BlockStore, base: CacheStats) -> DiskCacheStats:
     """`base` (the paged accounting) with memory counted as resident bytes, plus the tier's counters."""
     held = live_entries(cache)
     resident_blocks = sum(1 for b in held if b >= 0)

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_kvgov.hf import paged_prefix
-from hf_kvgov.hf.prefix_layout import publishable_tokens
-from hf_kvgov.hf.quant_config import QuantConfig
+from hf_kvgov.engine import paged_prefix
+from hf_kvgov.engine.prefix_layout import publishable_tokens
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
@@ -49,7 +49,7 @@ from hf_kvgov.tiers.moves import TierBlocks
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 
 def cache_block_size(
@@ -123,13 +123,13 @@ def resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | 
     )
 
 
-def tree_held(cache: PagedCache) -> frozenset[int]:
+def tree_held(cache: BlockStore) -> frozenset[int]:
     """Pool ids this cache holds that the tree also holds: the blocks it matched or published.
 
     Each carries a tree lock taken by this cache (released with the cache), so the set is exact: a block
     the tree holds in one of this cache's rows can only have come in through `match` or `publish`.
     """
-    return frozenset() if cache.prefix is None else cache.prefix.pool_blocks_of(cache._prefix_locks)
+    return frozenset() if cache.prefix is None else cache.prefix.pool_blocks_of(cache.prefix_locks)
 
 
 def private_blocks(kind: TierBlocks, shared: Collection[int]) -> TierBlocks:
@@ -144,7 +144,7 @@ def make_rows_tiered(tables: TieredBlockTables) -> None:
     can spill, since only a tiered row knows how to fork, truncate and release spilled entries.
     """
     tables.rows = [row if isinstance(row, TieredBlockTable) else _tiered(tables, row) for row in tables.rows]
-    tables._changed()
+    tables.invalidate_views()
 
 
 def _tiered(tables: TieredBlockTables, row: BlockTable) -> TieredBlockTable:
@@ -155,7 +155,7 @@ def _tiered(tables: TieredBlockTables, row: BlockTable) -> TieredBlockTable:
 
 
 def bring_back_offered(
-    cache: PagedCache,
+    cache: BlockStore,
     sequences: torch.Tensor,
     attention_mask: torch.Tensor | None,
     bring_back: Callable[[int, int], None],
@@ -174,7 +174,7 @@ def bring_back_offered(
         bring_back(0, publish_stop(cache, sequences, attention_mask))
 
 
-def publish_stop(cache: PagedCache, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+def publish_stop(cache: BlockStore, sequences: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
     """Block columns [0, stop) hold every full block `publish` would offer, over all rows.
 
     Args:
@@ -182,7 +182,7 @@ def publish_stop(cache: PagedCache, sequences: torch.Tensor, attention_mask: tor
         attention_mask: long `[batch, prompt length]` or None, as for `publish`.
     """
     assert cache.pool is not None, "publishing needs the tree's pool"
-    stored, bs = cache.get_seq_length(), cache.pool.block_size
-    first_pads = paged_prefix._first_pads(cache, sequences, attention_mask)  # the rows' limits, as publish sets them
+    stored, bs = cache.stored_tokens(), cache.pool.block_size
+    first_pads = paged_prefix.first_pads_of(cache, sequences, attention_mask)  # the rows' limits, as publish sets them
     pairs = zip(sequences, first_pads, strict=True)
     return max((len(publishable_tokens(row, stored, pad)) // bs for row, pad in pairs), default=0)

@@ -8,7 +8,7 @@ the document is published by a block cache on the same tree (`PagedCache(model, 
 a policy keeps is no longer the prefix as computed.
 
 Rows that hit different lengths are laid out as a prefix-sharing `PagedCache` lays them out
-(`hf_kvgov.hf.prefix_layout`): slots 0..M-1 hold each row's hit, then masked padding up to the longest hit
+(`hf_kvgov.engine.prefix_layout`): slots 0..M-1 hold each row's hit, then masked padding up to the longest hit
 M, and the row's own tokens follow, so positions (from the attention mask) are each row's own. The tree's
 blocks stay locked and referenced until `release()` or `reset()`; beams index the matched rows, so a row
 duplicated by beam search shares them without new references.
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.recall import RecalledSlots
-from hf_kvgov.hf.prefix_layout import layouts, middle_padded, real_tokens
+from hf_kvgov.engine.prefix_layout import layouts, middle_padded, real_tokens
+from hf_kvgov.engine.slots.recall import RecalledSlots
 from hf_kvgov.prefix.grouped_blocks import Blocks
 from hf_kvgov.prefix.sharing import PrefixCache
 

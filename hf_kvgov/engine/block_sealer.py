@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_kvgov.hf.block_tier import SpillFormat
-from hf_kvgov.hf.paged_view import PagedView, QuantizedView
-from hf_kvgov.hf.quant_config import QuantConfig
-from hf_kvgov.hf.quantized_stats import QuantizedCacheStats, quantized_cache_stats
+from hf_kvgov.engine.block_tier import SpillFormat
+from hf_kvgov.engine.paged_view import PagedView, QuantizedView
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.quantized_stats import QuantizedCacheStats, quantized_cache_stats
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.block_table import BlockTables
@@ -39,8 +39,8 @@ from hf_kvgov.tiers.sealed_segments import (
 )
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache, PagedLayer
-    from hf_kvgov.hf.paged_stats import CacheStats
+    from hf_kvgov.engine.block_store import BlockStore, StoreLayer
+    from hf_kvgov.engine.paged_stats import CacheStats
 
 # What a layer reads when some of its blocks spilled: its block table, a reader of sealed entries, and (for
 # kernels reading codes in place) the sealed blocks with the read-back ones after the store's.
@@ -92,7 +92,7 @@ class BlockSealer:
             )
 
     @staticmethod
-    def pool_of(cache: PagedCache) -> QuantizedBlockPool:
+    def pool_of(cache: BlockStore) -> QuantizedBlockPool:
         assert isinstance(cache.pool, QuantizedBlockPool), "the pool is created before any K/V is stored"
         return cache.pool
 
@@ -104,12 +104,12 @@ class BlockSealer:
 
     # ------------------------------------------------------------------ sealing
 
-    def seal_ready_blocks(self, cache: PagedCache) -> None:
+    def seal_ready_blocks(self, cache: BlockStore) -> None:
         """Seal, in every row of every layer group, the full blocks that left the residual window since the last
         call (and are still in the group's window: a sliding group freed the blocks before `first_block`)."""
         if not any(tables.rows for tables in cache.all_tables):
             return
-        length = min(layer.length for layer in cache.paged_layers)
+        length = min(layer.length for layer in cache.store_layers)
         ready = max(0, length - self.quant.residual) // self.pool_of(cache).block_size
         if ready <= self.sealed_columns:
             return
@@ -117,7 +117,7 @@ class BlockSealer:
             self._seal_columns(cache, tables, max(self.sealed_columns, tables.first_block), ready)
         self.sealed_columns = ready
 
-    def _seal_columns(self, cache: PagedCache, tables: BlockTables, first: int, ready: int) -> None:
+    def _seal_columns(self, cache: BlockStore, tables: BlockTables, first: int, ready: int) -> None:
         """Seal block columns [first, ready) of one group's rows."""
         if first >= ready or not tables.rows:
             return
@@ -130,26 +130,26 @@ class BlockSealer:
         sealed = self.pool_of(cache).seal([row.block_ids[c] for row, c in spots])
         for (row, c), block in zip(spots, sealed, strict=True):
             row.block_ids[c] = block
-        tables._changed()  # the cached block-table tensor names the released full-precision blocks
+        tables.invalidate_views()  # the cached block-table tensor names the released full-precision blocks
 
     # ------------------------------------------------------------------ what attention reads
 
-    def _reader(self, cache: PagedCache, layer: int) -> SealedReader:
+    def _reader(self, cache: BlockStore, layer: int) -> SealedReader:
         return functools.partial(self.pool_of(cache).read_sealed, layer)
 
-    def contiguous_kv(self, cache: PagedCache, layer: PagedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    def contiguous_kv(self, cache: BlockStore, layer: StoreLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V decoded as `[batch, kv_heads, length, head_dim]`, spilled blocks read back."""
         pool, i = self.pool_of(cache), layer.index
         spilled = self._with_spilled(cache, i)
         if spilled is None:
-            table, first = cache._tables_of(i).live_tensor(pool.layer_device(i))
+            table, first = cache.tables_of(i).live_tensor(pool.layer_device(i))
             read = self._reader(cache, i)
         else:
             table, read, _ = spilled
-            first = cache._tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
+            first = cache.tables_of(i).first_block * pool.block_size  # the layout starts there, as attention does
         return gather_quantized(pool.keys[i], pool.values[i], table, layer.length - first, read, pool.geometry.dtype)
 
-    def paged_view(self, cache: PagedCache, layer: PagedLayer, plain: PagedView) -> QuantizedView:
+    def paged_view(self, cache: BlockStore, layer: StoreLayer, plain: PagedView) -> QuantizedView:
         """`plain` as a view that decodes sealed entries; the last layer's seals the blocks the step filled."""
         i = layer.index
         store = self.pool_of(cache).sealed
@@ -169,7 +169,7 @@ class BlockSealer:
             after_attend=functools.partial(self.seal_ready_blocks, cache) if last else None,
         )
 
-    def _with_spilled(self, cache: PagedCache, layer: int, in_place: bool = False) -> SpilledRead | None:
+    def _with_spilled(self, cache: BlockStore, layer: int, in_place: bool = False) -> SpilledRead | None:
         """This layer's (block table, sealed reader, sealed blocks), its spilled blocks read back and numbered
         after the store's; None without a disk link or when nothing has spilled.
 
@@ -197,11 +197,11 @@ class BlockSealer:
 
     # ------------------------------------------------------------------ generate's bookkeeping
 
-    def after_crop(self, cache: PagedCache) -> None:
+    def after_crop(self, cache: BlockStore) -> None:
         """A sealed block that must take writes again (the crop ends inside it) is decoded back."""
         if cache.tables is None or cache.pool is None:
             return
-        length = cache.get_seq_length()
+        length = cache.stored_tokens()
         whole = length // cache.pool.block_size
         if length % cache.pool.block_size:
             # Per row: a matched row may hold a sealed block where another row still has a full-precision one.
@@ -212,7 +212,7 @@ class BlockSealer:
                 for row in tables.rows:
                     if is_sealed(row.block_ids[whole]):
                         row.block_ids[whole] = pool.unseal(row.block_ids[whole])
-                tables._changed()
+                tables.invalidate_views()
         self.sealed_columns = max(self.quant.sink_blocks, min(self.sealed_columns, whole))
 
     def forget(self) -> None:
@@ -231,5 +231,5 @@ class BlockSealer:
             f":layers=[{own}]" if own else ""
         )
 
-    def stats(self, cache: PagedCache, base: CacheStats) -> QuantizedCacheStats:
+    def stats(self, cache: BlockStore, base: CacheStats) -> QuantizedCacheStats:
         return quantized_cache_stats(cache, base, self.quant.codec_name)

@@ -7,13 +7,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hf_kvgov.hf.disk_prefix import tree_held
-from hf_kvgov.hf.paged_stats import CacheStats, live_entries
+from hf_kvgov.engine.disk_prefix import tree_held
+from hf_kvgov.engine.paged_stats import CacheStats, live_entries
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class QuantizedDiskCacheStats(CacheStats):
     prefix_blocks: int = 0  # resident blocks this cache uses that the prefix tree holds (never spilled)
 
 
-def quantized_disk_stats(cache: PagedCache, base: CacheStats) -> QuantizedDiskCacheStats:
+def quantized_disk_stats(cache: BlockStore, base: CacheStats) -> QuantizedDiskCacheStats:
     """`cache`'s figures; `base` is its `PagedCache.stats()` (logical tokens, blocks in use)."""
     pool = cache.pool if isinstance(cache.pool, QuantizedBlockPool) else None
     held = live_entries(cache)
@@ -84,7 +84,7 @@ def quantized_disk_stats(cache: PagedCache, base: CacheStats) -> QuantizedDiskCa
     )
 
 
-def _tier_stats(cache: PagedCache, written: int) -> dict[str, Any]:
+def _tier_stats(cache: BlockStore, written: int) -> dict[str, Any]:
     reader, t = cache.prefetcher, cache.tier.stats() if cache.tier is not None else None
     return {
         "disk_bytes": t.slots_in_use * t.slot_bytes if t else 0,
@@ -108,6 +108,6 @@ def _per(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
 
 
-def _codec_name(cache: PagedCache) -> str:
+def _codec_name(cache: BlockStore) -> str:
     assert cache.sealer is not None, "a cache spilling sealed blocks has a codec"
     return cache.sealer.quant.codec_name

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hf_kvgov.hf.eviction.slot_store import DenseFormat, QuantizedFormat, SlotFormat
-from hf_kvgov.hf.quant_config import FULL_PRECISION, QuantConfig
+from hf_kvgov.engine.quant_config import FULL_PRECISION, QuantConfig
+from hf_kvgov.engine.slots.slot_store import DenseFormat, QuantizedFormat, SlotFormat
 
 CodecSpec = str | QuantConfig | None
 

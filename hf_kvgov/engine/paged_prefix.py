@@ -10,7 +10,7 @@
 `match` always leaves at least one prompt token uncached: generate needs one to produce logits, and a
 cache holding the whole prompt would make it re-feed everything (see DESIGN.md).
 
-A pool with layer groups (hybrid sliding-window models) is served by `hf_kvgov.hf.prefix_groups`, which
+A pool with layer groups (hybrid sliding-window models) is served by `hf_kvgov.engine.prefix_groups`, which
 says what a hit keeps there.
 
 A cache that stores blocks differently (`QuantizedCache`) passes its own `namespace` (so that caches
@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_kvgov.engine import prefix_groups
+from hf_kvgov.engine.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
 from hf_kvgov.errors import PoolExhausted
-from hf_kvgov.hf import prefix_groups
-from hf_kvgov.hf.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
     from hf_kvgov.prefix.sharing import PrefixCache
 
 
 def match(
-    cache: PagedCache,
+    cache: BlockStore,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     pad_token_id: int = 0,
@@ -52,7 +52,7 @@ def match(
         When no row hits, these are the inputs unchanged.
     """
     prefix = _require_prefix(cache, "match")
-    if cache.get_seq_length() or (cache.tables is not None and cache.tables.rows):
+    if cache.stored_tokens() or (cache.tables is not None and cache.tables.rows):
         raise ValueError("match() needs an empty cache; call it before generate, or reset() first.")
     rows = real_tokens(input_ids, attention_mask)
     space = cache.namespace if namespace is None else namespace
@@ -61,23 +61,23 @@ def match(
         hit_blocks = [len(entries) for entries, _ in grouped_hits]
     else:
         hits = [prefix.match(tokens, space, max_tokens=len(tokens) - 1) for tokens in rows]
-        cache._prefix_locks.extend(block for hit in hits for block in hit)
+        cache.prefix_locks.extend(block for hit in hits for block in hit)
         hit_blocks = [len(hit) for hit in hits]
     plan = layouts(rows, [count * prefix.block_size for count in hit_blocks])
     if not any(hit_blocks):
-        cache._row_layouts = plan if attention_mask is None else _left_padded(rows, input_ids.shape[1])
+        cache.row_layouts = plan if attention_mask is None else _left_padded(rows, input_ids.shape[1])
         return {"input_ids": input_ids, "attention_mask": _ones_like(input_ids, attention_mask)}
     if prefix.grouped is not None:
         prefix_groups.fill_from_hits(cache, grouped_hits, plan)
         _set_lengths(cache, max(row.cached for row in plan))
     else:
         _fill_from_hits(cache, hits, plan)
-    cache._row_layouts = plan
+    cache.row_layouts = plan
     ids, mask = middle_padded(plan, pad_token_id)
     return {"input_ids": ids.to(input_ids.device), "attention_mask": mask.to(input_ids.device)}
 
 
-def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayout]) -> None:
+def _fill_from_hits(cache: BlockStore, hits: list[list[int]], plan: list[RowLayout]) -> None:
     assert cache.pool is not None and cache.tables is not None
     bs = cache.pool.block_size
     longest = max(row.cached for row in plan)
@@ -93,19 +93,19 @@ def _fill_from_hits(cache: PagedCache, hits: list[list[int]], plan: list[RowLayo
         cache.pool.zero_blocks(pad_blocks)  # masked, but must never hold stale non-finite values
         cache.tables.rows.append(BlockTable(cache.pool, hit + pad_blocks))
     cache.tables.num_tokens = longest
-    cache.tables._changed()
+    cache.tables.invalidate_views()
     _set_lengths(cache, longest)
 
 
-def _set_lengths(cache: PagedCache, tokens: int) -> None:
+def _set_lengths(cache: BlockStore, tokens: int) -> None:
     """Every layer holds `tokens` tokens after a hit; generate's first forward expands the rows it asks for."""
-    for paged_layer in cache.layers:
-        paged_layer.length = tokens  # type: ignore[union-attr]
-    cache._expand_rows_on_next_forward = True
+    for layer in cache.store_layers:
+        layer.length = tokens
+    cache.expand_rows_on_next_forward = True
 
 
 def publish(
-    cache: PagedCache,
+    cache: BlockStore,
     sequences: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     namespace: str | None = None,
@@ -134,15 +134,15 @@ def publish(
             f"got {sequences.shape[0]} (beam search returns only the best beams; publish those caches' "
             "rows before generate reorders them, or use one cache per request)."
         )
-    stored = cache.get_seq_length()
-    first_pads = _first_pads(cache, sequences, attention_mask)
+    stored = cache.stored_tokens()
+    first_pads = first_pads_of(cache, sequences, attention_mask)
     pairs = zip(sequences, first_pads, strict=True)
     rows = [publishable_tokens(sequence, stored, first_pad) for sequence, first_pad in pairs]
     return publish_tokens(cache, rows, cache.namespace if namespace is None else namespace, sealed_from)
 
 
 def publish_tokens(
-    cache: PagedCache,
+    cache: BlockStore,
     rows: list[list[int]],
     namespace: str,
     sealed_from: int | None = None,
@@ -164,12 +164,12 @@ def publish_tokens(
             if len(tokens) < prefix.block_size:
                 continue
             row.block_ids, locked = prefix.publish(tokens, row.block_ids, namespace)
-            cache._prefix_locks.extend(locked)
+            cache.prefix_locks.extend(locked)
             offered += len(locked)
     finally:
         _restore_full_precision(cache, copies)
         for tables in cache.all_tables:
-            tables._changed()
+            tables.invalidate_views()
     return offered
 
 
@@ -178,7 +178,7 @@ _Copies = list[tuple[BlockTable, int, int]]
 
 
 def _swap_in_sealed_copies(
-    cache: PagedCache, first_column: int, rows: list[list[int]], offered: list[BlockTables]
+    cache: BlockStore, first_column: int, rows: list[list[int]], offered: list[BlockTables]
 ) -> _Copies:
     """Put a sealed copy in each table in place of the full-precision blocks from `first_column` it publishes.
 
@@ -205,7 +205,7 @@ def _swap_in_sealed_copies(
     return [(row, c, block) for (row, c), block in zip(spots, kept, strict=True)]
 
 
-def _restore_full_precision(cache: PagedCache, copies: _Copies) -> None:
+def _restore_full_precision(cache: BlockStore, copies: _Copies) -> None:
     """Give each row its own full-precision block back; the tree keeps its reference to the copy it cached."""
     if not copies:
         return
@@ -216,26 +216,26 @@ def _restore_full_precision(cache: PagedCache, copies: _Copies) -> None:
     cache.pool.decref(offered)
 
 
-def _first_pads(cache: PagedCache, sequences: torch.Tensor, mask: torch.Tensor | None) -> list[int | None]:
+def first_pads_of(cache: BlockStore, sequences: torch.Tensor, mask: torch.Tensor | None) -> list[int | None]:
     if mask is not None:
         return [None if bool(row.all()) else int((row == 0).nonzero()[0]) for row in mask]
-    if cache._row_layouts is not None and len(cache._row_layouts) == sequences.shape[0]:
-        return [row.first_pad for row in cache._row_layouts]
+    if cache.row_layouts is not None and len(cache.row_layouts) == sequences.shape[0]:
+        return [row.first_pad for row in cache.row_layouts]
     return [None] * sequences.shape[0]
 
 
-def _require_prefix(cache: PagedCache, action: str) -> PrefixCache:
+def _require_prefix(cache: BlockStore, action: str) -> PrefixCache:
     if cache.prefix is None:
         raise ValueError(f"{action}() needs a prefix cache: build PagedCache(model, prefix=PrefixCache(pool)).")
     return cache.prefix
 
 
-def release_prefix_locks(cache: PagedCache) -> None:
-    if cache.prefix is not None and cache._prefix_locks:
-        cache.prefix.unlock(cache._prefix_locks)
-    cache._prefix_locks = []
-    cache._row_layouts = None
-    cache._published_blocks = 0
+def release_prefix_locks(cache: BlockStore) -> None:
+    if cache.prefix is not None and cache.prefix_locks:
+        cache.prefix.unlock(cache.prefix_locks)
+    cache.prefix_locks = []
+    cache.row_layouts = None
+    cache.published_blocks = 0
 
 
 def _left_padded(rows: list[list[int]], width: int) -> list[RowLayout]:

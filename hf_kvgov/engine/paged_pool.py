@@ -11,34 +11,34 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_kvgov.hf.block_tier import SpillFormat, raw_spill_format
+from hf_kvgov.engine.block_tier import SpillFormat, raw_spill_format
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.geometry import check_placement
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 
-def create_pool(cache: PagedCache, dtype: torch.dtype, device: torch.device) -> None:
+def create_pool(cache: BlockStore, dtype: torch.dtype, device: torch.device) -> None:
     """The pool `cache` creates when none was given: each layer's blocks on the device the model runs it on."""
-    devices = tuple(device if known is None else known for known in cache._layer_devices)
+    devices = tuple(device if known is None else known for known in cache.layer_devices)
     geometry = KVGeometry(cache.num_layers, cache.num_kv_heads, cache.head_dim, dtype, devices[0], devices)
     if cache.spill_link is not None:
         cache.spill_link.check_pool_budget(cache, geometry)
     adopt_pool(cache, _new_pool(cache, geometry))
     # Layers whose device the model did not tell go where their first K/V arrive.
-    cache._placeable = frozenset(i for i, known in enumerate(cache._layer_devices) if known is None)
+    cache.placeable = frozenset(i for i, known in enumerate(cache.layer_devices) if known is None)
 
 
-def _new_pool(cache: PagedCache, geometry: KVGeometry) -> BlockPool:
+def _new_pool(cache: BlockStore, geometry: KVGeometry) -> BlockPool:
     """Sealing blocks with a codec link, else plain."""
     if cache.sealer is not None:
-        return cache.sealer.new_pool(geometry, cache.groups, **cache._pool_args)
-    return BlockPool(geometry, groups=cache.groups, **cache._pool_args)  # type: ignore[arg-type]
+        return cache.sealer.new_pool(geometry, cache.groups, **cache.pool_args)
+    return BlockPool(geometry, groups=cache.groups, **cache.pool_args)  # type: ignore[arg-type]
 
 
-def adopt_pool(cache: PagedCache, pool: BlockPool) -> None:
+def adopt_pool(cache: BlockStore, pool: BlockPool) -> None:
     """Draw `cache`'s blocks from `pool`, after refusing one that cannot hold this model's K/V as it stores them."""
     if cache.sealer is not None:
         cache.sealer.check_pool(pool, cache.num_layers)
@@ -49,24 +49,24 @@ def adopt_pool(cache: PagedCache, pool: BlockPool) -> None:
             f"The pool's geometry (layers, kv heads, head dim) = {(g.num_layers, g.num_kv_heads, g.head_dim)} "
             f"does not match the model's {wanted}; create the pool from this model's geometry."
         )
-    check_placement(cache._layer_devices, [pool.layer_device(i) for i in range(cache.num_layers)])
+    check_placement(cache.layer_devices, [pool.layer_device(i) for i in range(cache.num_layers)])
     cache.pool = pool
     cache.tables = BlockTables(pool, pool.groups[0])
-    cache._other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
-    cache._placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
+    cache.other_tables = [BlockTables(pool, group) for group in pool.groups[1:]]
+    cache.placeable = frozenset[int]()  # an adopted pool's placement is its owner's choice
     if cache.spill_link is not None:  # its tiered tables replace the plain ones
         cache.spill_link.attach(cache, pool, _spill_format(cache, pool))
 
 
-def _spill_format(cache: PagedCache, pool: BlockPool) -> SpillFormat:
+def _spill_format(cache: BlockStore, pool: BlockPool) -> SpillFormat:
     extent = cache.disk.extent_blocks
     return raw_spill_format(pool, extent) if cache.sealer is None else cache.sealer.tier_format(pool, extent)
 
 
-def check_layer_device(cache: PagedCache, layer: int, device: torch.device) -> None:
+def check_layer_device(cache: BlockStore, layer: int, device: torch.device) -> None:
     """K/V of `layer` arrived on `device`, not where its blocks are: place an unknown layer, else refuse."""
     assert cache.pool is not None
-    if layer in cache._placeable and not cache.pool.is_written(layer):
+    if layer in cache.placeable and not cache.pool.is_written(layer):
         cache.pool.place_layer(layer, device)
         return
     raise ValueError(

@@ -24,26 +24,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hf_kvgov.engine.prefix_layout import RowLayout
 from hf_kvgov.errors import PoolExhausted
-from hf_kvgov.hf.prefix_layout import RowLayout
 from hf_kvgov.prefix.grouped_blocks import Blocks
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.paged_cache import PagedCache
+    from hf_kvgov.engine.block_store import BlockStore
 
 Hit = tuple[list[int], list[Blocks]]  # (entries to unlock, per group the hit's pool blocks)
 
 
-def match_rows(cache: PagedCache, rows: list[list[int]], namespace: str) -> list[Hit]:
+def match_rows(cache: BlockStore, rows: list[list[int]], namespace: str) -> list[Hit]:
     """Each row's longest prefix every group can serve; the entries are locked for this cache."""
     assert cache.prefix is not None
     hits = [cache.prefix.match_groups(tokens, namespace, max_tokens=len(tokens) - 1) for tokens in rows]
-    cache._prefix_locks.extend(entry for entries, _ in hits for entry in entries)
+    cache.prefix_locks.extend(entry for entries, _ in hits for entry in entries)
     return hits
 
 
-def fill_from_hits(cache: PagedCache, hits: list[Hit], plan: list[RowLayout]) -> None:
+def fill_from_hits(cache: BlockStore, hits: list[Hit], plan: list[RowLayout]) -> None:
     """Every group's tables from the rows' hits, rows shorter than the longest padded after their hit.
 
     A sliding group keeps the blocks from the one holding the first token a query at the longest hit sees; a
@@ -75,10 +75,10 @@ def fill_from_hits(cache: PagedCache, hits: list[Hit], plan: list[RowLayout]) ->
             row.freed = first  # the leading entries are freed: stale ids, never read
             tables.rows.append(row)
         tables.first_block, tables.num_tokens = first, longest
-        tables._changed()
+        tables.invalidate_views()
 
 
-def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str, offered_tables: list[BlockTables]) -> int:
+def publish_rows(cache: BlockStore, rows: list[list[int]], namespace: str, offered_tables: list[BlockTables]) -> int:
     """Offer row r's full blocks of `rows[r]` (its publishable tokens) to the tree, those of the groups whose
     tables are `offered_tables` (the others' as absent); returns the blocks offered."""
     assert cache.prefix is not None
@@ -98,26 +98,26 @@ def publish_rows(cache: PagedCache, rows: list[list[int]], namespace: str, offer
             for i, block in enumerate(blocks):
                 if block is not None:
                     row.block_ids[i] = block
-        cache._prefix_locks.extend(locked)
+        cache.prefix_locks.extend(locked)
         offered += len(locked)
     for group_tables in cache.all_tables:
-        group_tables._changed()
+        group_tables.invalidate_views()
     return offered
 
 
-def publish_computed(cache: PagedCache) -> None:
+def publish_computed(cache: BlockStore) -> None:
     """At the start of a step: publish the prompt blocks computed since the last call (see the module docstring).
 
     Only rows `match` laid out, up to their first padded slot (after it, a slot is not its token's position).
     """
-    layouts, tables = cache._row_layouts, cache.tables
+    layouts, tables = cache.row_layouts, cache.tables
     if cache.prefix is None or cache.prefix.grouped is None or layouts is None or tables is None:
         return
     if len(layouts) != tables.batch_size:
         return
-    stored, bs = cache.get_seq_length(), cache.prefix.block_size
+    stored, bs = cache.stored_tokens(), cache.prefix.block_size
     rows = [row.tokens[: min(stored, len(row.tokens) if row.first_pad is None else row.first_pad)] for row in layouts]
     ready = max(len(tokens) // bs for tokens in rows)
-    if ready > cache._published_blocks:
-        cache._publish_tokens(rows, sliding_only=True)
-        cache._published_blocks = ready
+    if ready > cache.published_blocks:
+        cache.publish_tokens(rows, sliding_only=True)
+        cache.published_blocks = ready

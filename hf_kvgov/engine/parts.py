@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hf_kvgov.hf.quant_config import CODEC_NAMES, QuantConfig
+from hf_kvgov.engine.quant_config import CODEC_NAMES, QuantConfig
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid

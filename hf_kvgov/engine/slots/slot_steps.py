@@ -7,16 +7,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.hf.eviction.view import ATTENTION_NAME
+from hf_kvgov.engine.slots.view import ATTENTION_NAME
 from hf_kvgov.policies import SlotFacts, select_by_priority
 
 if TYPE_CHECKING:
     from hf_kvgov.hf.eviction.layer import EvictionLayer
 
 
-def check_attention(name: str, config: Any, awaiting: int | None, attn_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+def check_attention(
+    name: str, current: str, awaiting: int | None, attn_kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
     """``attn_kwargs`` once the model attends with the eviction attention and read the last staged layer."""
-    current = config._attn_implementation
     if current != ATTENTION_NAME:
         raise RuntimeError(
             f"{name} keeps different tokens in each KV head, so the model must attend with the hf_kvgov "

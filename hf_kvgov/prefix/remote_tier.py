@@ -1,0 +1,23 @@
+"""What a `PrefixCache` needs of a remote store: the protocol `hf_kvgov.tiers.redis_tier.RedisTier` meets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.tiers.redis_tier import Fetched
+from hf_kvgov.tiers.remote_stats import RemoteStats
+from hf_kvgov.tiers.remote_writer import Snapshot
+
+
+class RemoteTier(Protocol):
+    """What `PrefixCache` needs of a remote store (`hf_kvgov.tiers.redis_tier.RedisTier` is one)."""
+
+    def bind(self, pool: BlockPool) -> None: ...
+    def keys(self, tokens: Sequence[int], namespace: str = "") -> list[bytes]: ...
+    def fetch(self, keys: Sequence[bytes], held: Sequence[bytes] = ()) -> Fetched: ...
+    def put(self, keys: Sequence[bytes], snap: Snapshot) -> None: ...
+    def flush(self, timeout: float | None = None) -> bool: ...
+    def stats(self) -> RemoteStats: ...
+    def close(self) -> None: ...
