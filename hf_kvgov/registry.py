@@ -1,8 +1,9 @@
 """Name -> cache factory: how the CLI, the demo and the eval suite ask for a cache.
 
-A `CacheSpec` builds a fresh cache for a model and says which attention context it needs around
-`generate`, so orchestration code never branches on cache types. A new cache adds one `register_cache`
-line below.
+Every name parses into the chain it stands for (`ChainParts`), which `hf_kvgov.chain` checks and builds, as
+``GovernedCache`` does for a chain written by hand: one validator, one builder. A `CacheSpec` builds a fresh
+cache for a model and says which attention context it needs around `generate`, so orchestration code never
+branches on cache types.
 
 Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
@@ -23,30 +24,28 @@ import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import DynamicCache
 
+from hf_kvgov.chain.build import GovernedCache
+from hf_kvgov.engine.parts import ChainParts, Disk, Evict, HeavyHitter, Paging, Sink
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
-from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.eviction import SLOT_CODECS, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
-from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.quantized_cache import QuantizedCache
-from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
+from hf_kvgov.hf.eviction import SLOT_CODECS, eviction_attention
 from hf_kvgov.policies import make_policy
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
-from hf_kvgov.tiers.recall_pages import Recall
 
 RECALL_SUFFIX = "recall"
 PYRAMID_SUFFIX = "pyramid"
 ADAPTIVE_SUFFIX = "ada"
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
+ChainOf = Callable[[Any], ChainParts]  # model -> the chain a name stands for (a few depend on its geometry)
 
 
 def _no_context(model: Any) -> AbstractContextManager[Any]:
@@ -55,15 +54,36 @@ def _no_context(model: Any) -> AbstractContextManager[Any]:
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """A cache name's chain: `build` checks and builds it through `hf_kvgov.chain` (None: `DynamicCache`)."""
+
     name: str
     description: str
-    build: Callable[[Any], Any]  # model -> a fresh transformers Cache
+    chain: ChainOf | None
     lossless: bool
     attention_context: AttentionContext = _no_context  # what generate must run under
-    # (model, tokens of context) -> a fresh cache, for caches whose budget is a fraction of the context.
-    # generate resolves such a fraction on the prompt; a perplexity run feeds the text a token at a time,
-    # so it knows the length up front and must resolve the fraction itself.
-    build_sized: Callable[[Any, int], Any] | None = None
+
+    def parts(self, model: Any) -> ChainParts | None:
+        """The chain this name builds for `model` (None for transformers' `DynamicCache`)."""
+        return None if self.chain is None else self.chain(model)
+
+    def build(self, model: Any) -> Any:
+        """A fresh cache for `model`; a fractional eviction budget resolves on generate's prompt."""
+        parts = self.parts(model)
+        if parts is None:
+            return DynamicCache(config=model.config)
+        return GovernedCache(model, **parts.kwargs())
+
+    def build_for(self, model: Any, context_tokens: int) -> Any:
+        """A fresh cache for a context of `context_tokens` tokens known in advance (fractions resolve on it).
+
+        generate resolves a fraction on the prompt; a perplexity run feeds the text a token at a time, so it knows
+        the length up front and resolves the fraction itself.
+        """
+        parts = self.parts(model)
+        if parts is None or parts.policy is None or not isinstance(parts.policy.budget, float):
+            return self.build(model)
+        tokens = _tokens_of(parts.policy.budget, context_tokens, _least_budget(parts.policy))
+        return GovernedCache(model, **replace(parts, policy=replace(parts.policy, budget=tokens)).kwargs())
 
     def attention(self, model: Any) -> AbstractContextManager[Any]:
         """The attention context the cache needs around `generate` (nothing for most caches)."""
@@ -74,11 +94,25 @@ class CacheSpec:
         """Whether the cache only works under its own attention (so it cannot share a batch with others)."""
         return self.attention_context is not _no_context
 
-    def build_for(self, model: Any, context_tokens: int) -> Any:
-        """A fresh cache for a context of `context_tokens` tokens known in advance (fractions resolve on it)."""
-        if self.build_sized is None:
-            return self.build(model)
-        return self.build_sized(model, context_tokens)
+
+def _spec(name: str, description: str, parts: ChainParts, chain: ChainOf | None = None) -> CacheSpec:
+    """The spec of a chain: lossless without a codec or a policy; a policy attends with the eviction attention,
+    in-place block reads with the paged one. `chain` is for a chain that depends on the model (`parts` is then
+    what it is for any model, but for the geometry-dependent fields)."""
+    attention = eviction_attention if parts.policy is not None else _no_context
+    if parts.attention == "paged":
+        attention = paged_attention
+    lossless = parts.codec is None and parts.policy is None
+    return CacheSpec(name, description, chain or (lambda model: parts), lossless, attention)
+
+
+def _least_budget(policy: HeavyHitter | Sink | Evict) -> int:
+    """The fewest slots a policy's fractional budget resolves to."""
+    if isinstance(policy, Sink):
+        return policy.n_sink + policy.window
+    if isinstance(policy, Evict):
+        return int(make_policy(policy.policy).min_budget)
+    return 1
 
 
 CACHES: dict[str, CacheSpec] = {}
@@ -164,17 +198,6 @@ def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> in
     return max(minimum, math.floor(budget * context_tokens + 1e-9))
 
 
-def _sized_h2o(budget: int | float, model: Any, context_tokens: int, **options: Any) -> HeavyHitterCache:
-    return HeavyHitterCache(model, budget=_tokens_of(budget, context_tokens), **options)
-
-
-def _sized_sink(
-    n_sink: int, window: int, budget: float, model: Any, context_tokens: int, codec: str | None = None
-) -> SinkCache:
-    tokens = _tokens_of(budget, context_tokens, n_sink + window)
-    return SinkCache(model, n_sink=n_sink, window=window, budget=tokens, codec=codec)
-
-
 def _slot_codec(name: str, argument: str) -> tuple[str, str | None]:
     """`0.2:int8` -> ("0.2", "int8"): an eviction family's argument and the codec of its kept slots (or None)."""
     head, colon, codec = argument.partition(":")
@@ -196,7 +219,7 @@ SUFFIXES = (RECALL_SUFFIX, PYRAMID_SUFFIX, ADAPTIVE_SUFFIX)
 
 
 def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str, Any]]:
-    """`0.2:int8+recall+pyramid+ada` -> (0.2, the cache's codec / recall / layer_budgets / head_budgets keywords)."""
+    """`0.2:int8+recall+pyramid+ada` -> (0.2, the chain's codec / spill and the policy's allocation / heads)."""
     head, *suffixes = argument.split("+")
     family = name.partition("@")[0]
     for suffix in suffixes:
@@ -205,26 +228,33 @@ def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str,
             examples = ", ".join(f"{family}@0.2+{known}" for known in SUFFIXES)
             raise _bad_argument(name, suffix, f"{accepted} ({examples})")
     text, codec = _slot_codec(name, head)
-    options: dict[str, Any] = {"codec": codec, "recall": Recall() if RECALL_SUFFIX in suffixes else None}
+    options: dict[str, Any] = {"codec": codec, "spill": Disk() if RECALL_SUFFIX in suffixes else None}
     if PYRAMID_SUFFIX in suffixes:
-        options["layer_budgets"] = Pyramid()
+        options["allocation"] = Pyramid()
     if ADAPTIVE_SUFFIX in suffixes:
-        options["head_budgets"] = HeadAdaptive()
+        options["heads"] = HeadAdaptive()
     return _budget(name, text), options
+
+
+def _evicting(policy: HeavyHitter | Evict, options: dict[str, Any]) -> ChainParts:
+    """The chain of an eviction family's name: the policy with its allocation and heads, the codec, recall."""
+    shaped = replace(policy, allocation=options.get("allocation"), heads=options.get("heads"))
+    return ChainParts.of(codec=options["codec"], policy=shaped, spill=options["spill"])
 
 
 def _options_described(options: dict[str, Any]) -> str:
     """What an eviction cache's description says about its codec, recall tier and layer allocation."""
     text = _stored_as(options["codec"])
-    recall: Recall | None = options["recall"]
-    if recall is not None:
+    spill: Disk | None = options["spill"]
+    if spill is not None:
+        recall = spill.recall()
         text += (
             f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query "
             f"scores highest are recalled per (sequence, layer, KV head) at each step into {recall.buffer_words}"
         )
-    if "layer_budgets" in options:
+    if "allocation" in options:
         text += "; the budget split over the evicting layers as a pyramid (PyramidKV: more below, same total)"
-    if "head_budgets" in options:
+    if "heads" in options:
         text += "; each layer's total shared among its KV heads by score, a floor of 20% each (AdaKV)"
     return text
 
@@ -236,14 +266,11 @@ def _share(budget: int | float) -> str:
 def _parse_h2o(argument: str) -> CacheSpec:
     name = f"h2o@{argument}"
     budget, options = _eviction_argument(name, argument)
-    return CacheSpec(
+    return _spec(
         name,
         f"HeavyHitterCache (H2O): {_share(budget)} per KV head, half recent window, half heavy hitters"
         + _options_described(options),
-        functools.partial(HeavyHitterCache, budget=budget, **options),
-        False,
-        eviction_attention,
-        functools.partial(_sized_h2o, budget, **options),
+        _evicting(HeavyHitter(budget), options),
     )
 
 
@@ -251,22 +278,14 @@ def _parse_h2o(argument: str) -> CacheSpec:
 POLICY_FAMILIES = ("snapkv", "tova", "key_norm", "mean_mass", "expected_attention", "expected_attention_running")
 
 
-def _sized_policy(policy: str, budget: int | float, model: Any, context_tokens: int, **options: Any) -> PolicyCache:
-    tokens = _tokens_of(budget, context_tokens, make_policy(policy).min_budget)
-    return PolicyCache(model, policy, budget=tokens, **options)
-
-
 def _parse_policy(policy: str, argument: str) -> CacheSpec:
     name = f"{policy}@{argument}"
     budget, options = _eviction_argument(name, argument)
-    return CacheSpec(
+    return _spec(
         name,
         f"PolicyCache ({make_policy(policy)!r}): {_share(budget)} per KV head at prefill and at every step"
         + _options_described(options),
-        functools.partial(PolicyCache, policy=policy, budget=budget, **options),
-        False,
-        eviction_attention,
-        functools.partial(_sized_policy, policy, budget, **options),
+        _evicting(Evict(policy, budget), options),
     )
 
 
@@ -277,22 +296,19 @@ def _parse_sink(argument: str) -> CacheSpec:
     if not plus:
         raise _bad_argument(name, text, "the argument must be <sinks>+<window> in tokens, as in sink@4+252")
     n_sink, recent = _count(name, sinks, "the number of sinks", 0), _count(name, window, "the window")
-    return CacheSpec(
+    return _spec(
         name,
         f"SinkCache (StreamingLLM): {n_sink} sinks + {recent}-token recent window per KV head{_stored_as(codec)}",
-        functools.partial(SinkCache, n_sink=n_sink, window=recent, codec=codec),
-        False,
-        eviction_attention,
+        ChainParts.of(codec=codec, policy=Sink(n_sink, recent)),
     )
 
 
-def _parse_quantized(family: str, bits: int, fmt: str, argument: str) -> CacheSpec:
+def _parse_quantized(family: str, argument: str) -> CacheSpec:
     block_size = _count(f"{family}@{argument}", argument, "the block size in tokens")
-    return CacheSpec(
+    return _spec(
         f"{family}@{argument}",
         f"QuantizedCache {family}, {block_size}-token blocks: keys per channel, values per token",
-        functools.partial(QuantizedCache, bits=bits, fmt=fmt, block_size=block_size),
-        False,
+        ChainParts.of(pool=Paging(block_size), codec=family),
     )
 
 
@@ -308,48 +324,51 @@ INT2_BLOCK_SIZE = 16
 INT2_SCALE_BYTES = 1
 
 
-def int2_kivi(model: Any, block_size: int = INT2_BLOCK_SIZE) -> QuantizedCache:
+def int2_kivi(model: Any = None) -> QuantConfig:
     """int2 as KIVI runs it: the newest tokens in full precision, values in groups of 32 channels (one group
-    per head when head_dim is not a multiple of 32); scales and zeros in one byte each."""
-    _, head_dim = kv_heads_and_head_dim(decoder_config(model))
-    group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
-    return QuantizedCache(
-        model, bits=2, block_size=block_size, residual=INT2_RESIDUAL, group_size=group, scale_bytes=INT2_SCALE_BYTES
-    )
+    per head when `model`'s head_dim is not a multiple of 32); scales and zeros in one byte each."""
+    group: int | None = INT2_VALUE_GROUP
+    if model is not None and kv_heads_and_head_dim(decoder_config(model))[1] % INT2_VALUE_GROUP:
+        group = None
+    return QuantConfig(bits=2, residual=INT2_RESIDUAL, group_size=group, scale_bytes=INT2_SCALE_BYTES)
+
+
+def _int2_spec(name: str, description: str, block_size: int) -> CacheSpec:
+    def chain(model: Any) -> ChainParts:
+        return ChainParts.of(pool=Paging(block_size), codec=int2_kivi(model))
+
+    return _spec(name, description, chain(None), chain)
 
 
 def _parse_int2(argument: str) -> CacheSpec:
     block_size = _count(f"int2@{argument}", argument, "the block size in tokens")
-    return CacheSpec(
-        f"int2@{argument}",
+    description = (
         f"QuantizedCache int2 (KIVI), {block_size}-token blocks, the newest {INT2_RESIDUAL} tokens in full "
-        f"precision, value groups of {INT2_VALUE_GROUP} channels, one-byte scales and zeros",
-        functools.partial(int2_kivi, block_size=block_size),
-        False,
+        f"precision, value groups of {INT2_VALUE_GROUP} channels, one-byte scales and zeros"
     )
+    return _int2_spec(f"int2@{argument}", description, block_size)
 
 
 def _parse_layer_map(argument: str) -> CacheSpec:
     """`quant@map.json`: the file is read when the name is, so a bad path fails before any model runs."""
     config = QuantConfig.load(Path(argument))
-    return CacheSpec(
+    return _spec(
         f"quant@{argument}",
         f"QuantizedCache from the per-layer map {argument}: {config.describe()}",
-        functools.partial(QuantizedCache.from_config, quant=config),
-        False,
+        ChainParts.of(codec=config),
     )
 
 
 def _parse_paged(argument: str) -> CacheSpec:
     block_size = _count(f"paged@{argument}", argument, "the block size in tokens")
     description = f"PagedCache, {block_size}-token blocks, contiguous K/V for any attention"
-    return CacheSpec(f"paged@{argument}", description, functools.partial(PagedCache, block_size=block_size), True)
+    return _spec(f"paged@{argument}", description, ChainParts.of(pool=Paging(block_size)))
 
 
 def _parse_disk(argument: str) -> CacheSpec:
     hot = _count(f"disk@{argument}", argument, "the hot window in tokens", 0)
     description = f"DiskOffloadCache: blocks older than a {hot}-token hot window spill to a private temp file"
-    return CacheSpec(f"disk@{argument}", description, functools.partial(DiskOffloadCache, hot_tokens=hot), True)
+    return _spec(f"disk@{argument}", description, ChainParts.of(spill=Disk(hot_tokens=hot)))
 
 
 for _family in (
@@ -370,10 +389,10 @@ for _family in (
         )
         for policy in POLICY_FAMILIES
     ),
-    CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8", 8, "int")),
-    CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4", 4, "int")),
+    CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8")),
+    CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4")),
     CacheFamily("int2", "int2@<block size> (int2@16), KIVI's residual and value groups as int2", _parse_int2),
-    CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8", 8, "fp8")),
+    CacheFamily("fp8", "fp8@<block size> (fp8@64)", functools.partial(_parse_quantized, "fp8")),
     CacheFamily("quant", "quant@<map.json>, a format per layer (kvgov check-quant --recommend)", _parse_layer_map),
     CacheFamily("paged", "paged@<block size> (paged@64)", _parse_paged),
     CacheFamily("disk", "disk@<hot tokens> (disk@128)", _parse_disk),
@@ -381,70 +400,54 @@ for _family in (
     register_family(_family)
 
 
-for _spec in (
-    CacheSpec("dynamic", "transformers DynamicCache (the reference)", lambda m: DynamicCache(config=m.config), True),
-    CacheSpec("paged", "PagedCache, 16-token blocks, contiguous K/V for any attention", PagedCache, True),
-    CacheSpec(
-        "paged-attn",
-        "PagedCache read in place by the hf_kvgov paged attention",
-        lambda m: PagedCache(m, attention="paged"),
-        True,
-        paged_attention,
-    ),
-    CacheSpec(
+register_cache(CacheSpec("dynamic", "transformers DynamicCache (the reference)", None, True))
+for _name, _description, _parts in (
+    ("paged", "PagedCache, 16-token blocks, contiguous K/V for any attention", ChainParts()),
+    ("paged-attn", "PagedCache read in place by the hf_kvgov paged attention", ChainParts(attention="paged")),
+    (
         "int8",
         "QuantizedCache int8: keys per channel, values per token; sink and tail blocks in full precision",
-        lambda m: QuantizedCache(m, bits=8),
-        False,
+        ChainParts.of(codec="int8"),
     ),
-    CacheSpec(
+    (
         "int4",
         "QuantizedCache int4, two codes per byte: keys per channel, values per token",
-        lambda m: QuantizedCache(m, bits=4),
-        False,
+        ChainParts.of(codec="int4"),
     ),
-    CacheSpec(
+    (
+        "fp8",
+        "QuantizedCache fp8 e4m3 with one scale per channel (keys) or per token (values)",
+        ChainParts.of(codec="fp8"),
+    ),
+    # Eviction caches keep different tokens per KV head: generate runs under the eviction attention.
+    (
+        "h2o",
+        "HeavyHitterCache (H2O): 20% of the prompt per KV head, half recent window, half heavy hitters",
+        ChainParts(policy=HeavyHitter(0.2)),
+    ),
+    (
+        "sink",
+        "SinkCache (StreamingLLM): 4 sinks + recent window, 20% of the prompt (at least 64 slots) per KV head",
+        ChainParts(policy=Sink(4, 60, 0.2)),
+    ),
+    (
+        "disk",
+        "DiskOffloadCache: blocks older than a 512-token hot window spill to a private temp file",
+        ChainParts(spill=Disk()),
+    ),
+    (
+        "int8+disk",
+        "QuantizedDiskCache int8: sealed blocks older than a 512-token hot window spill as codes to a temp file",
+        ChainParts.of(codec="int8", spill=Disk()),
+    ),
+):
+    register_cache(_spec(_name, _description, _parts))
+register_cache(
+    _int2_spec(
         "int2",
         "QuantizedCache int2 (KIVI), four codes per byte: keys per channel over 16-token blocks, values per token "
         "in groups of 32 channels, one-byte scales and zeros, the newest 32 tokens and the sink block in full "
         "precision",
-        int2_kivi,
-        False,
-    ),
-    CacheSpec(
-        "fp8",
-        "QuantizedCache fp8 e4m3 with one scale per channel (keys) or per token (values)",
-        lambda m: QuantizedCache(m, bits=8, fmt="fp8"),
-        False,
-    ),
-    # Eviction caches keep different tokens per KV head: generate must run under the eviction attention.
-    CacheSpec(
-        "h2o",
-        "HeavyHitterCache (H2O): 20% of the prompt per KV head, half recent window, half heavy hitters",
-        lambda m: HeavyHitterCache(m, budget=0.2),
-        False,
-        eviction_attention,
-        functools.partial(_sized_h2o, 0.2),
-    ),
-    CacheSpec(
-        "sink",
-        "SinkCache (StreamingLLM): 4 sinks + recent window, 20% of the prompt (at least 64 slots) per KV head",
-        lambda m: SinkCache(m, n_sink=4, window=60, budget=0.2),
-        False,
-        eviction_attention,
-        functools.partial(_sized_sink, 4, 60, 0.2),
-    ),
-    CacheSpec(
-        "disk",
-        "DiskOffloadCache: blocks older than a 512-token hot window spill to a private temp file",
-        DiskOffloadCache,
-        True,
-    ),
-    CacheSpec(
-        "int8+disk",
-        "QuantizedDiskCache int8: sealed blocks older than a 512-token hot window spill as codes to a temp file",
-        lambda m: QuantizedDiskCache(m, bits=8),
-        False,
-    ),
-):
-    register_cache(_spec)
+        INT2_BLOCK_SIZE,
+    )
+)

@@ -18,6 +18,7 @@ from hf_kvgov.engine.block_sealer import BlockSealer
 from hf_kvgov.engine.block_tier import BlockTier
 from hf_kvgov.engine.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.engine.parts import ATTENTION_PATHS
 from hf_kvgov.engine.prefix_layout import RowLayout
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -30,7 +31,6 @@ from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 AttentionPath = Literal["contiguous", "paged"]
-ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
 
 
 class StoreLayer(Protocol):

@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from hf_kvgov.engine.parts import COMPRESS_MODES
 from hf_kvgov.engine.slots.budget_basis import BudgetBasis, check_budget_of, fraction_label
 from hf_kvgov.engine.slots.forecast_hooks import forecast_hook, forecasts_running, observer_hook
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
@@ -72,7 +73,6 @@ from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
 PolicyFactory = Callable[[int], EvictionPolicy]
-COMPRESS_MODES = ("always", "prefill")
 
 
 class EvictionCache(GovernedCacheBase):
