@@ -13,7 +13,7 @@ codec file documents its packed layout and the exact dequantization formula a ke
 from hf_kvgov.codecs.affine import AffineCodec
 from hf_kvgov.codecs.base import Encoded, KVCodec
 from hf_kvgov.codecs.fp8 import Float8Codec, Fp8E4M3Codec, Fp8E5M2Codec
-from hf_kvgov.codecs.grouping import GroupAxis, GroupLayout
+from hf_kvgov.codecs.grouping import GroupAxis, ScaleGroups
 from hf_kvgov.codecs.int2 import Int2Codec, pack_int2, unpack_int2
 from hf_kvgov.codecs.int4 import Int4Codec, pack_int4, unpack_int4
 from hf_kvgov.codecs.int8 import Int8Codec
@@ -27,11 +27,11 @@ __all__ = [
     "Fp8E4M3Codec",
     "Fp8E5M2Codec",
     "GroupAxis",
-    "GroupLayout",
     "Int2Codec",
     "Int4Codec",
     "Int8Codec",
     "KVCodec",
+    "ScaleGroups",
     "available_codecs",
     "get_codec",
     "pack_int2",

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from hf_kvgov.codecs.grouping import GroupAxis, GroupLayout, check_block_shape, check_group_size
+from hf_kvgov.codecs.grouping import GroupAxis, ScaleGroups, check_block_shape, check_group_size
 from hf_kvgov.codecs.numerics import (
     LOG_SCALE,
     ONE_BYTE_ZERO,
@@ -35,7 +35,7 @@ class Encoded:
 
     Attributes:
         codes: the codes, shape ``[*lead, T, H, D * bits // 8]`` (packing runs along head_dim only).
-        scale: per-group scales, shape ``GroupLayout.stat_shape`` (``[*lead, 1, H, D]`` for keys,
+        scale: per-group scales, shape ``ScaleGroups.stat_shape`` (``[*lead, 1, H, D]`` for keys,
             ``[*lead, T, H, D // group_size]`` for values), float16, float32 or one logarithmic byte
             (``numerics.LOG_SCALE``).
         zero: per-group zero points with the shape of ``scale``, in the codec's ``zero_dtype`` (a float
@@ -77,9 +77,9 @@ class Encoded:
             )
 
     @property
-    def layout(self) -> GroupLayout:
+    def layout(self) -> ScaleGroups:
         """The grouping these statistics follow."""
-        return GroupLayout(self.shape, self.axis, self.group_size)
+        return ScaleGroups(self.shape, self.axis, self.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -212,7 +212,7 @@ class KVCodec(ABC):
         check_input_dtype(x, what)
         check_block_shape(tuple(x.shape), what)
         self._check_head_dim(x.shape[-1])
-        layout = GroupLayout.for_block(tuple(x.shape), axis, self.group_size)  # validates group_size
+        layout = ScaleGroups.for_block(tuple(x.shape), axis, self.group_size)  # validates group_size
         if self.check_finite:
             require_finite(x, what, self.name)
         codes, scale, zero = self._quantize(layout.to_groups(x.float()), layout.reduce_dim, axis in self.zero_axes)

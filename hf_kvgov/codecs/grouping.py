@@ -48,7 +48,7 @@ def check_block_shape(shape: tuple[int, ...], what: str) -> None:
 
 
 @dataclass(frozen=True)
-class GroupLayout:
+class ScaleGroups:
     """How a ``[*lead, T, H, D]`` tensor is split into groups that share one scale.
 
     ``group_size`` is the number of elements that share one scale: the token count ``T`` for
@@ -73,7 +73,7 @@ class GroupLayout:
             check_group_size(self.group_size, head_dim)
 
     @classmethod
-    def for_block(cls, shape: tuple[int, ...], axis: GroupAxis, group_size: int | None) -> GroupLayout:
+    def for_block(cls, shape: tuple[int, ...], axis: GroupAxis, group_size: int | None) -> ScaleGroups:
         """The layout for a block of ``shape``; ``group_size`` applies to TOKEN grouping only."""
         check_block_shape(shape, "encoded tensor")
         if axis is GroupAxis.CHANNEL:

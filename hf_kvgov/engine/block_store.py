@@ -25,10 +25,10 @@ from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
-from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 
 AttentionPath = Literal["contiguous", "paged"]
 

@@ -34,7 +34,6 @@ from hf_kvgov.engine.quantized_disk_stats import quantized_disk_stats
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
-from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
 from hf_kvgov.tiers.kv_segments import (
     RAW_SPILLED_IDS,
@@ -47,6 +46,7 @@ from hf_kvgov.tiers.kv_segments import (
 from hf_kvgov.tiers.moves import TierBlocks, bring_back, raw_blocks, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.block_store import BlockStore, StoreLayer

@@ -44,9 +44,9 @@ from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
-from hf_kvgov.tiers.block_table import TieredBlockTable, TieredBlockTables
 from hf_kvgov.tiers.moves import TierBlocks
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.tiered_tables import TieredBlockTable, TieredBlockTables
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.block_store import BlockStore

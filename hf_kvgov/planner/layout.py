@@ -140,7 +140,7 @@ class SlotLayout(Protocol):
 
 
 @dataclass(frozen=True)
-class DenseSlots:
+class DenseSlotFormat:
     """Slots in the model's precision, ``element_bytes`` per element."""
 
     name: str

@@ -8,7 +8,7 @@ from hf_kvgov.planner.layout import (
     CODEC_FORMATS,
     SLOT_CODECS,
     BlockFormat,
-    DenseSlots,
+    DenseSlotFormat,
     FullPrecision,
     SlotLayout,
     check_scale_bytes,
@@ -207,5 +207,5 @@ class CacheSetup:
     def slot_format(self) -> SlotLayout:
         """Format of an eviction cache's kept slots (see `eviction_slots`)."""
         if self.codec is None:
-            return DenseSlots(self.kv_dtype, KV_DTYPE_BYTES[self.kv_dtype])
+            return DenseSlotFormat(self.kv_dtype, KV_DTYPE_BYTES[self.kv_dtype])
         return SLOT_CODECS[self.codec](self.scale_bytes, self.group_size)

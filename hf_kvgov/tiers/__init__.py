@@ -23,10 +23,10 @@ blocks and to read them back.
 """
 
 from hf_kvgov.tiers.accounting import LatencyRecorder, TierStats
-from hf_kvgov.tiers.block_table import TieredBlockTable, TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, StaleRead, TierLayout, segment_checksum
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.slot_file import SlotFile
+from hf_kvgov.tiers.tiered_tables import TieredBlockTable, TieredBlockTables
 
 __all__ = [
     "DiskTier",

@@ -18,9 +18,9 @@ import torch
 
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.pool import BlockPool
-from hf_kvgov.tiers.block_table import TieredBlockTables
 from hf_kvgov.tiers.disk_tier import DiskTier, SegmentSource
 from hf_kvgov.tiers.kv_segments import byte_view, pool_segments
+from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from hf_kvgov import DiskOffloadCache, QuantizedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.errors import SpillCorrupted
-from hf_kvgov.tiers.block_table import TieredBlockTables
+from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 from tests.hf.test_paged_hybrid import BLOCK, MODELS, WINDOW, generate
 from tests.spill_damage import flip_byte
 
