@@ -1,19 +1,13 @@
 """Filling a capped block pool with real sequences until it refuses, and running one sequence through a cache.
 
-Which caches can be counted by their pool is a registry on the cache's class (most specific first): a
-cache whose memory is exactly the blocks it holds in one pool gets a factory for more caches of its kind
-drawing from a shared, capped pool; the others get None and are counted by their measured bytes.
-
-Three ways of filling (each allocates real K/V; none divides a budget by a size):
-
-- `fill_until_refused`: one cache per sequence in a pre-allocated pool capped at the budget, until the
-  pool raises `PoolExhausted`.
-- `fill_shared`: requests that start with one document, each through its own cache on one pool with a
-  `PrefixCache`: the first request publishes its blocks, the others match the document and write their
-  own part. A `QuantizedBlockPool` caps only its full-precision blocks (sealed codes live in a store that
-  grows), so this fill also refuses a request once `pool_bytes_used` (full-precision + sealed blocks in
-  use) exceeds the budget: the bench's own accounting, checked after each chunk a request writes. Memory a
-  request holds outside the pool (a disk cache's read-ahead rows) is added to that sum when asked.
+Which caches can be counted by their pool is a registry on the cache's class (most specific first): a cache whose
+memory is exactly the blocks it holds in one pool gets a factory for more caches of its kind drawing from a
+shared, capped pool; the others get None and are counted by their measured bytes. Every fill allocates real K/V;
+none divides a budget by a size. `fill_until_refused` gives each sequence its own cache in a pool capped at the
+budget until it raises `PoolExhausted`; `fill_shared` serves requests that start with one document through a
+`PrefixCache`. A `QuantizedBlockPool` caps only its full-precision blocks (sealed codes live in a store that
+grows), so `fill_shared` also refuses a request once `pool_bytes_used` exceeds the budget, checked after each
+chunk a request writes (with, when asked, the memory it holds outside the pool: a disk cache's read-ahead rows).
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """`kvgov bench capacity`: how many sequences fit in a KV memory budget, measured, beside the planner's figure.
 
-Sequences take their lengths from a `LengthDistribution`, in its order, cycling, until one does not fit.
-Two ways of finding where that happens (`allocation.py` says which applies to a cache):
+Sequences take their lengths from a `LengthDistribution`, in order, cycling, until one does not fit; the planner's
+figure is `kvgov plan`'s for the cache's own setup (`plan_setups.py`), with the whole budget for KV. Two ways of
+counting (`allocation.py` says which applies to a cache):
 
-- **pool refused**: caches whose memory is exactly their blocks in one pool. A real `BlockPool` capped at
-  the budget is pre-allocated (as a serving engine does), and one cache per sequence writes real K/V into
-  it through `update` until the pool raises `PoolExhausted`. The K/V come from one prefill of the longest
-  length; a shorter sequence takes its first tokens (a causal model's K/V of a prefix do not depend on
-  what follows).
-- **measured bytes**: every other cache (DynamicCache, quantized, eviction, disk). One sequence per
-  distinct length is run through the model with that cache (all tokens but the last as the prompt, the
-  last as one decode step, so caches that act at step boundaries have acted), its bytes are read from
-  its accounting, and sequences are counted while their bytes add up to at most the budget.
-
-The planner's prediction is `kvgov plan`'s for the same geometry, lengths and budget (weights and reserve
-left out: the whole budget is for KV), with the setup read from the cache (`plan_setups.py`).
+- **pool refused**: one cache per sequence writes real K/V into a pre-allocated `BlockPool` capped at the budget
+  (as a serving engine does) until it raises `PoolExhausted`. The K/V are one prefill of the longest length, cut
+  for shorter ones (a causal model's K/V of a prefix do not depend on what follows).
+- **measured bytes**: one sequence per distinct length runs through the model, its last token as a decode step so
+  that caches acting at step boundaries have acted; the bytes it holds are summed up to the budget.
 """
 
 from __future__ import annotations

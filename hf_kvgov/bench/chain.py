@@ -1,19 +1,14 @@
 """The governance chain measured step by step, beside what the planner predicts (`eval/bench_chain.py`).
 
-For each step of `chain_rows.STEPS` (paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill, and
-the side rows paged + disk spill, int8 + disk spill, prefix sharing + disk spill, prefix + int8 + disk spill):
+For each step of `chain_rows.STEPS` (the cumulative chain, then its side rows with a disk tier):
 
-- KV bytes per token: the probe cache's `stats().bytes_used` once it holds one sequence of `length` tokens;
-  and, at capacity, the bytes the sequences that fit hold divided by their tokens (shared blocks once);
-- capacity: `length`-token sequences that fit in `budget_bytes`, found by allocation (the method column
-  says which), beside `kvgov plan`'s prediction for the setup read from the cache (`plan_setups.py`);
-- decode tokens/s: batch 1 after `length` tokens, every probe one step per round in interleaved rounds,
-  the median; the ratio is against the first step in the same rounds;
-- perplexity (`ppl_tokens` of the text, `ppl_chunk` tokens per forward, cache in the loop) and passkey
-  accuracy at `passkey_length` tokens, by registry name; a step reusing another's numerics says so.
+- KV bytes per token: the probe's `stats().bytes_used` holding one `length`-token sequence, and at capacity the
+  bytes the sequences that fit hold over their tokens (shared blocks once);
+- capacity: sequences that fit in `budget_bytes`, by allocation, beside `kvgov plan`'s prediction (`plan_setups`);
+- decode tokens/s: batch 1 after `length` tokens, the median of interleaved rounds, and its ratio to the first step;
+- perplexity and passkey accuracy, by registry name; a step reusing another's numerics says so.
 
-A refused step (`ChainRefused`) has no numbers: its row carries the sentence. The eviction step also
-carries the sentences refusing paging and prefix sharing next to an eviction policy.
+A refused step (`ChainRefused`) has no numbers, only the rules' sentence (the eviction step carries several).
 """
 
 from __future__ import annotations

@@ -5,13 +5,10 @@ Cumulative steps, then side rows that compose a disk tier with one link each::
     paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill with recall
     side rows: paged + disk spill, int8 + disk spill, prefix sharing + disk spill, prefix + int8 + disk spill
 
-A disk row's numerics are another row's: spilled blocks come back bit for bit, so paged + disk and
-prefix + disk compute what paged does, and int8 + disk and prefix + int8 + disk what int8 does (the codes
-are spilled as stored). A composition the chain's rules refuse shows their sentence instead of numbers.
-The eviction steps are the whole chain: request 1 reads the document from the tree as computed, and H2O's
-budget governs its own tokens, whose int8 slots live in an eviction pool's blocks (on a model whose tree has
-layer groups, the document's cost is the blocks a request reads: its sliding layers' window of it). Their
-numerics are the registry cache's on one sequence (no document to share).
+A disk row computes what paged does (with int8: what int8 does), because spilled blocks, codes as stored, come back
+bit for bit. A composition the chain's rules refuse shows their sentence instead of numbers. The eviction steps are
+the whole chain: request 1 reads the document from the tree as computed, and H2O's budget governs its own tokens,
+int8 slots in an eviction pool's blocks; their numerics are the registry cache's on one sequence.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The chain benchmark's workload, probes and fills (`hf_kvgov.bench.chain`; the rows are `chain_rows.STEPS`).
 
-Cumulative steps, each one cache built by ``GovernedCache(model, **parts)``, and side rows::
-
-    paged -> + prefix sharing -> + int8 -> + H2O -> + disk spill (refused)
-    side rows: paged + disk spill, int8 + disk spill, prefix sharing (+ int8) + disk spill
-
-A step's probe is the sequence its bytes and decode speed are read from. The prefix steps serve requests
-sharing one document (`SharedDocument`): request 0 is stored and published, request 1 matches the document
-and the model runs on its own part only. Other probes get one reference prefill's K/V through `update`,
-except the eviction cache, which must run the model (its attention decides what it keeps). A step's
-capacity is counted by allocation (`allocation.py`); a step the rules refuse raises `ChainRefused` from its
-probe.
+Each step is one cache built by ``GovernedCache(model, **parts)``, and its probe is the sequence its bytes and
+decode speed are read from. The prefix steps serve requests sharing one document (`SharedDocument`): request 0 is
+stored and published, request 1 matches the document and the model runs on its own part only. Other probes get
+one reference prefill's K/V through `update`, except the eviction cache, which must run the model (its attention
+decides what it keeps). A step's capacity is counted by allocation (`allocation.py`); a step the rules refuse
+raises `ChainRefused` from its probe.
 """
 
 from __future__ import annotations

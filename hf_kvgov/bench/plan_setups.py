@@ -1,18 +1,13 @@
 """The planner's model of a built cache: which `CacheSetup` stores a sequence the way that cache does.
 
-`kvgov bench capacity` sets what really fits beside what `kvgov plan` predicts; this module makes the
-prediction for the cache under test. The setup is read from the cache object itself (block size, codec,
-hot window, budget), not from the registry name, so a cache registered with other options is planned
-with its own. Dispatch is on the cache's class (most specific first), a registry rather than a chain
-of type tests; a class with no entry gets no prediction (None).
-
-A block cache on a hybrid model frees what left a sliding window (its layer groups), as the planner's
-``window_frees`` models (a disk cache's sliding layers never spill); eviction caches keep at most the window.
-Spilling caches (`DiskOffloadCache`, also under a prefix tree, and `QuantizedDiskCache`) add their hot window,
-the blocks that never spill and the cap on the read-ahead rows they allocate as blocks come back (the
-planner counts one layer of the spilled blocks, up to it, as the caches allocate).
-A quantized cache's per-layer formats (`QuantConfig.layer_formats`, ``full_precision_layers``) are modelled layer
-by layer, and so is their `residual` window of full-precision tokens.
+`kvgov bench capacity` sets what really fits beside what `kvgov plan` predicts; this module makes the prediction
+for the cache under test. The setup is read from the cache object itself (block size, codec, hot window, budget),
+not from the registry name, so a cache registered with other options is planned with its own. Dispatch is a
+registry on the cache's class (most specific first) rather than a chain of type tests; a class with no entry gets
+no prediction (None). The setup follows what the cache holds: what left a sliding window is freed (a disk cache's
+sliding layers never spill; eviction caches keep at most the window); spilling caches add their hot window, the
+blocks that never spill and their read-ahead rows (one layer of the spilled blocks, up to the cap); a quantized
+cache's per-layer formats and `residual` window of full-precision tokens are modelled layer by layer.
 """
 
 from __future__ import annotations

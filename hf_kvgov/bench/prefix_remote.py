@@ -1,15 +1,14 @@
 """Document QA across worker processes that share prefixes through a remote tier (`kvgov bench prefix --remote`).
 
-Each of N worker processes loads the model and builds its own pool and `PrefixCache` over one `RedisTier`
-(a fresh tenant namespace per run, so earlier runs' blocks never count). The first request is served alone:
-it computes the document and publishes it. The other requests are then served by all workers at once; each
-is classified by where its prefix came from:
+Each of N worker processes builds its own pool and `PrefixCache` over one `RedisTier` (a fresh tenant namespace
+per run, so earlier runs' blocks never count). The first request, served alone, computes and publishes the
+document; the others are served by all workers at once, each classified by where its prefix came from::
 
     miss        nothing cached: the whole prompt was computed
     remote hit  the worker's tree lacked the document and loaded it from the store
     local hit   the worker's own tree already held it (an earlier request of the same worker)
 
-and the report gives TTFT, tokens computed and reused per kind, and the tier's counters summed over workers.
+The report gives TTFT, tokens computed and reused per kind, and the tier's counters summed over workers.
 """
 
 from __future__ import annotations

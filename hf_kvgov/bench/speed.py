@@ -1,17 +1,14 @@
 """`kvgov bench speed`: time to first token, time per output token, tokens/s, KV bytes and peak memory.
 
-For every (batch size, context length), each cache of the registry generates `new_tokens` greedy tokens
-after a prompt of exactly `context` tokens cut from the embedded text, under the attention context its
-`CacheSpec` asks for. Caches are measured in interleaved rounds and the medians reported; ratios are
-against `dynamic` (transformers' DynamicCache) measured in the same rounds, so they hold on a noisy machine
-where absolute figures do not.
+For every (batch size, context length), each cache of the registry generates `new_tokens` greedy tokens after a
+prompt of exactly `context` tokens, under the attention context its `CacheSpec` asks for. Caches are measured in
+interleaved rounds and the medians reported; ratios are against `dynamic` (transformers' DynamicCache) measured
+in the same rounds, so they hold on a noisy machine where absolute figures do not.
 
-Per measurement:
-- time to first token (TTFT): from the call to generate until the first new token reaches the host;
-- time per output token (TPOT): mean gap between consecutive new tokens, i.e. one decode step;
-- tokens/s: batch x new tokens / generate's wall time (prefill included); decode tokens/s: batch / TPOT;
-- KV bytes: what the cache holds once generate returns (its own `stats().bytes_used` when it has one);
-- peak memory: the process's peak RSS on CPU, `torch.cuda.max_memory_allocated` on CUDA (see `memory`).
+TTFT: from the call to generate until the first new token reaches the host; TPOT: the mean gap between new tokens
+(one decode step); tokens/s: batch x new tokens / generate's wall time, decode tokens/s: batch / TPOT; KV bytes:
+what the cache holds once generate returns (its `stats().bytes_used` when it has one); peak memory: the process's
+peak RSS on CPU, the allocator's peak on CUDA (see `memory`).
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
-"""Asymmetric (min/max) integer quantization shared by the int8 and int4 codecs.
+"""Asymmetric (min/max) integer quantization shared by the integer codecs.
 
-For each group (see ``grouping``) with minimum ``lo`` and maximum ``hi``, and ``L`` = 2**bits - 1
-intervals (255 for int8, 15 for int4)::
+For each group (``grouping``) with minimum ``lo``, maximum ``hi`` and ``L`` = 2**bits - 1 intervals::
 
     zero  = round_down_to_zero_dtype(lo)                   # the value code 0 decodes to
     scale = round_up_to_scale_dtype((hi - zero) / L)       # 1 when hi == zero (constant group)
     code  = clamp(round((x - zero) / scale), 0, L)         # uint8
-    x'    = code * scale + zero                            # dequant: one FMA, in float32
+    x'    = code * scale + zero                            # dequant: one FMA, in float32; |x - x'| <= scale / 2
 
-so ``|x - x'| <= scale / 2`` for every element (up to float32 arithmetic), and a constant group whose
-value the scale dtype holds decodes exactly (all codes 0, ``x' = zero``).
-
-Why asymmetric rather than symmetric: keys are grouped per channel, and a channel over one block is
-often not centred on zero (outlier channels carry a large, steady offset). A symmetric scale ``amax/127``
-spends half its codes on values that never occur, doubling the step; min/max uses all ``L`` steps on
-the range that exists (a zero dtype is fp16 like the scale, or one e4m3 byte beside one-byte scales:
-``numerics``). The price is one extra float16 per group: per (head, channel) per block for
-keys, per (token, head) for values, about 1.6% of int8 value bytes at head_dim 128.
-
-Why the zero point is stored in the data's units (``x' = code * scale + zero``) rather than in code
-units (``x' = (code - z) * scale``): the two are the same affine map with ``zero = -z * scale``, but
-``z = -lo / scale`` is unbounded when a group's range excludes 0 (a channel spanning [1000, 1001] in
-int8 gives ``z`` = -255000, beyond float16), and rounding ``z`` to an integer shifts the grid by up to
-half a step. ``zero`` in data units is just the group minimum, always in range.
+Asymmetric because a key channel over a block is often not centred on zero (outlier channels carry a steady
+offset), and a symmetric ``amax/127`` scale would spend half its codes on values that never occur; the price is
+one more statistic per group. The zero is in data units, not code units (``(code - z) * scale``), because
+``z = -lo / scale`` is unbounded when a group's range excludes 0 and rounding it would shift the grid.
 """
 
 from __future__ import annotations

@@ -1,48 +1,20 @@
 """fp8 codecs (e4m3 and e5m2): one float8 code per element, scales that follow the data.
 
-Keys are centred per channel, values scaled symmetrically per token (``grouping``)::
+Keys are centred per channel, values scaled symmetrically per token (``grouping``); ``m`` mantissa bits::
 
-    zero  = e4m3(clamp((lo + hi) / 2, -448, 448))   keys only: near the middle of the channel's range
-    dev   = x - zero                     values: dev = x, no zero point
-    scale = round_up_to_scale_dtype(amax(|dev|) / finfo(fp8).max)       # 1 for an all-zero group
-    code  = fp8(clamp(dev / scale, -finfo.max, finfo.max))               # round to nearest even
-    x'    = float32(code) * scale + zero                                  # dequant, in float32
-
-Why keys carry a zero point. A float format's error is relative: every element is rounded to 3 mantissa
-bits (e4m3), whatever the scale. RoPE'd keys have channels with a large, steady offset (a channel at
-15 +- 2 over a block), and rounding 15 to 3 bits moves it by up to 0.47 on every token of that channel,
-an error the query multiplies by its own large weight on that channel. Centred, the same channel is
-rounded as +-2, an error of 0.06. On SmolLM2 (2,048 tokens, 16-token blocks) this takes fp8 from +0.75%
-perplexity to about 0% (``eval/RESULTS.md``). Values have no channel offsets and gain nothing measurable
-from a zero point, so they keep none. A scale per channel rather than per head costs nothing in precision
-(fp8 keeps its relative step across 15 binades) but is what the contract and kernels share with int8.
-
-No zero point for values also keeps the value bytes of the symmetric format. The keys' zero point is one
-byte per channel per block (``1 / block_size`` bytes per key element), e4m3 whatever the codes' format: any
-zero is exact, because the deviation is taken from the stored zero, so it need only land near the middle.
-e4m3 rounds the middle by at most 1/16 of its magnitude, which widens the deviation a channel's scale must
-cover by that much (a channel at 15 +- 2 by at most 0.94), still far inside the uncentred 17; the clamp to
-e4m3's +-448 only stops centring a channel beyond it. An fp16 zero cost +5.8% bytes over the symmetric format
-at 16-token blocks (SmolLM2's 64-channel heads); one byte costs +2.9%.
-
-Layout for a block ``[*lead, T, H, D]``::
-
-    codes  float8 [*lead, T, H, D]       torch.float8_e4m3fn or torch.float8_e5m2, one byte each
-    scale  fp16   keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
-    zero   e4m3   keys [*lead, 1, H, D]  values: none    (torch.float8_e4m3fn, one byte each)
-
-Codes are kept as the float8 dtype (Triton loads them as ``tl.float8e4nv`` / ``tl.float8e5``);
-``codes.view(torch.uint8)`` gives the raw bytes for storage or kernels without float8 support:
-
+    zero  = e4m3(clamp((lo + hi) / 2, -448, 448))     keys only, e4m3 [*lead, 1, H, D]; values: none (0)
+    scale = round_up_to_scale_dtype(amax(|x - zero|) / finfo(fp8).max)       # 1 for an all-zero group
+    code  = fp8(clamp((x - zero) / scale, -finfo.max, finfo.max))            # [*lead, T, H, D], nearest even
+    x'    = float32(code) * scale + zero,  |x - x'| <= 2**-(m+1) * |x - zero| + 2**(e_min - m - 1) * scale
     e4m3fn : sign | 4-bit exponent (bias 7)  | 3-bit mantissa   max 448,   no inf, 0x7F/0xFF are NaN
     e5m2   : sign | 5-bit exponent (bias 15) | 2-bit mantissa   max 57344, IEEE-style inf and NaN
 
-Error per element (``m`` mantissa bits, ``e_min`` the smallest normal exponent, ``zero`` 0 for values)::
-
-    |x - x'| <= 2**-(m+1) * |x - zero| + 2**(e_min - m - 1) * scale
-    e4m3: 2**-4 * |x - zero| + 2**-10 * scale        e5m2: 2**-3 * |x - zero| + 2**-17 * scale
-
-the first term for values in the normal range, the second for those that fall among the subnormals.
+Codes keep the float8 dtype (``codes.view(torch.uint8)`` gives the raw bytes); per-channel scales, as int8's, cost
+fp8 no precision and share int8's contract and kernels. Keys carry a zero point because a float format's error is
+relative: a RoPE'd key channel at 15 +- 2 over a block, rounded whole, moves by up to 0.47 on every token (an error
+the query multiplies by its large weight there); centred, it is rounded as +-2. Values have no channel offsets, so
+they keep none (and the symmetric format's bytes). One e4m3 byte is enough for the zero because deviations are
+taken from the stored zero, which need only land near the middle (measured: eval/RESULTS.md).
 """
 
 from __future__ import annotations

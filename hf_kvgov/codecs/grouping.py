@@ -1,17 +1,11 @@
 """Which elements of a K/V block share one scale (KIVI grouping), as explicit shapes.
 
-A block tensor has shape ``[*lead, T, H, D]``: any leading dims (``[n]`` for a batch of blocks), then
-``T`` tokens (``block_size`` for a full block), ``H`` KV heads and ``D`` = head_dim.
-
-Keys are grouped **per channel**: one scale per ``(*lead, h, d)``, computed over the ``T`` tokens of the
-block. RoPE'd keys have a few outlier channels (|K| 15x the median in some layers); a per-token scale
-would be set by the outlier and flatten every other channel of that token to a handful of levels.
-
-Values are grouped **per token**: one scale per ``(*lead, t, h, group)``, computed along head_dim in
-groups of ``group_size`` elements (default: the whole head_dim). Values have no channel outliers, and
-attention mixes them per token, so a per-token error stays local.
-
-Stored statistic (scale / zero point) shapes, which a kernel indexes directly::
+A block tensor is ``[*lead, T, H, D]``: leading dims (``[n]`` for a batch of blocks), ``T`` tokens, ``H`` KV heads,
+``D`` = head_dim. Keys are grouped **per channel** over the block's tokens, because RoPE'd keys have a few outlier
+channels (|K| 15x the median in some layers) and a per-token scale would be set by the outlier and flatten every
+other channel of that token to a handful of levels. Values are grouped **per token**, along head_dim in groups of
+``group_size`` (default: the whole head_dim): they have no channel outliers, and attention mixes them per token,
+so a per-token error stays local. Statistic (scale / zero point) shapes, which a kernel indexes directly::
 
     keys   (CHANNEL): [*lead, 1, H, D]        element (.., t, h, d) uses stat[.., 0, h, d]
     values (TOKEN):   [*lead, T, H, D // g]   element (.., t, h, d) uses stat[.., t, h, d // g]

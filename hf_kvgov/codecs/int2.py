@@ -1,41 +1,18 @@
-"""int2 codec: asymmetric 2-bit codes, four per byte along head_dim (KIVI's 2-bit format).
+"""int2 codec: asymmetric 2-bit codes (``affine``), four per byte along head_dim (KIVI's 2-bit format).
 
-Packing (along the last dim, head_dim, only)::
-
-    head_dim d :   0    1    2    3  |  4    5    6    7  | ...
-    2-bit code :  c0   c1   c2   c3  | c4   c5   c6   c7  |
-                 +------------------+-------------------+
-                 |      byte 0      |      byte 1       |   byte j holds d = 4j .. 4j + 3
-
-    one byte j :  bits 7..6 | 5..4     | 3..2     | 1..0
-                  c[4j+3]   | c[4j+2]  | c[4j+1]  | c[4j]
+Layout for a block ``[*lead, T, H, D]``, D a multiple of 4; lower bits hold lower indices, as in int4::
 
     byte[j] = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6      c[4j+i] = (byte[j] >> 2i) & 0x3
-
-i.e. lower bits hold lower indices, as in int4; head_dim must be a multiple of 4.
-
-Layout for a block ``[*lead, T, H, D]``::
-
-    codes  uint8 [*lead, T, H, D // 4]   packed as above, each code 0..3
+    codes  uint8 [*lead, T, H, D // 4]   each code 0..3
     scale  fp16  keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
     zero   fp16  same shape as scale     (the value code 0 decodes to)
+    x = ((codes[.., t, h, d // 4] >> 2 * (d % 4)) & 0x3) * s + z      float32; |x - x'| <= s / 2, s = (max - min) / 3
 
-or, with ``scale_dtype=LOG_SCALE``, each statistic in one byte (a logarithmic scale byte and an e4m3 zero,
-``numerics``): at 2 bits fp16 statistics are half as many bytes as the codes at 16-token blocks, one-byte ones
-a quarter, which is what takes int2 under 0.2x of float16 (``eval/RESULTS.md``).
-
-Dequantize, element (.., t, h, d), in float32::
-
-    c = (codes[.., t, h, d // 4] >> (2 * (d % 4))) & 0x3
-    x = c * s + z
-
-Error: ``|x - x'| <= s / 2`` with ``s = (max - min) / 3`` of the group, rounded up to the scale dtype.
-
-With four levels a group's range matters more than at any other width, which is why KIVI groups keys per
-channel (an outlier channel gets its own range instead of flattening every other channel of its token)
-and values per token, and keeps the newest tokens in full precision (``QuantConfig.residual``): the
-recent tokens attention leans on most are never rounded to 2 bits. KIVI also splits each value's head_dim
-into groups of 32 (``group_size=32``); ``eval/RESULTS.md`` measures both.
+``scale_dtype=LOG_SCALE`` stores each statistic in one byte (``numerics``), because at 2 bits fp16 statistics take
+half the bytes of the codes at 16-token blocks. With four levels a group's range matters most, which is why keys
+are grouped per channel (an outlier channel gets its own range), values per token, and the newest tokens stay in
+full precision (``QuantConfig.residual``): those attention leans on most are never rounded to 2 bits. KIVI also
+splits values into groups of 32 (``group_size=32``); eval/RESULTS.md measures both.
 """
 
 from __future__ import annotations

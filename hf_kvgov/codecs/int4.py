@@ -1,33 +1,14 @@
-"""int4 codec: asymmetric 4-bit codes, two per byte along head_dim.
+"""int4 codec: asymmetric 4-bit codes (``affine``), two per byte along head_dim.
 
-Packing (along the last dim, head_dim, only; token and block counts may be odd)::
+Layout for a block ``[*lead, T, H, D]``, D even (token and block counts may be odd)::
 
-    head_dim d :   0     1     2     3    ...   D-2   D-1
-    4-bit code :  c0    c1    c2    c3    ...
-                 +-----------+-----------+
-                 |  byte 0   |  byte 1   |  ...        byte j holds d = 2j and d = 2j + 1
-                 +-----------+-----------+
-
-    one byte j :  bits 7..4 | bits 3..0
-                  c[2j+1]   | c[2j]
-
-    byte[j] = c[2j] | (c[2j+1] << 4)        c[2j] = byte[j] & 0xF,  c[2j+1] = byte[j] >> 4
-
-i.e. the low nibble holds the even index, the high nibble the odd index; head_dim must be even.
-
-Layout for a block ``[*lead, T, H, D]``::
-
-    codes  uint8 [*lead, T, H, D // 2]   packed as above, each nibble 0..15
+    byte[j] = c[2j] | (c[2j+1] << 4)      low nibble: d = 2j, high nibble: d = 2j + 1
+    codes  uint8 [*lead, T, H, D // 2]   each nibble 0..15
     scale  fp16  keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
     zero   fp16  same shape as scale     (the value code 0 decodes to)
+    x = ((codes[.., t, h, d // 2] >> 4 * (d % 2)) & 0xF) * s + z      float32; |x - x'| <= s / 2, s = (max - min) / 15
 
-Dequantize, element (.., t, h, d), in float32::
-
-    c = (codes[.., t, h, d // 2] >> (4 * (d % 2))) & 0xF
-    x = c * s + z
-
-Error: ``|x - x'| <= s / 2`` with ``s = (max - min) / 15`` of the group, rounded up to the scale
-dtype. Asymmetric, and why the zero point is in data units: see ``affine``.
+The bound holds exactly because scales are rounded up to the scale dtype (``numerics``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""Directed rounding of scales into their storage dtype, and the finite-input guard.
+"""Directed rounding of scales into their storage dtype, one-byte statistics, and the finite-input guard.
 
-Scales are computed in float32 and stored in float16 by default. Rounding a scale to the *nearest*
-float16 could make it slightly too small, so the largest element of a group would land just past the
-last code and be clipped. Rounding scales *up* (and int zero points *down*) keeps every element of the
-group inside the representable range, so the error bound "half a step of the stored scale" holds
-exactly instead of "half a step plus a clipping term".
-
-One-byte statistics (``scale_dtype=LOG_SCALE``). At 2 bits the statistics cost half as much as the codes
-(fp16 scale and zero per channel per 16-token block for keys, per token and 32-channel group for values),
-so a codec can store each in one byte instead:
+Scales are computed in float32 and rounded *up* into their dtype (int zero points *down*), because a scale rounded
+to the nearest could be slightly too small and clip a group's largest element: half a stored step bounds the error
+exactly. ``scale_dtype=LOG_SCALE`` stores each statistic in one byte, since at 2 bits fp16 ones cost half the codes::
 
     scale  uint8 b     decodes to 2 ** ((b - LOG_SCALE_BIAS) / LOG_SCALE_STEPS)   2**-12 .. 2**9.25 (~608)
     zero   e4m3 byte   (torch.float8_e4m3fn), an integer codec's zero rounded down to it, within +-448
 
-A scale is relative by nature (it is a step size), so a logarithmic byte keeps the same relative precision
-at every magnitude: rounding up costs at most 2**(1/12) - 1 = 5.9% of a step, against e4m3's 12.5% (and
-e4m3 runs out of precision below 2**-6, where small value groups live). A zero point is a position, not a
-step, so it stays a float: e4m3 rounds it down by at most 1/16 of its magnitude, which widens the range
-the scale must cover by that much. ``eval/RESULTS.md`` (int2 settings) measures both against fp16.
-Both are exact to decode: the scale through a 256-entry table, the zero as a float8 cast. A scale below the
-byte's floor is stored as 2**-12, a coarser step than needed (only int8's narrowest value groups, under 0.06
-wide, get there); a scale above its top or a zero beyond e4m3's +-448 raises ValueError rather than clipping
-codes (fp16 statistics hold those).
+A scale is a step size, so a logarithmic byte keeps one relative precision at every magnitude (rounding up loses
+at most 5.9% of a step, against e4m3's 12.5%); a zero is a position, so it stays a float. Both decode exactly.
 """
 
 from __future__ import annotations

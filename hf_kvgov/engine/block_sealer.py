@@ -1,15 +1,12 @@
 """`BlockSealer`: the codec link of a block cache, which seals full blocks into int8 / int4 / fp8 codes.
 
-A `PagedCache` given a codec (`QuantizedCache`, `QuantizedDiskCache`, or ``GovernedCache(..., codec=...)``)
-stores its blocks in a `QuantizedBlockPool` and calls this link at the points where a sealing cache differs
-from a full-precision one: which layer groups the pool may have and which pool it creates, when ready blocks
-are sealed (a step's start, its last layer), how attention reads sealed entries (decoded by the reference
-gather, or by the paged kernels through a `QuantizedView`), what a crop into a sealed block does (decode it
-back), the tree namespace its blocks are shared under, and what it counts. With a disk link too, its spilled
-blocks are codes: `tier_format` says how the tier lays them out, and the reads here append the ones a layer
-reads back after the sealed store's, so every attention path decodes them as sealed blocks.
-
-`QuantizedCache`'s docstring says what stays in full precision and why (sink, residual window, tail).
+A `PagedCache` given a codec stores its blocks in a `QuantizedBlockPool` and calls this link where a sealing cache
+differs from a full-precision one: the layer groups and pool it may have, when ready blocks are sealed (a step's
+start, its last layer), how attention reads sealed entries (the reference gather, or the paged kernels through a
+`QuantizedView`), what a crop into a sealed block does (decode it back), the tree namespace its blocks are shared
+under, and what it counts. With a disk link its spilled blocks are codes: `tier_format` lays them out, and a
+layer's reads append them after the sealed store's, so every attention path decodes them as sealed blocks.
+`QuantizedCache`'s docstring says what stays in full precision.
 """
 
 from __future__ import annotations

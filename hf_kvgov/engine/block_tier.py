@@ -1,21 +1,13 @@
 """`BlockTier`: the disk link of a block cache, whatever its blocks hold.
 
-A `PagedCache` given a disk link (`DiskOffloadCache`, `QuantizedDiskCache`, or ``GovernedCache(...,
-spill=Disk(...))``) spills its cold blocks to a `DiskTier` and reads them back ahead of need. The link owns
-what every spilling cache does the same way: the tier and its read-ahead, spilling the blocks that left the
-hot window at the start of a step (never the ones a prefix tree holds), bringing blocks back (a crop into a
-spilled block, a `publish`), naming the tokens of a damaged block, and resetting or releasing the file. The
-block cache calls it at those points of its own lifetime. What differs with the codec link is a
-`SpillFormat`, given when the link is attached: which entries can move and how their bytes are read and
-written, how many leading blocks never move, how spilled entries are numbered. Raw blocks (no codec) are
-read back here (`raw_kv`, `add_raw_to_view`); sealed ones by the codec link (`hf_kvgov.engine.block_sealer`).
-
-Layer groups (a hybrid sliding-window model): every group's tables are tiered. A sliding group frees every
-block that left its window (from memory or from disk), so it holds at most about `window + block_size`
-tokens per row, and spills only what is inside its window but older than the hot window: with
-`hot_tokens` at least the window, nothing of a sliding layer is ever written. The tier stores one segment
-per position of a block (a pool block holds one group's layers, `hf_kvgov.storage.layer_groups`), and each
-layer reads the segment of its position; the read-ahead fetches the next layer's blocks.
+A `PagedCache` given a disk link spills its cold blocks to a `DiskTier` and reads them back ahead of need. The link
+owns what every spilling cache does alike: the tier and its read-ahead, spilling what left the hot window at a
+step's start (never blocks a prefix tree holds), bringing blocks back (a crop into a spilled block, a `publish`),
+naming a damaged block's tokens, resetting or releasing the file. What differs with the codec link is a
+`SpillFormat`: which entries move and how their bytes are read and written, how many leading blocks never move,
+how spilled entries are numbered. Raw blocks are read back here, sealed ones by `hf_kvgov.engine.block_sealer`.
+With layer groups a sliding group frees what left its window and spills only what is inside it but older than the
+hot window (nothing, when `hot_tokens` covers the window); the tier stores one segment per position of a block.
 """
 
 from __future__ import annotations

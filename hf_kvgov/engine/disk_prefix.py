@@ -1,31 +1,17 @@
 """Prefix sharing for the disk caches: which blocks may spill, and what a publish must bring back first.
 
-`DiskOffloadCache` spills raw pool blocks, `QuantizedDiskCache` sealed blocks as their codes; both use the
-helpers here, with the same rules. The prefix tree holds pool block ids (sealed ones included), reclaims them
-from the pool, and hands them to any request that matches; so a block the tree holds must stay in the pool
-(or in its sealed store). The disk caches therefore split a row's blocks::
+`DiskOffloadCache` (raw blocks) and `QuantizedDiskCache` (codes) share these rules. The tree hands the pool ids it
+holds to any request that matches, so a block it holds must stay resident; a row's blocks split::
 
     row:   [ 0 | d1 d2 d3 (matched) | p4 p5 p6 p7 (private, cold) | p8 p9 (hot) | tail ]
              |        stay resident             spill to disk           stay resident
              +-- first block: read by every query, never worth a round trip
 
-Blocks the tree holds (matched from it, or published by this cache) are locked by this cache until it is
-released, so the tree can neither evict them nor hand out their memory while a row uses them. They are
-shared by every request that matched them, hence hot in aggregate: they never spill. Only a row's private
-sealed blocks older than the hot window do.
-
-Publishing a row whose private blocks have spilled brings them back into the pool first (all at once, or
-`PoolExhausted` and nothing changed), so the tree only ever references resident blocks. Publishing only the
-resident leading run instead would lose exactly what sharing is for: when a first request computes a shared
-document, the document's blocks turn cold and spill during its own decode steps, so the run would stop at
-block 0 and no later request could reuse the document. The cost is one read of those blocks and the pool
-memory the tree then holds, which is the tree's to manage (it evicts unlocked blocks when the pool is full).
-Blocks brought back but not published (a row padded before them) spill again at the next step.
-
-With a codec (`QuantizedDiskCache`) the first block is the full-precision sink (`sink_blocks` of them), the
-tree-held blocks are the sink and sealed codes, and what comes back for a publish are codes into the sealed
-store, which grows as needed: the tree's pool cap bounds the full-precision blocks only, as for
-`QuantizedCache`, so one sequence needs the sink, the residual window and one decode step there.
+Tree-held blocks are locked by this cache until released, so the tree can neither evict nor reuse them, and they
+are hot in aggregate (every matching request reads them). A publish first brings the row's spilled private blocks
+back (all, or `PoolExhausted` and nothing changed), so the tree only references resident blocks; publishing just
+the resident leading run would stop at block 0, as a document spills during its first request's own decode. With a
+codec they come back as codes into the sealed store, which grows: the pool cap bounds full-precision blocks only.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Prefix reuse for `PagedCache`: fill a cache from the prefix tree, publish what it computed.
 
-    prefix = PrefixCache(pool)
-    cache = PagedCache(model, prefix=prefix, namespace="tenant-a")
-    inputs = cache.match(input_ids, attention_mask)      # cached prefix already in the cache
-    out = model.generate(**inputs, cache=cache)  # computes only the uncached suffix
-    cache.publish(out)                                    # prompt + answer blocks, for the next turn
-    cache.release()
+    cache = PagedCache(model, prefix=PrefixCache(pool), namespace="tenant-a")
+    out = model.generate(**cache.match(input_ids, attention_mask), cache=cache)  # only the uncached suffix
+    cache.publish(out); cache.release()                  # prompt + answer blocks, for the next turn
 
-`match` always leaves at least one prompt token uncached: generate needs one to produce logits, and a
-cache holding the whole prompt would make it re-feed everything (see DESIGN.md).
-
-A pool with layer groups (hybrid sliding-window models) is served by `hf_kvgov.engine.prefix_groups`, which
-says what a hit keeps there.
-
-A cache that stores blocks differently (`QuantizedCache`) passes its own `namespace` (so that caches
-storing blocks differently never share one) and `sealed_from`: full-precision blocks from that column on
-are offered to the tree as sealed copies, so the tree holds codes while the cache keeps what it reads.
+`match` always leaves at least one prompt token uncached: generate needs one to produce logits, and a cache holding
+the whole prompt would make it re-feed everything. Pools with layer groups are served by
+`hf_kvgov.engine.prefix_groups`. A cache that stores blocks differently (`QuantizedCache`) passes its own
+`namespace`, so that such caches never share one, and `sealed_from`: full-precision blocks from that column on are
+offered to the tree as sealed copies, so the tree holds codes while the cache keeps what it reads.
 """
 
 from __future__ import annotations

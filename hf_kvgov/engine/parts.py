@@ -8,9 +8,8 @@ The brief's chain, and the part that stands for each link::
                                                      Evict (any policy)
                                              QuantConfig
 
-plus per-layer overrides (`Layer`): a layer kept in full precision, a layer with its own eviction budget.
-Nothing here holds K/V; `hf_kvgov.hf.governed.GovernedCache` turns a `ChainParts` into a working cache and
-`hf_kvgov.chain.rules` refuses the combinations that cannot work.
+plus per-layer overrides (`Layer`). Nothing here holds K/V; `hf_kvgov.hf.governed.GovernedCache` turns a
+`ChainParts` into a working cache and `hf_kvgov.chain.rules` refuses the combinations that cannot work.
 """
 
 from __future__ import annotations

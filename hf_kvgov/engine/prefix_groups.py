@@ -1,23 +1,14 @@
 """Prefix reuse for a `PagedCache` whose pool has layer groups (hybrid sliding-window models).
 
-The tree caches one entry per block position, holding one block per group (`hf_kvgov.prefix.grouped_blocks`).
-What differs from a pool without groups:
-
-- A hit is exact when every group can serve it: full-attention groups get every block of the prefix,
-  sliding groups the blocks of the last window before the hit point (the tree cuts the hit where they lack
-  one). A sliding group's table starts at the block holding the first token the next query sees; what is
-  before it is freed, as if the request had computed it and moved on.
-- A sliding group frees blocks as they leave its window, long before `publish` runs after generate. So the
-  cache publishes the prompt's sliding blocks as they are computed (at the start of each step, while the
-  groups still hold them; the prompt's tokens are known from `match`). The full-attention blocks wait for
-  `publish`, as without groups: until then they are the request's own (a disk cache may spill them), and an
-  entry lacking them serves no hit. The tree then keeps the sliding blocks of the whole document, and a
-  later request on it hits wherever it diverges, as on a model without windows.
-  They are the tree's, evictable: when the pool needs room the tree first lets go of sliding blocks no
-  sequence uses, least recently used first, then evicts whole entries (LRU leaves).
-- `publish` offers a row's full blocks, with None for the sliding blocks it freed; the tree keeps its own.
-  A quantized cache offers its full-precision blocks past the sink as sealed copies, in every group, as it
-  does over one group.
+The tree caches one entry per block position, one block per group (`hf_kvgov.prefix.grouped_blocks`). A hit is
+exact when every group can serve it: full-attention groups get every block of the prefix, sliding groups the blocks
+of the last window before the hit point. A sliding group's table starts at the block holding the first token the
+next query sees; what is before it is freed, as if the request had computed it and moved on. Because a sliding
+group frees blocks as they leave its window, long before `publish` runs after generate, the cache publishes the
+prompt's sliding blocks as they are computed (at each step's start); full-attention blocks wait for `publish` and
+are the request's own until then (a disk cache may spill them). The tree thus keeps the sliding blocks of the whole
+document, evictable (sliding blocks no sequence uses go first, then whole entries), and a later request hits
+wherever it diverges. A quantized cache offers its blocks past the sink as sealed copies in every group.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Where the tokens of a batch go when rows reuse cached prefixes of different lengths.
 
-Every row of a paged batch holds the same number of tokens, and a cached block is only valid at the
-positions it was computed at (its keys carry RoPE at those positions). So a row that reuses `m` cached
-tokens must keep them at slots 0..m-1. Rows reusing fewer tokens than the longest match `M` get masked
-padding after their prefix instead of before it; transformers derives positions from the attention
-mask's cumulative sum, so the padding in the middle shifts nothing::
+A cached block is only valid at the positions it was computed at (its keys carry RoPE there), and every row of a
+paged batch holds the same number of tokens. So a row reusing `m` cached tokens keeps them at slots 0..m-1, and
+rows reusing fewer than the longest match `M` get masked padding after their prefix; transformers derives
+positions from the mask's cumulative sum, so padding in the middle shifts nothing::
 
     row 0 (hit 32):  [p p p ... p | p p p ... p]  [pad pad] [s s s s]     (M = 32, S = 4)
     row 1 (hit 16):  [p p ... p | pad ... pad ]   [pad]     [s s s s s]... left-padded suffix
     row 2 (miss):    [pad ............... pad ]   [s s s s s s]
-
     slots 0..M-1: cached blocks of the row, then fresh (masked) pad blocks; slots M..: computed now.
 """
 

@@ -1,17 +1,14 @@
 """Per-token losses of a text: fed through the model with caches in the loop, or in sliding windows.
 
-Both return the negative log-likelihood of every token after the first: entry ``i`` is ``-log p(token i+1
-| what the model saw)``, so a text of ``n`` tokens gives ``n - 1`` losses and the two methods line up.
+Both return the negative log-likelihood of every token after the first (entry ``i`` is ``-log p(token i+1 | what
+the model saw)``), so a text of ``n`` tokens gives ``n - 1`` losses and the two methods line up.
 
-- ``chunked_token_losses``: the text goes through ``model(...)`` ``chunk_tokens`` at a time with the cache
-  kept between chunks, so eviction and quantization act exactly as while generating (``chunk_tokens=1`` is
-  decode itself). Several caches that need no attention of their own share one batch (a
+- ``chunked_token_losses``: ``chunk_tokens`` at a time with the cache kept between chunks, so eviction and
+  quantization act exactly as while generating; caches needing no attention of their own share one batch (a
   ``StackedCache`` row each), so the weights are read once per chunk for all of them.
-- ``sliding_window_token_losses``: the standard perplexity of the transformers guide: windows of
-  ``window`` tokens every ``stride`` tokens, no cache, each token scored once with the longest context
-  its window gives it. With a window covering the text it is one full forward: the model's own loss.
-  (The guide weighs each window's mean loss by its scored tokens minus one, right for the first window
-  only; pooling per-token losses here weighs every token the same.)
+- ``sliding_window_token_losses``: the transformers guide's perplexity: ``window`` tokens every ``stride``, no
+  cache, each token scored once with the longest context its window gives. Per-token losses are pooled, so every
+  token weighs the same (the guide weighs each window's mean loss, which is right for the first window only).
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """`DiskOffloadCache`: the block store with a disk link: cold blocks spill to a file on SSD and come back ahead of need.
 
-In memory (the pool) stay the first block, the blocks holding the latest `hot_tokens` tokens, and the
-tail being written. Every older block is sealed (full) and cold: at the start of each forward step the
-blocks that became cold are written to the disk tier once, their pool blocks are freed, and their table
-entries point at disk. Each layer then reads its spilled blocks back, mostly from read-ahead buffers that
-a background thread filled while the previous layer computed.
-
-Blocks round-trip bit for bit (raw bytes, CRC-32 checked), so the output is PagedCache's, which is
-DynamicCache's. Memory: `resident_bytes` (pool blocks held + read-ahead buffers) stays under
-`max_resident_bytes`, which caps the pool the cache creates. The read-ahead buffers follow the spill: none
-before a block is read back, then one layer of the spilled blocks (up to `read_buffer_bytes`), a fraction
-1 / layers of what left the pool, so spilling never costs memory it does not save. The pool must hold the
-hot window plus the tokens of one forward step: feed long prompts in chunks
-(``generate(..., prefill_chunk_size=512)``).
-Not counted: the one layer of K/V handed to attention, which every cache materialises.
-
-Prefix sharing (``prefix=PrefixCache(pool)``, `match` / `publish` as PagedCache's): the cache draws its blocks
-from the tree's pool, whose own cap bounds memory; blocks the tree holds stay resident and only a row's
-private cold blocks spill (`hf_kvgov.engine.disk_prefix` says why, and what `publish` brings back).
-
-The spilling itself is the disk link's (`hf_kvgov.engine.block_tier.BlockTier`), which `PagedCache` calls; this class
-only configures it.
+The pool keeps the first block, the blocks of the latest `hot_tokens` tokens and the tail being written. At each
+step's start the blocks that became cold are written to the disk tier once and freed; each layer reads its spilled
+blocks back, mostly from buffers a background thread filled while the previous layer computed. Blocks round-trip
+bit for bit (CRC-32 checked), so the output is PagedCache's. `resident_bytes` (pool blocks + read-ahead buffers)
+stays under `max_resident_bytes`; the buffers hold one layer of the spilled blocks, so spilling never costs memory
+it does not save (the K/V of one layer handed to attention is not counted). The pool must hold the hot window plus
+one step's tokens: feed long prompts in chunks (``prefill_chunk_size``). With ``prefix=PrefixCache(pool)`` only a
+row's private cold blocks spill (`hf_kvgov.engine.disk_prefix`). The spilling is the disk link's
+(`hf_kvgov.engine.block_tier.BlockTier`); this class only configures it.
 """
 
 from __future__ import annotations

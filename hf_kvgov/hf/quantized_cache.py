@@ -1,44 +1,16 @@
 """`QuantizedCache`: the block store with a codec link, whose full blocks are sealed into int8 / int4 / fp8 codes.
 
-Keys are quantized per channel over a block's tokens and values per token (KIVI), by the codecs in
-`hf_kvgov.codecs`. What stays in full precision, per row::
+Keys are quantized per channel over a block's tokens, values per token (KIVI, `hf_kvgov.codecs`). Per row::
 
     block:    0        1        2       ...      n-2      n-1       n
            [ sink ][ sealed ][ sealed ]  ...  [ sealed ][ resid. ][ tail ]
              fp       codes + scales (one id: a group's layers)     fp      fp: being written
 
-A block is sealed when it is full and older than the `residual` window, at the end of the forward step
-that filled it (after the last layer attended, so every layer of one step sees the same K/V). Sealing
-encodes the block once, even when beams share it, and hands its full-precision memory back to the pool;
-`stats()` counts what is really held: codes + scales + the remaining full-precision blocks.
-
-Hybrid models (sliding-window layers): layers are grouped by window as in PagedCache, each group with its
-own tables, and a sliding group frees its blocks, sealed or full precision (the sink too), once no query can
-see them; a sealed id, like a block id, spans one group's layers. Sealing walks every group's tables. With
-`full_precision_layers` that would share a position of the groups with quantized layers the cache keeps one
-group (see `_layer_groups`).
-
-The sealing itself is the codec link's (`hf_kvgov.engine.block_sealer.BlockSealer`), which `PagedCache` calls; this
-class only configures it. Everything else is PagedCache's: block tables, beams (sealed blocks are immutable and
-stay shared), left padding, crop (a crop into a sealed block decodes it back into a writable full-precision block),
-and both attention paths. The paged path decodes one chunk of blocks at a time
-(`kernels.quantized_reference`); it never builds a full-precision copy of the cache.
-
-Memory: a step holds its own new tokens in full precision until it ends, so a long prompt fed in one
-forward briefly needs full-precision blocks for all of it; `generate(..., prefill_chunk_size=n)` bounds
-that peak. `max_tokens` / `max_bytes` cap those full-precision blocks; sealed blocks are not capped.
-Known limit: the sink is the first block of every row, so a row with more than a block of left padding
-has its first real tokens quantized.
-
-Prefix sharing (`prefix=PrefixCache(pool)` on a `QuantizedBlockPool`, `match` / `publish` as PagedCache's):
-the tree holds each prefix's sink in full precision and its other blocks as codes, shared by every request
-that matches them. Sealing is deterministic, so a request served from the tree reads exactly what it would
-have read had it fed the matched prefix itself in one forward and the rest in the next (a chunked prefill
-at the match boundary). It is not bit-equal to a one-forward prefill of the whole prompt, whose suffix
-attends to the prefix in full precision during that step: the full-precision K/V of a sealed prefix no
-longer exist. For the same reason, with `residual` > 0 the newest matched blocks are served sealed where a
-cache computing them would still hold them in full precision. Caches sharing a tree share its pool, hence
-its formats; `sharing_namespace` keeps caches with other sink blocks apart.
+A full block older than `residual` is sealed after the last layer of the step that filled it, so every layer of a
+step sees the same K/V; until then it is full precision, so ``prefill_chunk_size`` bounds a long prompt's peak
+(`max_tokens` / `max_bytes` cap only those blocks). The sink is each row's first block, so a row with over a block
+of left padding has its first real tokens quantized. Sealing is deterministic, so over a prefix tree a request
+reads what a chunked prefill at the match boundary would; caches sharing a tree share its pool, hence its formats.
 """
 
 from __future__ import annotations

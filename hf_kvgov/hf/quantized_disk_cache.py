@@ -1,42 +1,15 @@
-"""`QuantizedDiskCache`: the block store with a codec and a disk link: sealed blocks older than a hot window
-spill to SSD as codes.
-
-Per row, where each block lives::
+"""`QuantizedDiskCache`: the block store with a codec and a disk link; sealed blocks past a hot window spill as codes.
 
     block:    0        1  ..  k-1      k  ..  n-2       n-1
            [ sink ][ spilled codes ][ sealed codes ][ resid. ][ tail ]
              fp       disk tier       sealed store     fp       fp
                    (older than hot_tokens)  (the hot window)
 
-Sealing is `QuantizedCache`'s (at the end of the step that filled a block). At the start of each step the
-sealed blocks that left the hot window are written to the disk tier once, as their stored bytes (codes +
-scales: one segment per (block, layer), `tiers.sealed_segments`), their sealed slots are freed and their
-table entries point at disk. Each layer then reads its spilled blocks back (mostly from the read-ahead
-buffers filled while the previous layer computed) and attention decodes them exactly as the sealed store
-would: the output is `QuantizedCache`'s with the same codec, block size and residual, bit for bit.
-
-Against a 16-bit full-precision spill of the same tokens, an int8 spill writes (and reads back) 0.58x the
-bytes at 16-token blocks of head dim 64 and 0.53x at 64-token blocks, int4 0.33x and 0.28x: codes plus
-the scales and zero points (`QuantizedDiskCacheStats.spill_ratio` reports it). Spilled blocks read back by a step are
-appended after the store's pieces for the layer that reads them (one copy of the layer's resident sealed
-slots, which the hot window bounds), so every attention path, in-place kernels included, reads them as
-sealed blocks.
-
-Layers kept in full precision (`full_precision_layers`) spill their sealed blocks as raw K/V, the other
-layers as codes: the tier records each layer's segment layout.
-
-Memory: `max_resident_bytes` caps the full-precision pool blocks and the read-ahead buffers, as for
-`DiskOffloadCache` (the buffers hold one layer of the spilled codes, up to `read_buffer_bytes`, and nothing
-before a block spills); sealed slots come on top: the hot window's (``hot_tokens / block_size + 1`` blocks of
-codes per row) and the blocks a step seals, which spill at the start of the next.
-
-Prefix sharing (``prefix=PrefixCache(pool)`` over a `QuantizedBlockPool` of this configuration, `match` /
-`publish` as `QuantizedCache`'s, so the two share blocks): blocks the tree holds (the sink and sealed codes)
-stay resident, and only a row's private sealed blocks spill; `publish` first brings the spilled blocks it
-offers back into the sealed store, so the tree never points at disk (`hf_kvgov.engine.disk_prefix`).
-
-The two links (`hf_kvgov.engine.block_sealer.BlockSealer`, `hf_kvgov.engine.block_tier.BlockTier`) do the work, called
-by `PagedCache`; this class only configures them.
+At each step's start the sealed blocks that left the hot window are written once, as stored (`tiers.sealed_segments`).
+Blocks read back are appended after the store's pieces for their layer, so every attention path decodes them as
+sealed blocks: the output is `QuantizedCache`'s bit for bit, at a fraction of a full-precision spill's bytes
+(`spill_ratio`, eval/RESULTS.md). Under a prefix tree only private blocks spill, and `publish` brings spilled ones
+back first, so the tree never points at disk (`hf_kvgov.engine.disk_prefix`).
 """
 
 from __future__ import annotations

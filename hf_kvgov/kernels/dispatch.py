@@ -1,33 +1,14 @@
 """One dispatch point for attention over block tables, chosen per call.
 
-Two paths, each a registry from backend name to a `Backend` record:
-- "paged" (`paged_attention`): full-precision blocks, `PagedView.attend`.
-  "torch" the reference (`kernels.reference`), the specification, serves every call;
-  "sdpa" one layer's blocks gathered into a transient tensor for PyTorch's fused sdpa
-  (`kernels.gathered_sdpa`), every call without logit soft-capping;
-  "triton" the paged decode kernel (`kernels.triton_paged`), when triton is installed;
-  "flash_attn" flash-attn 2's `flash_attn_with_kvcache(block_table=...)` (`kernels.flash_paged`), when
-  flash-attn is installed: CUDA, fp16/bf16, blocks a multiple of 256 tokens, no explicit mask.
-- "quantized" (`quantized_paged_attention`): tables mixing full-precision and sealed blocks,
-  `QuantizedView.attend`. "torch" the reference (`kernels.quantized_reference`); "triton" the kernel that
-  dequantizes sealed blocks in registers (`kernels.triton_quantized`), decode only: prefill keeps the
-  reference.
-Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
-flash-attn, and a `TRITON_INTERPRET=1` set before that first use still takes effect.
-
-Automatic choice: among the backends whose `auto_devices` list the query's device type, the highest
-`priority` that accepts the call (`refuses` returns None); else "torch". On CUDA that is flash-attn, then
-Triton, then sdpa, then torch; on the CPU sdpa, then torch (the Triton interpreter is exact but slow, so
-it is never picked by itself).
-
-Override: `set_backend(name)`, or `KVGOV_ATTENTION_BACKEND=torch|triton|flash_attn` read once when this
-module is imported (unset, empty or "auto" means automatic), forces one backend on every path that has
-it; calls it cannot serve (prefill on "triton", CPU tensors without the interpreter, a block size
-flash-attn refuses) still run on "torch". `set_backend(None)` returns to the automatic choice.
-
-Visibility: `last_backend()` names the backend that served the latest call, `backend_counts()` counts
-calls per "path/backend", and the logger `hf_kvgov.kernels.dispatch` says at DEBUG level, whenever the
-backend serving a path changes, which one now serves it and why a preferred one refused.
+Two paths, each a registry from backend name to a `Backend` record: "paged" (`paged_attention`, full-precision
+blocks) with "torch" (the reference, which serves every call), "sdpa", "triton" and "flash_attn"; "quantized"
+(`quantized_paged_attention`, tables mixing full-precision and sealed blocks) with "torch" and "triton" (decode
+only). Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
+flash-attn, and a `TRITON_INTERPRET=1` set before that still takes effect. Automatically, the highest-`priority`
+backend whose `auto_devices` list the query's device and that accepts the call serves it, else "torch" (the Triton
+interpreter is exact but slow, so it is never picked by itself). `set_backend(name)` or `KVGOV_ATTENTION_BACKEND`
+forces one backend where it can serve; `last_backend()`, `backend_counts()` and the DEBUG logger
+`hf_kvgov.kernels.dispatch` say which backend served and why a preferred one refused.
 """
 
 from __future__ import annotations

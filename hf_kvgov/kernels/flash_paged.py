@@ -6,19 +6,12 @@ The pool's layout is flash-attn's paged layout, so the pool's tensors are handed
     flash_attn_with_kvcache k_cache   (num_blocks, page_block_size, nheads_k, headdim)
                             block_table (batch, max_blocks_per_seq) int32; cache_seqlens (batch,) int32
     query (transformers)    [batch, q_heads, q_len, head_dim]  ->  q (batch, seqlen_q, nheads, headdim)
-    output                  (batch, seqlen_q, nheads, headdim) = what transformers' attention returns
 
-What flash-attn 2 serves, checked by `unsupported_reason` before dispatch picks it:
-- CUDA tensors on an Ampere or newer GPU; fp16 or bf16, the query's dtype equal to the cache's;
-- a block size that is a multiple of 256 tokens (flash-attn 2 refuses other page sizes);
-- head_dim a multiple of 8, at most 256; q_heads a multiple of kv_heads (GQA is native);
-- no explicit mask. Its masking is causal, aligned to the bottom right (query i of a row holding n keys
-  sees keys <= n - q_len + i: the reference's causal convention), plus per-row `cache_seqlens`. Left
-  padding would need `cache_leftpad`, which flash-attn 2 does not combine with a paged cache, so a call
-  carrying a mask (transformers builds one only when some row is padded) stays on another backend.
-
-flash-attn is imported by `load_kernel` on the first call, never at import time: it is an optional
-extra, and cannot be built without CUDA.
+`unsupported_reason` refuses what flash-attn 2 cannot serve: not CUDA on Ampere or newer, not fp16/bf16 (query as
+cache), blocks not a multiple of 256 tokens, head_dim not a multiple of 8 up to 256, q_heads not a multiple of
+kv_heads, and any explicit mask. Its own masking is causal, bottom-right aligned (the reference's convention), plus
+`cache_seqlens`; left padding would need `cache_leftpad`, which flash-attn 2 does not combine with a paged cache.
+It is imported on the first call, never at import time: an optional extra that cannot be built without CUDA.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Attention over block tables whose older blocks are sealed (quantized), in plain torch: the spec.
 
-A block-table entry ``b >= 0`` names a full-precision block ``key_cache[b]`` / ``value_cache[b]`` (the
-sink, the tail being written); an entry ``b < 0`` names a sealed block that ``read_sealed`` decodes::
+An entry ``b >= 0`` names a full-precision block ``key_cache[b]`` (the sink, the tail being written), an entry
+``b < 0`` a sealed block that ``read_sealed`` decodes::
 
     block table row:   [ 3 | -1 | -2 | -5 | ... | -9 | 4 ]
                          sink  sealed (codes + scales)     tail (being written)
 
-The keys are read in chunks of whole blocks, as in `kernels.reference`, and the sealed blocks of a chunk
-are decoded just before that chunk is used, each distinct block once (beams that share a block decode it
-once). The whole cache never exists in full precision: peak extra memory is one chunk of decoded K/V plus
-the online-softmax state, O(batch x heads x queries x chunk_tokens).
+Keys are read in chunks of whole blocks, as in `kernels.reference`, and each distinct sealed block of a chunk is
+decoded just before use (once, even when beams share it). The whole cache never exists in full precision: peak
+extra memory is one chunk of decoded K/V plus the online-softmax state.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Attention over block tables in plain torch: the specification every fast kernel is tested against.
 
-The keys are never gathered into one contiguous copy of the whole cache. They are read in chunks of
-whole blocks (at most `chunk_tokens` tokens at a time) and combined with an online softmax, as
-FlashAttention does across tiles::
+Keys are never gathered into one copy of the whole cache: they are read in chunks of whole blocks (at most
+`chunk_tokens` tokens) and combined with an online softmax, as FlashAttention does across tiles::
 
     for each chunk c of blocks:
         s_c   = q · k_cᵀ · scale            (masked entries = -inf)
@@ -11,8 +10,8 @@ FlashAttention does across tiles::
         acc   = acc · e^(m - m_new) + e^(s_c - m_new) · v_c
     out = acc / l
 
-Peak extra memory is O(batch × heads × queries × chunk_tokens), whatever the context length. GQA is
-handled by grouping the query heads of each KV head, never by repeating K/V.
+so peak extra memory is O(batch × heads × queries × chunk_tokens) whatever the context length. GQA groups the
+query heads of each KV head, never repeating K/V.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """One layer's sealed blocks as a kernel reads them: the format's name and its stored pieces.
 
-The pieces are the tensors of `storage.sealed_store` for one layer, named as `storage.sealed_formats`
-names them (a leading sealed-id dim, then one block's shape)::
+The pieces are `storage.sealed_store`'s tensors for one layer, named as `storage.sealed_formats` names them::
 
     codec formats ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"):
         key_codes    [capacity, block_size, H, D * bits // 8]   uint8, or float8 for fp8
@@ -10,12 +9,10 @@ names them (a leading sealed-id dim, then one block's shape)::
         value_codes  [capacity, block_size, H, D * bits // 8]
         value_scale  [capacity, block_size, H, D // group]       one per token and head_dim group
         value_zero   same as value_scale                        int formats only
-    "full" (a layer kept in full precision):
-        keys, values [capacity, block_size, H, D]
+    "full" (a layer kept in full precision):  keys, values [capacity, block_size, H, D]
 
-A block-table entry `b < 0` names sealed id `-1 - b`. Kernels take every dtype and group size from these
-tensors, never from constants, so a change of the stored layout (fp16 -> fp32 scales, another group
-size) needs no kernel change.
+A table entry `b < 0` names sealed id `-1 - b`. Kernels take every dtype and group size from these tensors, never
+from constants, so a change of the stored layout needs no kernel change.
 """
 
 from __future__ import annotations

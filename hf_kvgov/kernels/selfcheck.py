@@ -1,20 +1,14 @@
 """Every attention kernel against its torch reference, on random paged cases: `run_checks(device)`.
 
-What `eval/gpu_check.py` runs first, and what a user can run on their own GPU to trust the fast paths:
+What `eval/gpu_check.py` runs first, and what a user can run to trust the fast paths on their own GPU::
 
-    from hf_kvgov.kernels.selfcheck import run_checks
     failed = [c for c in run_checks(torch.device("cuda")) if not c.passed]
 
-Cases come from `kernels.synthetic` (ragged rows in permuted blocks, NaN wherever a kernel must not read).
-The kernels: the torch reference against dense float64 attention; the Triton paged kernel in fp32, bf16
-and fp16 and with a bool mask and soft-capping; the Triton kernel over sealed int8 / int4 / int2 / fp8_e4m3 /
-fp8_e5m2 / raw blocks; the quantized torch reference against dense attention over the decoded K/V; and
-flash-attn (decode and a 16-query prefill chunk, blocks of 256) on CUDA when it is installed.
-
-Tolerances (atol, rtol) per dtype, the ones the unit tests hold the kernels to: fp32 1e-5; bf16 and fp16
-one output ulp plus the rounding of K/V tiles and softmax weights to that dtype, (2e-2, 1.6e-2) and
-(2e-3, 1e-3). The kernel modules are imported when a check runs, so a caller may set
-`TRITON_INTERPRET=1` first to run the Triton kernels on the CPU.
+Cases come from `kernels.synthetic`. Checked: the torch reference against dense float64 attention; the Triton
+paged and sealed-block kernels (every dtype, masks, soft-capping, every format); the quantized reference against
+dense attention over the decoded K/V; flash-attn on CUDA when installed. Tolerances (atol, rtol) are the unit
+tests': fp32 1e-5, bf16 (2e-2, 1.6e-2), fp16 (2e-3, 1e-3), an output ulp plus the rounding of K/V tiles and
+softmax weights. Kernels are imported when a check runs, so `TRITON_INTERPRET=1` set first runs them on a CPU.
 """
 
 from __future__ import annotations

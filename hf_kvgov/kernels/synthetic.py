@@ -1,17 +1,14 @@
 """Random paged K/V for checking and timing attention kernels: `make_case` builds one batch.
 
-Rows of ragged lengths are written into a pool of blocks whose ids are a random permutation (a kernel
-that reads blocks in id order, or ignores the table, fails). With `sealed_format`, every block that lies
-wholly inside its row, except the first `sink_blocks`, is then sealed as a `QuantizedCache` seals it:
-encoded by the real `storage.sealed_formats` format, stored at a random sealed id, and its table entry
-replaced by `-1 - id`::
+Rows of ragged lengths are written into blocks whose ids are a random permutation (a kernel that reads blocks in id
+order, or ignores the table, fails). With `sealed_format`, every block wholly inside its row except the first
+`sink_blocks` is sealed as a `QuantizedCache` seals it, at a random sealed id, its entry replaced by `-1 - id`::
 
     row b:  [ sink (fp) | sealed | sealed | ... | sealed | tail (fp, partly filled) ]
 
-Every slot a kernel must not read holds NaN: tokens past a row's length, spare blocks, the
-full-precision copy of a sealed block, and the statistics of spare sealed ids. The dense `keys` /
-`values` of the case are what the cache really holds (sealed tokens decoded), so dense attention over
-them in float64 is an independent expected result.
+Every slot a kernel must not read holds NaN (tokens past a row, spare blocks, a sealed block's full-precision
+copy, spare sealed ids' statistics). The case's dense `keys` / `values` are what the cache really holds (sealed
+tokens decoded), so dense float64 attention over them is an independent expected result.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Paged decode attention with Triton: the fast path of `paged_attention_reference` for q_len == 1.
 
-`paged_attention_triton` takes the reference's arguments (plus per-row lengths) and returns the same
-`[batch, 1, q_heads, head_dim]`; `supports` tells `dispatch` which calls it can serve, everything else
-(prefill, odd head dims, per-head masks) stays on the torch reference. The kernels themselves and their
-memory walk are in `triton_paged_kernel.py`.
-
-What the kernel accepts:
-- q_len == 1; head_dim a power of two from 16 to 256; q_heads a multiple of kv_heads (any group size);
-- fp32, fp16 or bf16, the same dtype for query and caches; fp32 accumulation in every case;
-- any block size (a key tile of `BLOCK_N` tokens may span several blocks or part of one);
-- `mask` None, or `[batch or 1, 1, 1, >= kv_length]` bool (True = attend; masked keys are not loaded) or
-  additive float (added to the logits after soft-capping, as in the reference); keys past kv_length in
-  the mask are ignored;
-- `seq_lens` long `[batch]`: row b attends to its first `min(seq_lens[b], kv_length)` tokens, so a ragged
-  batch needs no mask. Values are not checked against the table on the host (that would synchronize
-  the GPU every step); they are clamped to `[0, kv_length]` inside the kernel instead.
-
-Split-K: long contexts are cut into `num_splits` ranges of key positions, attended in parallel, and
-merged by a second small kernel from each split's (max, denominator, unnormalized output); how the count
-is chosen, and the other host-side steps shared with the sealed-block kernel, are in `triton_launch.py`.
-
-fp32 inputs use IEEE fp32 dot products (no TF32), so they match the reference to ~1e-6. fp16/bf16
-inputs multiply in their own dtype with fp32 accumulation, and the softmax weights are rounded to that
-dtype before the product with V, as FlashAttention does.
+`paged_attention_triton` takes the reference's arguments (plus per-row lengths) and returns the same; `supports`
+tells `dispatch` which calls it serves: q_len == 1, head_dim a power of two from 16 to 256, any GQA group, fp32 /
+fp16 / bf16 (one dtype, fp32 accumulation), any block size, a bool or additive decode mask, and `seq_lens` for
+ragged rows. `seq_lens` is clamped inside the kernel rather than checked on the host, which would synchronize the
+GPU every step. Long contexts are split into `num_splits` key ranges attended in parallel and merged by a second
+kernel (`triton_launch.py` chooses the count; the kernels are in `triton_paged_kernel.py`). fp32 uses IEEE dot
+products (no TF32), matching the reference to ~1e-6; fp16/bf16 multiply in their dtype, and the softmax weights
+are rounded to it before the product with V, as FlashAttention does.
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """Triton kernels for paged decode attention: one query token per row, keys read through a block table.
 
-Two launches. The split kernel, grid `(batch, kv_heads, splits)`: a program owns one KV head of one row
-and one range of `split_tokens` key positions, and attends with all `GROUP` query heads that share that
-KV head at once (they are the rows of one `[BLOCK_H, head_dim]` tile, so each K/V tile is read once per
-group, not once per query head)::
+The split kernel, grid `(batch, kv_heads, splits)`: a program owns one KV head of one row and `split_tokens` key
+positions, and attends with all `GROUP` query heads sharing that KV head at once, so each K/V tile is read once
+per group, not once per query head::
 
     key positions of row b:  | split 0         | split 1         | ...     (split_tokens each)
                              | tile | tile | ..                            (BLOCK_N tokens each)
     token t  ->  block_table[b, t // PAGE]  ->  key_cache[block, t % PAGE, kv_head, :]
 
-Inside a split the tiles are merged by an online softmax in fp32. The program stores its partial state
-(running max `m`, denominator `l`, unnormalized `acc`); the combine kernel, grid `(batch, q_heads)`,
-rescales the splits of one query head to a common max and writes `acc / l` in the output dtype. The
-split count is the caller's choice (`triton_paged.py` picks it from the GPU's size).
-
-Reductions go through `tl.reduce` with triton's own max/sum combine functions instead of `tl.max` /
-`tl.sum`: those are `@triton.jit` objects created when triton is first imported, and when that import
-happened before `TRITON_INTERPRET=1` was set (transformers imports triton through torch._dynamo), the
-interpreter cannot call them. It recognises the combine functions themselves and reduces with numpy.
-
-K/V tiles of this kernel are loaded through `_load_kv_tile` (`KV_FORMAT_NATIVE`: K/V in the query's
-dtype). The attention math of one tile (`_tile_tokens`, `_logits`, `_online_softmax_update`,
-`_store_partial`) is shared with the kernel over sealed (quantized) blocks in `triton_quantized_kernel.py`,
-which only loads and dequantizes its tiles differently.
+A combine kernel merges the splits' online-softmax states. Reductions use `tl.reduce` with triton's combine
+functions, not `tl.max` / `tl.sum`, because the interpreter cannot call those when triton was imported before
+`TRITON_INTERPRET=1` was set (transformers imports it through torch._dynamo). `triton_quantized_kernel.py` shares
+the tile math and only loads and dequantizes its tiles differently.
 """
 
 from __future__ import annotations

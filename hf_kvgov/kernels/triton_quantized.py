@@ -1,20 +1,12 @@
 """Paged decode attention over sealed (int8 / int4 / int2 / fp8 / raw) and full-precision blocks, with Triton.
 
-The fast path of `quantized_paged_attention_reference` for q_len == 1: the kernel
-(`triton_quantized_kernel.py`) reads the sealed codes and their scales straight from the sealed store's
-tensors and dequantizes in registers; no block is decoded into memory. `supports` tells `dispatch` which
-calls it can serve; prefill and everything else stays on the torch reference.
-
-What it accepts: what `triton_paged` accepts (q_len == 1, power-of-two head_dim from 16 to 256, any GQA
-group, any block size, fp32/fp16/bf16 queries with full-precision blocks of the same dtype, bool or
-additive decode masks, ragged `seq_lens`, softcap), plus `SealedBlocks` of a format in `KERNEL_FORMATS`
-with scales and zero points of any float dtype, or one-byte statistics (a logarithmic scale byte and an e4m3
-zero, `hf_kvgov.codecs.numerics`), and any value group size (read from the tensors).
-
-Numerics, against the reference (which decodes to fp32 and attends in fp32): fp32 queries use IEEE fp32
-dot products, so they agree to ~1e-6. fp16/bf16 queries: each dequantized K/V tile (fp32) is rounded to
-the query's dtype for the tensor-core product, and the softmax weights too, as the full-precision kernel
-and FlashAttention do; the difference is then that rounding, about one ulp of the dtype in the output.
+The fast path of `quantized_paged_attention_reference` for q_len == 1: the kernel (`triton_quantized_kernel.py`)
+reads sealed codes and scales straight from the sealed store's tensors and dequantizes in registers; no block is
+decoded into memory. `supports` accepts what `triton_paged` accepts plus `SealedBlocks` of a format in
+`KERNEL_FORMATS`, with statistics of any float dtype or of one byte (`hf_kvgov.codecs.numerics`) and any value
+group size. fp32 queries agree with the reference (fp32 decode and attention) to ~1e-6; fp16/bf16 round each
+dequantized tile and the softmax weights to the query's dtype for the tensor-core product, as the full-precision
+kernel and FlashAttention do, about one ulp of the dtype in the output.
 """
 
 from __future__ import annotations

@@ -1,32 +1,19 @@
 """Triton paged decode over a block table whose entries mix full-precision and sealed (quantized) blocks.
 
-Same grid, split-K and attention math as `paged_decode_split_kernel` (the helpers are shared); only the
-K/V tiles are loaded differently. Every token of a tile looks up its table entry and is read from one of
-two places, with masked loads, so no byte is read twice::
+Grid, split-K and attention math are `paged_decode_split_kernel`'s; only tiles load differently. Every token reads
+its table entry and then one of two places, with masked loads, so no byte is read twice::
 
-    entry = block_table[row, t // PAGE]
     entry >= 0  ->  k_cache[entry, t % PAGE, head, :]                     (query's dtype: sink, tail)
     entry <  0  ->  sealed id s = -1 - entry:
                     key   = codes[s, t % PAGE, head, d] * key_scale[s, 0, head, d] (+ key_zero[s, 0, head, d])
-                            (BYTE_ZEROS, as fp8 keys' and one-byte statistics' zero points: an e4m3 byte,
-                            decoded like a code; LOG_SCALES: a scale byte b is 2 ** ((b - 144) / 12))
-                    value = codes[s, t % PAGE, head, d] * value_scale[s, t % PAGE, head, d // VALUE_GROUP]
-                            (+ value_zero[...])
+                    value = codes[s, t % PAGE, head, d] * value_scale[s, t % PAGE, head, d // VALUE_GROUP] (+ zero)
+    codes: int8 c;  int4 (byte >> 4 * (d % 2)) & 0xF;  int2 (byte >> 2 * (d % 4)) & 0x3;  raw: no scale
+    BYTE_ZEROS: a zero is an e4m3 byte, decoded like a code;  LOG_SCALES: a scale byte b is 2 ** ((b - 144) / 12)
 
-Dequantization happens in registers, in fp32, exactly as the codecs decode (`codes.float() * scale +
-zero`): the torch reference `quantized_reference.py` is the specification. Code formats:
-
-    int8   uint8 code c                                 -> c
-    int4   byte j holds d = 2j (low nibble), 2j + 1 (high) -> (byte >> 4 * (d % 2)) & 0xF
-    int2   byte j holds d = 4j .. 4j + 3, lowest bits first  -> (byte >> 2 * (d % 4)) & 0x3
-    fp8    e4m3fn / e5m2 bits, decoded with integer ops through fp16 (below), no fp8 hardware needed
-    raw    a layer kept in full precision: values in any float dtype, no scale
-
-fp8 through fp16: an e5m2 byte is the top byte of the fp16 with the same value, so `bits << 8`
-reinterpreted as fp16 is exact (subnormals, inf and NaN included). An e4m3fn byte `s eeee mmm` placed
-as fp16 `s 0eeee mmm0000000` is the value times 2**-8 (fp16's exponent bias is 15 = 7 + 8), subnormals
-included, so the fp16 is widened and multiplied by 256 (exact). The one exception is e4m3fn's NaN
-(0x7F / 0xFF), which reads as 480; the codec clamps before casting and never stores it.
+Dequantization is in registers, in fp32, exactly as the codecs decode (`quantized_reference.py` is the spec). fp8
+goes through fp16 with integer ops, so no fp8 hardware is needed: an e5m2 byte is the top byte of the equal fp16
+(`bits << 8`); an e4m3fn byte `s eeee mmm` as fp16 `s 0eeee mmm0000000` is the value times 2**-8, so it is widened
+and multiplied by 256, exactly. e4m3fn's NaN (0x7F / 0xFF) would read as 480; the codec never stores it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """What each kind of layer costs one sequence, as the library groups layers (`hf_kvgov.storage.layer_groups`).
 
-Layers are grouped by window into groups of one size, the gcd of each kind's count (Gemma-3-270M: 15
-sliding layers and 3 full ones make five sliding groups and one full group of three layers). At a length
-of L tokens, one layer of each kind holds::
+Layers are grouped by window into groups of one size, the gcd of each kind's count (Gemma-3-270M: five sliding
+groups and one full group of three layers). At a length of L tokens one layer of each kind holds::
 
     paged, full attention:    ceil(L / bs) * bs tokens
     paged, sliding window w:  ceil(L / bs) * bs - first_kept(L - 1): the blocks overlapping the last window
     static buffer:            max_len tokens (a sliding layer: min(max_len, w))
 
-A kind's bytes per sequence are its layers x KV heads x those tokens' keys and values; the kinds add up to
-the bytes per sequence of a plain paged (or static) step. Codecs, sharing, H2O and spill are left out: this
-splits the uncompressed cache, the figure the layer groups change.
+times its KV heads' keys and values; the kinds add up to a plain paged (or static) step. Codecs, sharing, H2O and
+spill are left out: this splits the uncompressed cache, the figure the layer groups change.
 """
 
 from __future__ import annotations

@@ -1,25 +1,19 @@
 """Bytes of one KV block in each storage format, mirroring the packed layouts of ``hf_kvgov.codecs``.
 
-A block holds ``block_size`` (T) tokens of one layer and one KV head, ``head_dim`` (D) channels, for
-keys and values. Per block and KV head::
+Per block (T = ``block_size`` tokens of one layer) and KV head, with D = head_dim, ``s`` the scale's bytes (fp16:
+2) and ``g`` the value group (default D)::
 
-    full precision (fp32/fp16/bf16, e bytes):  K codes T*D*e   + V codes T*D*e
-    int8 / int4 / int2 (KIVI, b bits):         K codes T*D*b/8 + V codes T*D*b/8      (int4: 2 per byte, int2: 4)
-                                               + K scale & zero per channel:  D       x 2 x s
-                                               + V scale & zero per token:    T x D/g x 2 x s
-    fp8 (e4m3):                                K codes T*D     + V codes T*D
-                                               + K scale & zero per channel:  D       x (s + 1)   (e4m3 zero)
-                                               + V scale per token:           T x D/g x s
+    full precision (e bytes):     K codes T*D*e   + V codes T*D*e
+    int8 / int4 / int2 (b bits):  K codes T*D*b/8 + V codes T*D*b/8 + K scale & zero per channel: D x 2 x s
+                                                                    + V scale & zero per token:   T x D/g x 2 x s
+    fp8 (e4m3):                   K codes T*D     + V codes T*D     + K scale & zero per channel: D x (s + 1)
+                                                                    + V scale per token:          T x D/g x s
 
-``s`` is the scale's size (fp16: 2 bytes) and ``g`` the value group (default: the whole head, D).
+An eviction cache keeps per-head slots dropped one at a time, so a codec groups each slot on its own, keys as
+values (`SlotCodes`; hence no zero point for fp8 slots). Per kept slot and KV head::
 
-An eviction cache keeps per-head *slots*, not blocks: one token of one KV head each, dropped one at a
-time, so a codec groups each slot on its own, keys as values. Per kept slot and KV head (`SlotCodes`)::
-
-    int8/4/2:      K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
-    fp8:           K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
-
-(a slot's keys are grouped per token, like values, so fp8 slots keep no zero point).
+    int8/4/2:  K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
+    fp8:       K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""How long the sequences are that share the accelerator: one fixed length, given lengths, or a
-seeded long-tailed distribution.
+"""How long the sequences sharing the accelerator are: one fixed length, given lengths, or a long-tailed law.
 
 Spec strings (``--lengths``)::
 
-    2048                                   every sequence holds 2,048 tokens
-    fixed:2048                             the same
+    2048   or   fixed:2048                 every sequence holds 2,048 tokens
     300,1200,4000   or   list:300,1200     these lengths, equally likely
-    lengths.csv / lengths.json             a file: one length per row (column 'length', 'tokens',
-                                           'num_tokens' or 'seq_len', or the only column), or a JSON
-                                           list of ints / an object {"lengths": [...]}
+    lengths.csv / lengths.json             one length per row (column 'length', 'tokens', 'num_tokens' or
+                                           'seq_len', or the only column), or a JSON list / {"lengths": [...]}
     lognormal:median=600,max=8192[,sigma=1.0][,n=10000][,seed=0]
-                                           log-normal around the median, cut at max (requests that
-                                           long are truncated to the context, so they pile up at max)
+                                           seeded log-normal around the median, cut at max (requests that long
+                                           are truncated to the context, so they pile up at max)
 """
 
 from __future__ import annotations

@@ -1,40 +1,20 @@
 """The contract every eviction policy follows, and the input checks they share.
 
-A policy is a pure function from per-slot facts to the slots worth keeping. It never touches K/V memory:
-the cache calls ``select``, then moves its tensors with :func:`hf_kvgov.policies.selection.gather_kept`.
+A policy is a pure function from per-slot facts to the slots worth keeping, never touching K/V memory: the cache
+calls ``select``, then moves its tensors (:func:`hf_kvgov.policies.selection.gather_kept`). The cache computes only
+the facts a policy ``needs``: ``mass`` (attention over every query so far), ``recent_attention`` (of the step's last
+``needs.recent_queries`` queries; in decode, the one new query), ``key_norm`` (as cached: RoPE preserves norms) and
+``expected_attention`` (:mod:`hf_kvgov.policies.query_forecast`). Attention facts are summed over the query heads
+sharing a KV head, so GQA groups rank as one. The arguments and result of ``select``::
 
-Each policy declares the facts it ranks by in ``needs`` (a `FactNeeds`), and the cache computes only those:
-
-- ``mass``              accumulated attention mass of each slot over every query so far (H2O).
-- ``recent_attention``  attention the step's last ``needs.recent_queries`` queries paid each slot (SnapKV's
-  observation window, TOVA's current query). At prefill these are the prompt's last queries; during decode
-  a step has one query, so it is the newest query's attention.
-- ``key_norm``          L2 norm of each slot's key as cached (after RoPE, which preserves norms).
-- ``expected_attention`` attention the queries still to come are expected to pay each slot, estimated
-  from the step's queries as ``needs.forecast`` says (:mod:`hf_kvgov.policies.query_forecast`).
-
-Attention facts are softmax probabilities summed over the query heads that share a KV head (and over the
-queries counted), so GQA groups rank as one; a padding query adds nothing.
-
-Shapes, for every policy:
-
-- ``facts``     a `SlotFacts`; each fact it holds is float ``[batch, kv_heads, slots]``, and the facts a
-  policy does not need may be None.
-- ``positions`` long  ``[batch, kv_heads, slots]``: absolute token position of each stored slot. Slots may
-  be stored in any order; a policy ranks them by position, never by slot index.
-- ``valid``     bool  ``[batch, kv_heads, slots]``: False for left padding and for empty slots. Invalid
-  slots are never kept as sinks, heavy hitters or window tokens; their positions and facts are ignored.
-- ``budget``    int: how many slots each (row, head) may keep.
-
-The result is a long ``[batch, kv_heads, kept]`` tensor of slot indices with ``kept = min(budget, slots)``,
-the same for every row and head so that K/V stay one dense tensor. When a row has fewer valid slots than
-``kept``, the selection is padded with invalid slots (the lowest slot indices among them) and the caller
-masks them through ``gather_kept(valid, keep_idx)``. Within a row the invalid fillers come first, then the
-valid slots in ascending position: the kept row is left-padded, like a left-padded batch in transformers.
-
-Every built-in policy is also a `RankingPolicy`: its ``priority`` is what ``select`` ranks by. A cache with
-head-adaptive budgets (`HeadAdaptive`) ranks that priority across the heads of a layer instead, so its heads
-keep different numbers of slots, padded to the largest with fillers it marks invalid.
+    facts      a SlotFacts: each fact float [batch, kv_heads, slots], None where not needed
+    positions  long [batch, kv_heads, slots]: each slot's absolute position; slots may be stored in any order, so
+               a policy ranks by position, never by slot index
+    valid      bool [batch, kv_heads, slots]: False for left padding and empty slots, never kept, facts ignored
+    budget     int: how many slots each (row, head) may keep
+    result     long [batch, kv_heads, min(budget, slots)]: one count for every row and head, so K/V stay one dense
+               tensor; a row short of valid slots gets invalid fillers first (lowest indices, masked by the caller
+               through gather_kept(valid, keep_idx)), then its valid slots in ascending position: left-padded
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """AdaKV's head-adaptive budgets: the KV heads of a layer share its total, by how much their slots are worth.
 
-A uniform budget keeps ``B`` slots in every KV head. Heads differ, though: some spread their attention
-thin, others put it on a handful of tokens, so the ``B``-th slot of a focused head is worth far less than
-the ``B``-th of a diffuse one. AdaKV (Feng et al., 2024) ranks the slots of all the layer's heads together
-by the policy's score and keeps the ``heads x B`` best, so the total (and the bytes) is unchanged and each
-head gets what its scores earn. A floor keeps every head at least ``floor x B`` slots (AdaKV's safeguard,
-0.2 by default), so no head loses its context outright.
-
-Scores are compared across heads as they are: the attention facts are probabilities summed over the same
-number of query heads per KV head, so they share one scale. The slots a policy always keeps (its window,
-its sinks) rank at +inf, so each head keeps them whatever the others score.
-
-The result is ragged: head ``h`` keeps ``c_h`` slots. `select` returns them as a dense index tensor padded to
-the largest ``c_h``, with a mask saying which entries are kept; the cache stores only the kept ones in
-pool blocks (``hf_kvgov.hf.eviction.pooled_slots``), so a head that keeps fewer slots frees real memory.
+Heads differ: some spread their attention thin, others put it on a handful of tokens, so the ``B``-th slot of a
+focused head is worth far less than the ``B``-th of a diffuse one. AdaKV (Feng et al., 2024) ranks the slots of all
+the layer's heads together by the policy's score and keeps the ``heads x B`` best: the same total bytes, each head
+getting what its scores earn, with a floor of ``floor x B`` slots (0.2 by default) so that no head loses its
+context outright. Scores compare across heads as they are, because attention facts are probabilities summed over
+the same number of query heads per KV head; slots a policy always keeps rank at +inf, so every head keeps them.
+`select` returns the ragged result padded to the largest head, with a mask of kept entries; the cache stores only
+the kept ones in pool blocks (``hf_kvgov.hf.eviction.pooled_slots``), so a head keeping fewer frees real memory.
 """
 
 from __future__ import annotations

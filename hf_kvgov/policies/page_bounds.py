@@ -1,19 +1,14 @@
 """Quest's page bound: how much a query can attend to a page of keys, from the page's per-channel min/max.
 
-For a query ``q`` and a page whose keys lie in the box ``min <= k <= max`` (per channel), no key of the
-page can score more than::
+For a query ``q`` and a page whose keys lie in the box ``min <= k <= max`` (per channel), no key scores more than::
 
     bound(q, page) = sum_d max(q_d * min_d, q_d * max_d) = q+ . max + q- . min      (q+ = max(q, 0), q- = min(q, 0))
 
-(Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference"). The bound is
-two matrix products, so ranking thousands of pages per step is cheap, and it is exact for a page of one
-key. The recall tier can rank pages by it (`Recall(summary="bounds")`, `hf_kvgov.engine.slots.recall`).
-
-The bound sums a worst case over every channel, so with wide heads (Gemma-3's 256 channels) a page whose
-keys spread over a wide range in many channels outranks the page a query really attends to. The centroid
-score ``q . mean(k)`` (`page_centroid_scores`) is no bound but tracks where the attention goes: on Gemma-3 at
-8k tokens the needle's page ranked 0-22 of ~450 by it, and 111-404 by the bound, in two of the three full layers,
-so it is the recall tier's default (`Recall()`).
+(Tang et al., 2024, "Quest"). It is two matrix products, so ranking thousands of pages per step is cheap, and exact
+for a page of one key; `Recall(summary="bounds")` ranks by it (`hf_kvgov.engine.slots.recall`). It sums a worst
+case over every channel, so with wide heads (Gemma-3's 256 channels) a page whose keys spread widely outranks the
+page a query really attends to; the centroid score ``q . mean(k)`` (`page_centroid_scores`) is no bound but tracks
+where attention goes, so it is the recall tier's default (eval/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """PyramidKV's per-layer budgets: more slots in the lower layers, fewer in the upper, the same total.
 
-PyramidKV (Cai et al., 2024) observes that attention is spread wide in the lower layers and concentrated on
-a few tokens in the upper ones, so it gives the layers budgets in an arithmetic progression that falls with
-depth. With ``n`` layers, an average budget ``B`` and ``fixed`` slots every layer keeps (the policy's
-observation window or recent tokens), the part above ``fixed`` runs from ``2 (B - fixed) - low`` in the
-first layer down to ``low = (B - fixed) / beta`` in the last; the mean is exactly ``B``, so the cache holds
-the bytes of a uniform budget. The official code (and kvpress's `PyramidKVPress`) computes the same
-progression; here the budgets are whole slots whose sum is exactly ``n * B``.
-
-Use it as a cache's ``layer_budgets``: ``HeavyHitterCache(model, 0.2, layer_budgets=Pyramid())``. It splits
-the cache's budget, once resolved, over the layers that evict (a sliding-window layer keeps its window, so
-it takes no part), lowest layer first.
+PyramidKV (Cai et al., 2024) observes that attention is spread wide in the lower layers and concentrated in the
+upper ones, so budgets fall with depth in an arithmetic progression. With ``n`` layers, a mean budget ``B`` and
+``fixed`` slots every layer keeps (observation window, recent tokens), the part above ``fixed`` runs from
+``2 (B - fixed) - low`` down to ``low = (B - fixed) / beta``; the mean is exactly ``B``, so the cache holds a
+uniform budget's bytes. The official code and kvpress's `PyramidKVPress` compute the same progression; here the
+budgets are whole slots summing to exactly ``n * B``. As ``layer_budgets=Pyramid()`` it splits the cache's resolved
+budget over the layers that evict (a sliding-window layer keeps its window, so it takes no part), lowest first.
 """
 
 from __future__ import annotations

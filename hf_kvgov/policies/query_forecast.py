@@ -1,26 +1,15 @@
 """Expected attention: the attention the queries still to come will pay each slot, estimated from past ones.
 
-Expected Attention (Devoto et al., 2025; kvpress's `ExpectedAttentionPress`) models a future query as a
-Gaussian: the mean ``mu`` and covariance ``Sigma`` of the queries seen, before RoPE, rotated to the next
-``horizon`` positions by the average rotation ``R = mean_t R(t)``. For a Gaussian query the expected
-exponentiated logit of a key ``k`` is ``exp(s mu'.k + s^2 k' Sigma' k / 2)`` with ``mu' = R mu`` and
-``Sigma' = R Sigma R^T`` (``s`` the logit scale), so the expected attention of the slots is a softmax of
+Expected Attention (Devoto et al., 2025; kvpress's `ExpectedAttentionPress`) models a future query as a Gaussian:
+the mean ``mu`` and covariance ``Sigma`` of the queries seen, before RoPE, rotated to the next ``horizon`` positions
+by the average rotation ``R``, so the expected attention of the slots is a softmax of (``s`` the logit scale)::
 
     s * (R mu) . k  +  s^2 / 2 * k^T (R Sigma R^T) k
 
-over the slots a future query can read, summed over the query heads of each KV head (like every attention
-fact) and optionally multiplied by the slot's value norm (a slot with a small value changes the output
-little whatever its weight).
-
-Running statistics (``QueryForecast(running=True)``): the mean and covariance are those of every valid query the
-layer has seen so far, prefill and decode, accumulated as sums by `QueryStatistics`, instead of the step's own
-queries. During decode a step has one query, whose statistics are a single direction with no covariance; a
-stream's chunks are the tokens just read. The running moments forecast from the whole history instead.
-
-The queries come as attention sees them, after RoPE (and after any QK norm, which is why this works on
-Gemma-3, where kvpress's press does not: it re-projects hidden states and cannot apply the norm). Each is
-turned back by its own position (`rerotate` by ``-position``) to recover the query before RoPE; RoPE's
-``attention_scaling`` stays on both the recovered and the future queries, so it needs no special case.
+per KV head, optionally times the slot's value norm (a small value changes the output little). ``running=True`` uses
+every query seen (`QueryStatistics`), since a decode step's one query has no covariance. Queries come after RoPE and
+any QK norm (why this works on Gemma-3, unlike kvpress, which re-projects hidden states) and are turned back by their
+position (`rerotate`); ``attention_scaling`` stays on both sides, so it needs no special case.
 """
 
 from __future__ import annotations

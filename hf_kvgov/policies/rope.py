@@ -1,17 +1,13 @@
 """Rotary position embedding helpers for moving cached keys to new positions (StreamingLLM).
 
-transformers caches keys after RoPE, in the ``rotate_half`` convention (Llama, Qwen, Mistral, Gemma...):
+transformers caches keys after RoPE, in the ``rotate_half`` convention (Llama, Qwen, Mistral, Gemma...)::
 
     rot(k, p) = (k * cos(p * inv_freq) + rotate_half(k) * sin(p * inv_freq)) * attention_scaling
 
-with ``cos``/``sin`` of the ``head_dim / 2`` angles repeated for both halves. Channel ``i`` is paired
-with channel ``i + head_dim/2`` and each pair turns by its angle, so rotations add up:
-``rot(rot(k, p), q - p) == rot(k, q)``. A cache that keeps a subset of tokens can therefore move a key
-from position ``p`` to ``q`` without the unrotated key, which it never sees.
-
-Models with partial rotary embeddings (``inv_freq`` shorter than ``head_dim / 2``) rotate only the first
-``2 * len(inv_freq)`` channels; these helpers do the same and pass the other channels through.
-Interleaved-pair RoPE (GPT-J style ``rotate_every_two``) is a different pairing and is not handled here.
+Channel ``i`` pairs with ``i + head_dim/2`` and each pair turns by its angle, so rotations add up
+(``rot(rot(k, p), q - p) == rot(k, q)``): a cache keeping a subset of tokens can move a key from ``p`` to ``q``
+without the unrotated key, which it never sees. Partial rotary embeddings rotate only the first
+``2 * len(inv_freq)`` channels, as these helpers do; interleaved pairs (GPT-J's ``rotate_every_two``) are not handled.
 """
 
 from __future__ import annotations

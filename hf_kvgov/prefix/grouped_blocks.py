@@ -1,22 +1,17 @@
 """Tree entries over a pool with layer groups: one entry per block position, one pool block per group.
 
-A pool with layer groups (`hf_kvgov.storage.layer_groups`, hybrid sliding-window models) stores one block
-position of a sequence in one pool block per group: the full-attention groups' blocks, and each sliding
-group's. The radix tree caches one id per block position, so `PrefixCache` gives it entry ids, and this
-table says which pool blocks an entry stands for::
+A pool with layer groups (`hf_kvgov.storage.layer_groups`) stores a block position in one pool block per group;
+the radix tree caches one id per position, so `PrefixCache` gives it entry ids and this table maps them::
 
     tokens:   [ block 0 ][ block 1 ] ... [ block 40 ][ block 41 ]  ...
     entry:        e0         e1              e40        e41
     full:         f0         f1              f40        f41          every block, once published
     sliding:      -          -               s40        s41          only while the tree keeps them
 
-A hit at any point needs every full-attention block before it; a sliding group's block serves only hits whose
-window covers it. An entry may lack either: a full-attention block until the request that computed it
-publishes it (a prompt's sliding blocks are published as computed, `hf_kvgov.engine.prefix_groups`), a sliding
-block that its request had freed already, or that the tree let go when the pool needed room (`trim`, before
-it evicts whole entries). A hit is exact when every group has the blocks it needs (`servable`).
-
-Each pool block is in at most one entry, and the tree holds one pool reference on each block of its entries.
+A hit needs every full-attention block before it, and a sliding block only if its window covers it. An entry lacks
+a full block until its request publishes it (`hf_kvgov.engine.prefix_groups`), a sliding block once its request
+freed it or the tree let it go (`trim`); `servable` says whether every group can serve a hit. Each pool block is
+in at most one entry, and the tree holds one pool reference on each.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The unsynchronised core of the prefix tree: node structure, lock bookkeeping and leaf eviction.
 
-:class:`~hf_kvgov.prefix.radix_tree.RadixTree` validates arguments, holds the lock and counts lookups;
-this class only keeps the structure and its derived counters exact. It assumes valid arguments.
-
-Counters kept incrementally (so that size queries are O(1)):
-
-- ``locked_blocks``: blocks of nodes with ``lock_count > 0``;
-- ``evictable_blocks``: blocks of unpinned nodes (no lock on the node or below it), exactly the blocks
-  that evicting leaves over and over would free. A node's pinned status changes only when its own lock
-  count crosses zero or its first/last pinned child appears/goes, so updates walk up only while the
-  status keeps flipping.
+:class:`~hf_kvgov.prefix.radix_tree.RadixTree` validates arguments, holds the lock and counts lookups; this class,
+assuming valid arguments, only keeps the structure and its counters exact. ``locked_blocks`` (blocks of locked
+nodes) and ``evictable_blocks`` (blocks of unpinned nodes, with no lock on or below them: exactly what evicting
+leaves over and over would free) are kept incrementally, so size queries are O(1). A node's pinned status changes
+only when its own lock count crosses zero or its first/last pinned child appears/goes, so updates walk up only
+while the status keeps flipping.
 """
 
 from __future__ import annotations

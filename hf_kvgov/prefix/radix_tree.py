@@ -1,30 +1,14 @@
 """The prefix index: prompts' full token blocks -> KV block ids, with ref locks and leaf eviction.
 
-What SGLang's RadixAttention and vLLM's automatic prefix caching do, for a block pool in which one
-block id holds ``block_size`` tokens of every layer:
-
-- Identity is the chain of full blocks: block ``i`` of a prompt is found by walking the tuples of token
-  ids of blocks ``0..i`` from the root, the tree analogue of vLLM's chained block hash. A partial tail
-  block is never cached, because its KV would still change as tokens are appended.
-- Namespaces (vLLM's ``cache_salt``) are separate roots: prompts under different namespaces never share
-  a block, whatever their tokens. A root is created on first insert and dropped when it empties.
-- Nodes hold compressed runs of blocks and are split (SGLang style) where a prompt diverges, ends or is
-  matched partway through a run, and where a lock covers only part of a run; every block of a node thus
-  shares one lock count and one recency.
-- ``lock``/``unlock`` count in-use references per block. A block can be evicted only when it is an
-  unlocked leaf, so locking a prompt's last block also protects all of its ancestors.
-- ``evict`` removes unlocked leaves in eviction-priority order (LRU by default), trimming a run from its
-  tail; a parent whose last child went becomes a leaf and competes with its own priority.
-
-Complexity (L prompt tokens, d nodes on the path, h queue entries = O(nodes)): ``match`` and ``insert``
-are O(L + d log h); ``lock``/``unlock`` of k blocks O(k + r + p log h) for r blocks in the runs they
-touch and p ancestors whose pinned status flips; ``evict`` of n blocks O((n + s) log h) for s stale
-queue entries, amortised O(n log h). ``__len__``, ``evictable_blocks`` and ``stats`` are O(1). Nodes
-split but never merge back, so a tree that sees many partial locks keeps more, shorter runs.
-
-Thread safety: every public method holds one re-entrant lock for its whole (metadata-only) duration. The
-tree never holds tensors and its lock is never held around model compute; use ``match(..., lock=True)``
-and ``insert(..., lock=True)`` when another thread may evict between a lookup and the lock.
+SGLang's RadixAttention and vLLM's automatic prefix caching, for a pool whose block id holds ``block_size`` tokens
+of every layer. Block ``i`` of a prompt is found by walking the token-id tuples of blocks ``0..i`` from the root
+(vLLM's chained hash); a partial tail block is never cached, because its KV would still change. Namespaces (vLLM's
+``cache_salt``) are separate roots, which never share a block. Nodes hold compressed runs, split where a prompt
+diverges, ends, matches or is locked partway, so a node's blocks share one lock count and recency; runs never merge
+back, so many partial locks leave more, shorter runs. Only unlocked leaves are evicted (LRU by default), so locking
+a prompt's last block protects its ancestors. ``match`` and ``insert`` are O(L + d log h), evicting n blocks
+amortised O(n log h), sizes O(1). Every public method holds one re-entrant lock, never around model compute; use
+``lock=True`` when another thread may evict between a lookup and the lock.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The remote tier under a `PrefixCache` whose pool has layer groups: entries travel with each group's block.
 
-A publish queues the entries new to the tree, each with its groups' blocks (a sliding block the publishing
-cache had freed is absent, `hf_kvgov.tiers.remote_entries`). A hit the store extends must be one the local
-tree would serve (`GroupedBlocks.servable`): every full-attention group has every block of the prefix, every
-sliding group the blocks of the last window before the hit point, whether they come from the local entries
-or from the store; the extension is cut back to the longest such point.
-
-Reference counts as for a pool without groups (`remote_fill`): each loaded block is allocated with one
-reference, which becomes the tree's when its entry is adopted; the caller's tables take one more on each
-block of the hit. Loading, registering and inserting hold the pool's lock (order pool -> tree, see
-`hf_kvgov.prefix.sharing`), so the reclaimer never sees a half-registered entry; the round trip does not.
+A publish queues the entries new to the tree, each with its groups' blocks (a sliding block the cache had freed is
+absent, `hf_kvgov.tiers.remote_entries`). A hit the store extends must be one the local tree would serve
+(`GroupedBlocks.servable`), from local entries or the store, so the extension is cut back to the longest such
+point. Reference counts are as without groups (`remote_fill`): a loaded block starts with one reference, the
+tree's once its entry is adopted, and the caller's tables take one more. Loading, registering and inserting hold
+the pool's lock (order pool -> tree, `hf_kvgov.prefix.sharing`), so the reclaimer never sees a half-registered
+entry; the round trip does not.
 """
 
 from __future__ import annotations

@@ -1,41 +1,15 @@
 """`PrefixCache`: the radix tree bound to a block pool, so requests share the KV of common prefixes.
 
-Reference counts, who holds what::
-
     pool ref count of a block = (1 if the tree caches it) + (number of block tables holding it)
     tree lock count of a block = number of caches that matched or published it and are not released
 
-The tree's own reference keeps a cached block alive after every sequence using it has finished; the
-pool's reclaimer hook evicts unlocked leaves (LRU) when an allocation would otherwise fail, and only
-then is a cached block's memory reused.
-
-Sealed blocks (a `QuantizedBlockPool`'s negative ids) are cached like any other. The tree takes ids
->= 0 only, so this class folds the sealed ones above every id a pool can hand out (`tree_id` /
-`pool_id`); callers only ever see pool ids. A sealed block is not what the pool's allocator hands out,
-and in a quantized path it sits above its full-precision sink (the leaves are sealed, the first block
-is not): the reclaimer therefore keeps evicting, sealed leaves included, until the allocator has the
-full-precision blocks it asked for, or nothing is left to evict.
-
-A pool with layer groups (hybrid sliding-window models) stores one block position in one block per group,
-so the tree caches an entry per position instead, and `GroupedBlocks` says which pool blocks each entry
-stands for (`match_groups` / `publish_groups`; `hf_kvgov.prefix.grouped_blocks` says what a hit keeps). When
-the pool needs room, the reclaimer first lets go of sliding blocks only the tree holds (a sliding block serves
-only hits whose window covers it), then evicts whole entries.
-
-Locking: the tree and the pool each have one lock, and they are only ever nested in the order
-pool -> tree: the pool calls the reclaimer with its lock held, and the reclaimer takes the tree's lock.
-Every other path takes the tree's lock, releases it, and only then takes the pool's; with layer groups,
-`match_groups` and `publish_groups` hold the pool's lock around their tree call and their `GroupedBlocks`
-updates, so the reclaimer (which trims and evicts entries) never sees an entry half changed, nor trims a
-sliding block between a hit's lookup and its caller's reference. Blocks found by
-`match` are locked in the tree atomically with the lookup, so no other thread can evict them before
-the caller's pool reference is taken. Several threads (a web server with a worker per request) can
-therefore share one `PrefixCache` and one pool; a sequence's own cache is used by one thread at a time.
-
-A remote tier (`remote=RedisTier(...)`, `hf_kvgov.prefix.remote_fill`) shares prefixes across processes: a
-publish also queues the blocks new to the tree for the store, and a local hit shorter than the prompt is
-extended by the blocks the store holds after it; with layer groups, by the entries it holds after it, as far
-as every group can serve the hit (`hf_kvgov.prefix.remote_groups`).
+The tree's reference keeps a block alive after its sequences finish; the pool's reclaimer evicts unlocked leaves
+(LRU) only when an allocation would fail. The tree takes ids >= 0 only, so sealed (negative) ids are folded above
+every pool id (`tree_id`); a sealed leaf frees no full-precision block, so the reclaimer evicts until the allocator
+has what it asked for. With layer groups an entry stands for a block per group (`hf_kvgov.prefix.grouped_blocks`).
+Locks nest only pool -> tree (the reclaimer runs under the pool's lock, as do group updates around their tree call)
+and `match` locks what it finds with the lookup, so threads can share one `PrefixCache` and pool. A remote tier
+shares prefixes across processes (`hf_kvgov.prefix.remote_fill`).
 """
 
 from __future__ import annotations

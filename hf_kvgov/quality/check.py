@@ -1,26 +1,13 @@
 """The quantization sanity check: measure what int8 / int4 / fp8 KV costs on *this* model and text.
 
-    report = check_quantization(model, tokenizer)                  # built-in text, int8 / fp8 / int4
-    print(report.render()); report.passed                          # False when a format exceeds the gate
-
-Steps, all against a lossless `PagedCache` on the same tokens (see `lockstep`):
-
-1. every format with the cache in the loop: perplexity, KL of next-token distributions, top-1 agreement,
-   real bytes per token;
-2. the keys' outlier-channel ratio per layer (from the reference cache);
-3. a per-layer scan: one layer quantized at a time (the lowest-bit format, on the first `scan_tokens`), always
-   (`scan="always"`, the full check) or only when that format exceeds the tolerance (`"if-failing"`, `QUICK`),
-   which is the only case where the recommendation uses it;
-4. when that format fails, its most sensitive layers kept in full precision, verified on the whole text;
-   a format of at most 4 bits is also *flagged* on layers whose keys have outlier channels (see `outliers`): those
-   layers are kept in full precision too, and the flagged format itself is never recommended;
-5. a verdict and the cheapest configuration within the tolerance.
-
-What `QUICK` keeps: every token of step 1, fed a block per step. Perplexity increase is an average over the
-scored tokens, noisy on a short text, and a format's loss grows with the context it reads: on the built-in
-text fp8 costs SmolLM2 +0.17% over the first 1,024 tokens and +0.69% over 2,048, so a check on fewer tokens
-would pass a format that a 0.5% gate must fail. What `QUICK` drops is the scan when nothing uses it; that is
-most of the full check's time (`CheckOptions.plan` counts both).
+Against a lossless `PagedCache` on the same tokens (`lockstep`): (1) every format with the cache in the loop
+(perplexity, KL, top-1 agreement, bytes per token); (2) the keys' outlier-channel ratio per layer (`outliers`);
+(3) one layer at a time in the lowest-bit format, always (`scan="always"`) or only when that format fails
+(`QUICK`), the only case where the recommendation uses it; (4) on failure, its most sensitive layers kept in full
+precision, as are flagged outlier layers for formats of at most 4 bits (a flagged format is never recommended);
+(5) a verdict and the cheapest configuration within the tolerance. `QUICK` keeps every token of (1), because a
+format's loss grows with the context it reads and fewer tokens would pass what the gate must fail
+(eval/RESULTS.md); it drops the scan when unused, most of the full check's time (`CheckOptions.plan`).
 """
 
 from __future__ import annotations

@@ -2,28 +2,13 @@
 
     layer_map = recommend_layer_formats(model, tokenizer, text, budget_pct=0.5, formats=("int8", "int4", "int2"))
     layer_map.save("map.json")                      # QuantizedCache.from_config(model, "map.json") loads it
-    layer_map = recommend_layer_formats(model, tokenizer, [text_a, text_b], 0.5, ("int8", "int4"))  # 2 passages
 
-The map is chosen on one passage or several (a list of texts, or ``passages=N`` consecutive passages of
-`CheckOptions.max_tokens` tokens of one text). On several, every measurement is made on each passage: the scan
-is their mean and a map holds only if it holds on every passage, so a map that one passage happens to favour
-is not handed over. On SmolLM2 the map chosen on one passage missed its 0.5% budget on an unseen one
-(`eval/RESULTS.md`, per-layer format maps). How the map is chosen:
-
-1. A per-layer scan for every format: one layer in that format, every other layer in full precision, on the
-   first `CheckOptions.scan_tokens` tokens of each passage. ``increases[f][l]`` is layer l's perplexity
-   increase in format f (the mean over passages).
-2. A choice by marginal cost (`choose_layer_formats`): every layer starts in its cheapest format; while the
-   summed increases exceed the target, the upgrade (a layer to its next dearer format, full precision last)
-   that removes the most predicted loss per byte added is taken.
-3. A check on the whole of every passage: single-layer losses only add up roughly, so the map is measured (its
-   loss is its worst passage's); if it exceeds the budget, the target is scaled down by how far the prediction
-   fell short and the choice made again (at most `MAX_ROUNDS` maps measured). Of the measured maps and uniform
-   int8, the one with the fewest bytes within the budget is returned; when none is, the one with the smallest
-   loss, marked as not meeting it, so a map that misses is never handed over silently.
-
-Bytes per token and layer are the codecs' (`KVCodec.bytes_per_token` at the check's block size) and the model's
-dtype for a layer kept in full precision, so the choice ranks what the cache will hold.
+On several passages (texts, or ``passages=N``) a map holds only if it holds on each, because a map chosen on one can
+miss its budget on an unseen one (eval/RESULTS.md). A per-layer scan prices each layer in each format, and layers
+are upgraded by marginal cost (`choose_layer_formats`); since single-layer losses only add up roughly, the map is
+then measured on every whole passage and the target rescaled (at most `MAX_ROUNDS`). The fewest bytes within budget
+win (uniform int8 competing), else the smallest loss, marked, so a map that misses is never handed over silently.
+Bytes are the codecs' (the model dtype's for full-precision layers), so the choice ranks what the cache will hold.
 """
 
 from __future__ import annotations

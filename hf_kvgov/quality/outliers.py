@@ -1,21 +1,14 @@
 """Outlier channels of cached keys: why per-token key scales fail and int8 is not free on every model.
 
-For one layer's keys `[batch, kv_heads, tokens, head_dim]` (after RoPE, as cached), each (head, channel)
-has a magnitude ``a[h, d] = max over tokens of |K[.., h, t, d]|``. The layer's outlier ratio is::
+For one layer's keys as cached, ``a[h, d] = max over tokens of |K[.., h, t, d]|``, and the outlier ratio is::
 
     ratio = max over (h, d) of a  /  median over (h, d) of a
 
-A ratio near 1-3 means channels of similar scale. DESIGN.md measured 15x in a Qwen2.5 first layer: a
-per-token scale is then set by the outlier channel and flattens the others to a few levels, which is
-why keys are quantized per channel here.
-
-Per-channel scales give an outlier channel a relative error like any other channel's, but not an absolute
-one: its step is a fixed fraction of its own range (1/255 at 8 bits, 1/15 at 4 bits), and that channel
-dominates the attention logits q.k of its layer. At 4 bits a channel spanning [-30m, 30m], m the median
-channel's magnitude, has a step of 60m / 15 = 4m: coarser than a median channel's whole value. So a format
-of at most `LOW_BIT_LIMIT` bits is *flagged* on layers at or above `DEFAULT_OUTLIER_RATIO`, even when the
-text being scored does not expose the damage (a random-weight model, or attention that happens to rest on
-the exactly encoded extremes of each block).
+Near 1-3 the channels share a scale; at 15x a per-token scale is set by the outlier and flattens the others, which
+is why keys are quantized per channel. That gives the outlier a relative error like any channel's but not an
+absolute one, and it dominates the logits q.k: at 4 bits a channel spanning [-30m, 30m] (m the median magnitude)
+has a step of 4m, coarser than a median channel's whole value. So formats of at most `LOW_BIT_LIMIT` bits are
+flagged on layers at or above `DEFAULT_OUTLIER_RATIO`, even when the scored text does not expose the damage.
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Per-sequence block tables.
 
-A `BlockTable` is the ordered list of block ids holding one sequence's tokens: token t lives in block
-`block_ids[t // block_size]` at offset `t % block_size`. Tables only grow while generating; they shrink
-only on `truncate` (rollback of speculative tokens) and `release`.
-
-Invariant that makes sharing safe: a block referenced by more than one table (or by the prefix cache) is
-never written. Before a write touches an existing block, `prepare_write` replaces a shared block by a
-private copy (copy-on-write). Beam search and `num_return_sequences` fork tables, sharing every block.
-
-Sliding-window layer groups (`hf_kvgov.storage.layer_groups`): the `BlockTables` of a group whose layers
-slide over `w` tokens frees, before each forward step, every block whose tokens no query of the step can
-see. Its rows keep their length (token t stays at index t // block_size); the first `freed` entries of a
-row hold no reference any more (`first_block` of the tables: the same for every row), and are never read.
-
-Several devices (layers split over accelerators): the ids are the same for every layer, so `BlockTables`
-keeps one copy of its table tensor and slots per device, made once when they change, not per layer per step.
+A `BlockTable` lists the block ids of one sequence's tokens: token t lives in block `block_ids[t // block_size]` at
+offset `t % block_size`. Tables grow while generating and shrink only on `truncate` (rollback of speculative
+tokens) and `release`. Sharing is safe because a block referenced by more than one table (or by the prefix cache)
+is never written: `prepare_write` first replaces it by a private copy (copy-on-write), so beams and
+`num_return_sequences` fork tables sharing every block. A sliding group's `BlockTables`
+(`hf_kvgov.storage.layer_groups`) free, before each step, every block no query of the step can see; rows keep
+their length, and their first `freed` entries (`first_block`, the same for every row) are never read. Ids are the
+same for every layer, so with layers on several devices the table is copied once per device when it changes.
 """
 
 from __future__ import annotations

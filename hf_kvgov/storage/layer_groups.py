@@ -1,22 +1,16 @@
 """Layer groups: layers that keep the same tokens share block tables, and a block holds one group's layers.
 
-A hybrid model mixes layers that attend to every previous token with layers that slide over the last `w`
-tokens (Gemma-3: 5 sliding layers of 512 tokens, then 1 full-attention layer, repeated). One block table
-for every layer would keep every token in every layer; a sliding layer needs only its window. So layers
-are grouped by what they keep, and each group has its own block tables over the one pool.
-
-Groups all have the same number of layers, `s`: the greatest common divisor of the counts of each kind
-(vLLM's hybrid allocator makes the same choice). Then a block id means the same memory in every group --
-position j of the group's layers, for `s` positions -- and the pool keeps one free list, one byte cap and
-one kind of block for all groups::
+A hybrid model mixes full-attention layers with layers sliding over the last `w` tokens; one table for every layer
+would keep every token in every layer, so layers are grouped by what they keep, each group with its own tables over
+the one pool. Groups all have `s` layers, the gcd of each kind's count (as in vLLM's hybrid allocator), so a block
+id means the same memory in every group and the pool keeps one free list, one byte cap and one kind of block::
 
     Gemma-3-270M: 15 sliding layers, 3 full (5, 11, 17)  ->  s = 3, six groups of three layers
         sliding 512: (0 1 2)  (3 4 6)  (7 8 9)  (10 12 13)  (14 15 16)        full: (5 11 17)
     pool tensors: keys[position j] : [capacity, block_size, kv_heads, head_dim], j = 0, 1, 2
     layer l  ->  (its group, its position j): its K/V live in keys[j][block ids of its group's tables]
 
-A block therefore costs `s` layers' worth of bytes whatever its group. A sliding group frees every block
-whose tokens have all left the window, so a sliding layer holds at most about `w + block_size` tokens per row.
+A block costs `s` layers' bytes whatever its group; a sliding layer holds at most about `w + block_size` tokens.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """How one layer of a sealed block is stored: encoded by a codec, or kept in full precision.
 
-A sealed block is a full K/V block that will never be written again. Per layer it is stored as a few
-named *pieces*, each a tensor with one leading dim per block. A `SealedFormat` says which pieces a block
-needs (`layout`), turns K/V blocks into pieces (`encode`) and back (`decode`); it holds no data.
+A sealed block is a full K/V block that will never be written again, stored per layer as named *pieces*, each a
+tensor with one leading dim per block. A `SealedFormat` says which pieces a block needs (`layout`) and converts
+(`encode`, `decode`); it holds no data, and takes the piece shapes from the codec (one dummy block is encoded at
+construction), so the storage never repeats a codec's packing arithmetic::
 
-    CodecFormat(Int8Codec())  ->  key_codes, key_scale, key_zero, value_codes, value_scale, value_zero
+    CodecFormat(Int8Codec())    ->  key_codes, key_scale, key_zero, value_codes, value_scale, value_zero
     CodecFormat(Fp8E4M3Codec()) ->  key_codes, key_scale, key_zero, value_codes, value_scale  (no value zero)
-    RawFormat(torch.float32)  ->  keys, values                      (a layer kept in full precision)
-
-The piece shapes come from the codec itself (one dummy block is encoded at construction), so the
-storage never repeats a codec's packing arithmetic.
+    RawFormat(torch.float32)    ->  keys, values                      (a layer kept in full precision)
 """
 
 from __future__ import annotations

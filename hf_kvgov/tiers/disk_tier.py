@@ -1,22 +1,13 @@
 """The disk tier: ref-counted spilled blocks in one `SlotFile`, a checksum per (block, layer), a write budget.
 
-Bytes in, bytes out: the tier never interprets what a segment holds (raw K/V, or a quantized pool's codes
-and scales); it only needs every block to have `layers` segments, layer l's made of the same parts in
-every block (`TierLayout.parts(l)`).
-
-A block is written once, when it spills, and never rewritten: blocks shared by several sequences (beam
-search) are one handle with a reference count, and the slot is freed when the count reaches zero.
-
-Checksum: ``zlib.crc32`` over each (block, layer) segment, taken when written and verified on every
-read. Measured here (zlib 1.2.13, one core): 1.85 GB/s, 13 µs per 24 KiB segment; ``hashlib.blake2b``
-manages 0.31 GB/s. That is more than the read itself when the page cache serves it (SmolLM2 at 2,048
-tokens reads 88 MB per decode token: ~25 ms of ``preadv``, ~50-90 ms of CRC), so reads run on the
-read-ahead thread, where zlib releases the GIL and the cost overlaps the model's compute. CRC-32 catches
-every error burst up to 32 bits and random damage with probability 1 - 2^-32. It guards against
-damage, not tampering: the file is private scratch space.
-
-Writes are all-or-nothing: if the disk fills (or the write budget would be exceeded) nothing of the
-batch becomes readable, the slots are free again, and the caller still holds the blocks in memory.
+Bytes in, bytes out: the tier never interprets a segment (raw K/V, or codes and scales); it only needs every block
+to have `layers` segments, layer l's of the same parts in every block (`TierLayout.parts(l)`). A block is written
+once, when it spills: blocks shared by beams are one handle with a reference count, its slot freed at zero.
+``zlib.crc32`` of each segment is verified on every read; that can cost more than the read itself when the page
+cache serves it (``hashlib.blake2b`` is slower still), so reads run on the read-ahead thread, where zlib releases
+the GIL and the cost overlaps compute. CRC-32 catches every burst up to 32 bits and random damage with probability
+1 - 2^-32; it guards against damage, not tampering (the file is private scratch). Writes are all-or-nothing: when
+the disk fills or the budget would be exceeded, nothing of the batch is readable and the caller still holds it.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Read-ahead of spilled blocks into resident buffers sized by what is spilled, one layer ahead of the model.
 
-    layer l calls take(l)   -> its rows are copied to the caller's tensors (waiting for any still
-                               loading), blocks that were not read ahead are read now, straight into
-                               those tensors; the rows are free again
+    layer l calls take(l)   -> its rows are copied to the caller's tensors (waiting for any still loading),
+                               blocks not read ahead are read now, straight into them; the rows are free again
     then request(l + 1)     -> a background thread reads layer l+1's blocks into free rows while
                                layer l's attention and MLP run
 
-The buffers are rows of one segment each (one layer of one block, one tensor per part). A layer asks
-for one row per spilled block, so the rows follow what the request spilled: none until a block is read
-back, then one per block of the largest request so far (one layer of the spilled blocks, a fraction
-1 / layers of the bytes on disk), up to `buffer_bytes`. A request that spills little thus holds little,
-and the tier never costs memory it does not save. Rows grow only while none is in use (between layers)
-and are freed by `close`. A request takes one contiguous run of rows, in the order of its handles: the reader fills it
-with one read per part and `take` moves it with one copy per part. Blocks that do not fit
-are read when their layer asks (counted as on demand). On CUDA the rows are pinned host memory and a
-copy stream moves each run to device rows as soon as it is read; the consumer only orders its stream
-after that copy's event.
-
-Several devices (a model split over accelerators): each device has its own rows, an equal share of the
-buffer, so a layer's blocks are read ahead into memory on the device of the layer that reads them. Layers
-whose segments differ (`TierLayout.layer_parts`) likewise get rows of their own shape, an equal share each.
-
-Correctness never depends on the thread: a read ahead that failed for any reason (its block freed
-meanwhile, damage, a lost file) is redone by the consumer, on its own thread, which then raises the
-real error.
+A row holds one segment and a layer asks one per spilled block, so rows follow the spill (one layer of the spilled
+blocks, up to `buffer_bytes`) and never cost memory the spill does not save. A request's rows are one contiguous
+run (pinned, with a copy stream, on CUDA), and each device has its own rows, so blocks land on the device of the
+layer reading them. Correctness never depends on the thread: the consumer redoes a failed read-ahead and raises.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Append-only pages of evicted tokens on disk: what an eviction cache with recall writes and reads back.
 
-A page is ``page_tokens`` evicted tokens of one (sequence, layer, KV head), in position order, stored as
-one segment of the disk tier with three parts, in the model's dtype and the machine's byte order::
+A page is ``page_tokens`` evicted tokens of one (sequence, layer, KV head), in position order, one segment of the
+disk tier with three parts, in the model's dtype and the machine's byte order::
 
     part 0 = keys       page_tokens x head_dim      (rotated at each token's own position, as cached)
     part 1 = values     page_tokens x head_dim
     part 2 = positions  page_tokens x int64
 
-Pages are written once, when they fill, and never rewritten: beams that share a page share its handle
-(the tier counts references), and a page's slot in the file is reused only after its last reference is
-dropped. The tier's CRC-32 per segment, write budget and file checks apply unchanged, so a damaged page,
-a full disk or a removed directory raise `SpillCorrupted`, `SpillSpaceExhausted` and `SpillFileLost` as
-a disk cache's blocks do; `read` names the layer and the tokens of a damaged page.
+Written once, when full; beams share a page's handle, and its slot is reused only after the last reference goes.
+The tier's checks apply unchanged, so a damaged page, a full disk or a lost file raise as a disk cache's blocks do.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """`RedisTier`: a prefix tier shared by every process (and machine) that reaches one Redis (or Valkey) server.
 
-    tier = RedisTier("redis://127.0.0.1:6379/0", model, namespace="tenant-a")
-    prefix = PrefixCache(pool, remote=tier)      # publish writes new full blocks; a local miss reads them
+    prefix = PrefixCache(pool, remote=RedisTier("redis://127.0.0.1:6379/0", model, namespace="tenant-a"))
 
-What it guarantees, whatever the server does:
-
-- A block is visible only once fully written: a block is one value (every layer, a checksum) stored by one
-  SET, and a publish's blocks go in one MULTI/EXEC transaction, in chain order.
-- A read is one pipelined round trip for the whole prompt: GET of every block key the local tree lacks; the
-  hit is the leading run of values present and verified. A key the server evicted (`maxmemory`), expired
-  (`ttl_s`) or another client deleted is a miss from there on. The same round trip asks whether the store
-  still has the blocks of the local hit (EXISTS); when it lost some (a restart, an eviction), the caller
-  writes them again, so a store that lost a prefix gets it back from the next process that holds it.
-- A damaged value (checksum, length, format) is counted, deleted from the store and recomputed here.
-- A lost connection is a miss: the first failure of an outage warns once, every failure is counted, and the
-  store is not asked again for `retry_s` seconds (so a dead server costs one timeout, not one per request).
-  Writes meanwhile are dropped and counted. Nothing raises into generate.
-
-Keys (`remote_keys`) mix the model's identity, the pool's layout and the tenant `namespace`, so tiers of
-other models, dtypes, codecs or tenants on one server never read each other's blocks.
+A block is visible only once fully written: one value (every layer, a checksum) per SET, a publish's blocks in one
+MULTI/EXEC, in chain order. A read is one pipelined round trip: GET of every block the local tree lacks (the hit is
+the leading run present and verified) and EXISTS of the local hit's, so a store that lost a prefix gets it back
+from the next process that holds it. A damaged value is counted, deleted and recomputed. A lost connection is a
+miss: one warning per outage, every failure counted, and no retry for `retry_s` seconds, so a dead server costs
+one timeout, not one per request; nothing raises into generate. Keys (`remote_keys`) mix the model, the pool
+layout and the tenant, so tiers of other models, dtypes, codecs or tenants never read each other's blocks.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Keys of the remote prefix tier: what makes two blocks' K/V the same, hashed so that nothing else collides.
 
-A block's key is a chained SHA-256, as vLLM's block hash, but deterministic across processes and machines
-(never Python's `hash()`, which is salted per process)::
+A chained SHA-256 as vLLM's block hash, but deterministic across processes and machines (not the salted `hash()`)::
 
     salt      = sha256(FORMAT_VERSION, model identity, pool layout, tenant)
     key[0]    = sha256(salt,   tree namespace, token ids of block 0)
     key[i]    = sha256(key[i-1],               token ids of block i)
 
-The model identity is its config plus a fingerprint of its weights (`model_identity`); the pool layout is
-everything that changes a block's bytes: dtype, block size, KV heads, head dim, layers, layer groups, and,
-for a quantized pool, each layer's sealed pieces (names, shapes, dtypes). Two models, two dtypes, two
-codecs or two tenants therefore never share a key, whatever their tokens.
+The model identity is its config plus a fingerprint of its weights (`model_identity`); the pool layout is all that
+changes a block's bytes (dtype, block size, KV heads, head dim, layers, layer groups, sealed pieces). Two models,
+dtypes, codecs or tenants therefore never share a key.
 """
 
 from __future__ import annotations

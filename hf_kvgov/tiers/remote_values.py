@@ -1,19 +1,17 @@
 """Between the pool's blocks and the remote tier's values: snapshot, encode with a checksum, verify, load.
 
-One value per block, every layer of it, as the pool stores it (a sealed block of a quantized pool travels as
-its codes and scales, never decoded)::
+One value per block, every layer, as the pool stores it (sealed blocks as codes and scales, never decoded)::
 
     offset 0   b"KVGR"                     magic
            4   u8  FORMAT_VERSION
-           5   u8  kind                    0: raw K/V, 1: sealed pieces, 2: an entry of a pool with layer
-                                       groups (`remote_entries`: a kind per group, then those blocks)
+           5   u8  kind                    0: raw K/V, 1: sealed pieces, 2: a grouped entry (`remote_entries`)
            6   32 bytes  sha256(key, bytes 0..5, payload)
           38   payload: per position of a block (`pool.layout.heads`), per part, the part's bytes:
                  raw:    keys[l][b], values[l][b]               block_size x kv_heads x head_dim, pool dtype
                  sealed: each piece of layer l's SealedFormat   in the store's piece order
 
-The checksum covers the key, so a value stored under another key (or a truncated, bit-flipped one) fails
-verification and is treated as a miss. Byte order is the machine's (every x86 and ARM host is little-endian).
+The checksum covers the key, so a value under another key (or a truncated, bit-flipped one) is a miss. Byte
+order is the machine's (every x86 and ARM host is little-endian).
 """
 
 from __future__ import annotations

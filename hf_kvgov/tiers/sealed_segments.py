@@ -1,16 +1,14 @@
 """Sealed (quantized) blocks in the disk tier: written as stored, codes and scales, never decoded.
 
-Segment of (sealed block s, layer l): one part per piece of the layer's `SealedFormat`, in the store's
-piece order, each exactly the bytes the store holds for that block::
+Segment of (sealed block s, layer l): one part per piece of the layer's `SealedFormat`, in the store's order::
 
     int8:  part 0 = key_codes[l][s]   (block_size x H x D, uint8)
            part 1 = key_scale[l][s]   (1 x H x D, fp16)        part 2 = key_zero[l][s]   (the same)
            part 3 = value_codes[l][s] (block_size x H x D, uint8)
            part 4 = value_scale[l][s] (block_size x H x D/g)   part 5 = value_zero[l][s] (the same)
 
-so a block read back holds the very bytes that were sealed, and decodes exactly as the store would decode
-it. A layer kept in full precision stores its raw K/V (`keys`, `values`): its segments have other parts,
-which the tier's layout records per layer (`TierLayout.layer_parts`).
+so a block read back holds the very bytes that were sealed and decodes as the store would. A layer kept in full
+precision stores raw `keys`, `values`; the tier's layout records each layer's parts (`TierLayout.layer_parts`).
 """
 
 from __future__ import annotations

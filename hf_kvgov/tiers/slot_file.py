@@ -1,25 +1,17 @@
 """One preallocated file of fixed-size block slots: where spilled KV blocks live on disk.
 
-A block spans every layer (as in the pool) and is cut into one segment per layer, so that the layer
-about to run can be read without the others; a segment is a few parts (raw K/V: the keys, the values).
-The file grows by whole extents, each reserved up front with ``posix_fallocate`` so that a full disk
-shows up when an extent is added, not halfway through a block::
+A block is one segment per layer, so the layer about to run is read without the others; the file grows by extents
+reserved with ``posix_fallocate``, so a full disk shows up when an extent is added, not halfway through a block::
 
-    file        = extent 0 | extent 1 | extent 2 | ...
     extent e    = layer 0 | layer 1 | ... | layer L-1                  (C slots each)
     layer l     = part 0 of slots eC .. eC+C-1 | part 1 of the same slots | ...
     (slot s, layer l, part p) -> (s // C) * C*(S_0 + .. + S_{L-1}) + C * (S_0 + .. + S_{l-1})
                                  + C * (P_l0 + .. + P_l(p-1)) + (s % C) * P_lp
+    C = extent_slots, P_lp = bytes of part p of layer l, S_l = P_l0 + P_l1 + ... (one segment)
 
-    C = extent_slots, L = layers, P_lp = bytes of part p of layer l, S_l = P_l0 + P_l1 + ... (one segment;
-    usually the same for every layer)
-
-Why this order: reads are per layer, over many blocks, into one buffer per part (the K stack, the V
-stack). Part p of consecutive slots is one contiguous range of the file, so a run of blocks is one
-``preadv`` per part, straight into the caller's buffer, whatever the number of blocks.
-
-The file is created with ``mkstemp`` (``O_CREAT | O_EXCL``, mode 0600), so two caches never share a
-file, even in the same directory. It is closed and deleted by `close()` or when garbage collected.
+This order because reads are per layer, over many blocks, into one buffer per part: part p of consecutive slots is
+one range, so a run of blocks is one ``preadv`` per part. The file comes from ``mkstemp`` (mode 0600), so two caches
+never share one; `close()` or garbage collection deletes it.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Block tables whose entries are pool ids or spilled blocks of a `DiskTier`.
 
-An entry `b >= 0` is a pool block, as in `BlockTable`; an entry `b < 0` is the spilled block with handle
-`-1 - b`. A quantized pool, whose sealed blocks are negative entries already, names spilled blocks below
--2**62 instead (`SpilledIds`): every entry the `SpilledIds` does not claim is the pool's.
-
-References work the same in both tiers: forking a row takes one more reference on each of its blocks
-wherever they live, truncating or releasing drops them, so a spilled block shared by several
-beams is one handle with several references, and its disk slot is freed with the last one.
-
-A sliding layer group's tables are tiered too: a block inside its window but older than the cache's hot window
-may spill, and a block that left the window is freed wherever it lives (its disk slot with it). With a hot
-window at least as long as the sliding window, nothing of a sliding layer is ever written.
-
-Only sealed blocks spill and writes only touch the tail, so a write never lands on a spilled block;
-the cache brings a block back into the pool before that could happen (after a crop).
+An entry `b >= 0` is a pool block, as in `BlockTable`; `b < 0` is the spilled block with handle `-1 - b`. A
+quantized pool, whose sealed blocks are negative already, names spilled blocks below -2**62 (`SpilledIds`).
+References work the same in both tiers (forking takes one more on each block wherever it lives; truncating or
+releasing drops them), so a spilled block shared by beams is one handle whose disk slot goes with the last
+reference. A sliding group's tables are tiered too: a block that left the window is freed wherever it lives, and
+with a hot window at least the sliding window nothing of a sliding layer is ever written. Only sealed blocks spill
+and writes touch only the tail, so a write never lands on a spilled block (a crop brings a block back first).
 """
 
 from __future__ import annotations

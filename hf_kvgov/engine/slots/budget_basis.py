@@ -1,24 +1,14 @@
 """What a fractional budget is a fraction of: a declared length, or generate's prompt.
 
-::
-
     budget=0.2, budget_of=2048   20% of 2,048 tokens = 409 slots, fixed on construction (streams, chunked text)
     budget=0.2                   20% of the prompt, under ``generate`` only; refused anywhere else
 
-Why not "a fraction of the first forward": a text fed in 32-token chunks would keep 20% of 32 tokens (6
-slots) for the whole text. So an undeclared fraction is resolved only where its basis is known.
-
-How the cache knows a forward is generate's prompt: ``generate`` marks a cache the caller passes in
-(``cache._is_user_defined = True``, in ``GenerationMixin._prepare_cache_for_generation``, transformers 5.24)
-before it runs the prefill. The cache records that mark (`BudgetBasis.mark_generate`); the next forward
-of a fresh cache is then the prompt. Two cases stay refused, with the fix named:
-
-- a first forward with no mark (a direct ``model(...)`` call): the caller may be streaming chunks;
-- a second multi-token forward within the same ``generate`` call (``prefill_chunk_size``: generate fed the
-  prompt in chunks, so the budget was resolved against the first one).
-
-Should a later transformers stop marking caches, ``generate`` with an undeclared fraction fails loudly with
-the first message; it never resolves silently against the wrong length.
+Not "a fraction of the first forward", because a text fed in 32-token chunks would keep 20% of 32 tokens for the
+whole text. ``generate`` marks a cache passed to it (``cache._is_user_defined = True``, in
+``GenerationMixin._prepare_cache_for_generation``) before its prefill, recorded by `BudgetBasis.mark_generate`.
+Refused, with the fix named: a first forward with no mark (a direct ``model(...)`` call may be streaming chunks), a
+second multi-token forward in one ``generate`` (``prefill_chunk_size``: the budget was resolved against the first
+chunk). So, should transformers stop marking caches, this fails loudly, never against the wrong length.
 """
 
 from __future__ import annotations

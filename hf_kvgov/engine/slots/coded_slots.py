@@ -1,16 +1,14 @@
 """One of K or V of an eviction layer's kept slots, as codec codes with a scale per slot.
 
-An eviction cache drops tokens one at a time and per KV head, so every statistic must belong to a single
-slot: then dropping slots is a gather of codes and scales along the slot axis, and the codes that stay
-are never decoded and encoded again. The codec groups each slot along head_dim (its TOKEN grouping,
-``group_size`` elements per scale)::
+An eviction cache drops tokens one at a time and per KV head, so every statistic must belong to a single slot:
+then dropping slots is a gather of codes and scales, and the codes that stay are never decoded and encoded again.
+The codec groups each slot along head_dim (its TOKEN grouping, ``group_size`` elements per scale)::
 
     codes   uint8    [batch, kv_heads, slots, head_dim * bits / 8]   raw bytes (fp8 codes viewed as uint8)
     scale   float16  [batch, kv_heads, slots, head_dim / group]      one per slot and head_dim group
     zero    float16  same as scale, or None (fp8 has no zero point)
 
-The codes are stored as raw bytes because CPU torch cannot gather float8 tensors; decoding views them back
-as the codec's dtype.
+Codes are raw bytes because CPU torch cannot gather float8 tensors; decoding views them as the codec's dtype.
 """
 
 from __future__ import annotations

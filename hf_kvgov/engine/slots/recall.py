@@ -1,30 +1,14 @@
 """Recall: what an eviction policy evicts goes to disk pages, and the pages a query needs come back.
 
-An eviction cache built with ``recall=Recall(...)`` keeps its budget of slots as before, but an evicted
-token is not dropped: it joins its (sequence, layer, KV head)'s pending page, and a full page is written
-once to the disk tier (`hf_kvgov.tiers.recall_pages`). Each written page leaves a small resident summary
-of its keys (`Recall.summary`): the mean key, or the per-channel min and max. At every step, before
-attention, the layer ranks its pages by the step's queries' scores on their mean keys, or by Quest's bound on
-the attention those queries can pay them (`hf_kvgov.policies.page_bounds`), and attends, beside its kept
-slots, to::
-
-    the pending page          < page_tokens evicted tokens not yet written (always resident)
-    the recalled pages        the ``pages`` pages with the highest score, per (sequence, KV head)
-
-Recalled pages live in a bounded buffer (`hf_kvgov.engine.slots.recall_buffer`): a buffer shared by the
-layers (the default) holds one layer's pages at a time and reads each step's again; with one buffer per layer
-a page chosen at the previous step is not read again, so a run of decode steps asking about the same passage
-reads it once. Reads per layer step are at most ``pages`` per (sequence, KV head), and the stats report how
-many were read. What is resident per (sequence, layer, KV head) is the budget, one pending page, ``pages``
-recalled pages (a shared buffer: one layer's, for all of them) and one summary per written page
-(``head_dim`` values per ``page_tokens`` tokens for a centroid, ``2 x head_dim`` for bounds).
-Recalled slots are attended, never kept: the policy's choice of kept slots is the same as without recall, and
-their attention mass is not counted. With every page recalled (``pages`` >= pages written) attention reads
-every token the sequence ever had, which the tests use to check recall exactly against a full cache.
-
-A sliding-window layer spills only the tokens it evicts inside its window (those that leave the window
-are invisible to every later query, as in `DynamicCache`), and never recalls a page wholly older than the
-window. Left padding is never spilled.
+With ``recall=Recall(...)`` an eviction cache keeps its budget of slots, but an evicted token joins its (sequence,
+layer, KV head)'s pending page; a full page is written once to the disk tier (`hf_kvgov.tiers.recall_pages`) and
+leaves a resident summary of its keys (`Recall.summary`: the mean key, or per-channel min and max). Each step,
+before attention, the layer ranks its pages by its queries' scores on the mean keys or Quest's bound
+(`hf_kvgov.policies.page_bounds`) and attends, beside its kept slots, to the pending page and the ``pages`` best
+pages per (sequence, KV head), held in a bounded buffer (`hf_kvgov.engine.slots.recall_buffer`). Recalled slots are
+attended, never kept: the policy's choice is as without recall, so with every page recalled attention reads every
+token (the tests check it against a full cache). A sliding-window layer spills only what it evicts inside its
+window, since later queries cannot see the rest, and never recalls a page wholly older than it.
 """
 
 from __future__ import annotations

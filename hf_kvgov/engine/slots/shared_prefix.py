@@ -1,23 +1,14 @@
 """A shared prefix under an eviction cache: the tree's blocks kept as computed, the budget for the rest.
 
-The rule: blocks a request takes from a prefix tree (`match`) are attended in full at every step and
-never evicted; they are shared, so their cost is paid once for every request that reads them, and they are
-not counted in the request's bytes. The eviction policy's budget governs the request's own tokens, those
-after the prefix (a fraction of generate's prompt is a fraction of them). Eviction caches read the tree;
-the document is published by a block cache on the same tree (`PagedCache(model, prefix=tree)`), since what
-a policy keeps is no longer the prefix as computed.
-
-Rows that hit different lengths are laid out as a prefix-sharing `PagedCache` lays them out
-(`hf_kvgov.engine.prefix_layout`): slots 0..M-1 hold each row's hit, then masked padding up to the longest hit
-M, and the row's own tokens follow, so positions (from the attention mask) are each row's own. The tree's
-blocks stay locked and referenced until `release()` or `reset()`; beams index the matched rows, so a row
-duplicated by beam search shares them without new references.
-
-A tree over a pool with layer groups (a hybrid sliding-window model, `hf_kvgov.prefix.grouped_blocks`) is
-matched with `match_groups`: a full-attention layer reads every block of the hit, a sliding layer its
-group's blocks from the one holding the first token the next query sees (the earlier ones are no longer in
-any query's window, and the tree need not hold them). The attention's window mask, which reads each slot's
-position, keeps a sliding layer's later queries off the prefix tokens that leave the window.
+Blocks a request takes from a prefix tree (`match`) are attended in full at every step and never evicted: they are
+shared, so their cost is paid once for every request that reads them, and they are not counted in the request's
+bytes. The policy's budget governs the request's own tokens after the prefix. Eviction caches only read the tree; a
+block cache on it publishes the document (`PagedCache(model, prefix=tree)`), since what a policy keeps is no
+longer the prefix as computed. Rows are laid out as in `hf_kvgov.engine.prefix_layout`, so positions are each
+row's own; the tree's blocks stay locked until `release()` or `reset()`, and beams share them without new
+references. With layer groups (`match_groups`) a sliding layer reads its group's blocks from the one holding the
+first token the next query sees, since earlier ones are in no query's window; the window mask keeps later queries
+off prefix tokens that leave it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Attention over an eviction cache's slots, with each KV head keeping different tokens.
 
-After an eviction, KV head 0 of a row may keep tokens {0, 1, 7, 9} while head 1 keeps {0, 4, 8, 9}, so
-no single ``[batch, 1, q_len, kv_len]`` mask (what transformers builds) can describe them. What the cache
-knows instead is per slot: the kept slots' validity (False for left padding and empty fillers), and that
-the newest ``q_len`` slots are this step's tokens, causal among themselves::
+After an eviction, KV head 0 of a row may keep tokens {0, 1, 7, 9} and head 1 {0, 4, 8, 9}, so no single
+``[batch, 1, q_len, kv_len]`` mask (what transformers builds) can describe them. The cache knows instead, per slot,
+the kept slots' validity and that the newest ``q_len`` slots are this step's tokens::
 
     slots of one (row, KV head):   kept slots (any order)  |  new slots (this step)
     query i attends to:            every valid kept slot   |  new slot j if j <= i and j is not padding
 
-Queries are processed ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length, and
-the softmax probabilities of each chunk are added to the heavy-hitter scores with
-:func:`hf_kvgov.policies.accumulate_attention`: the mass is exact, prefill included. The attention of the
-step's last queries alone (SnapKV's observation window, TOVA's current query) is summed the same way.
+Queries go ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length; each chunk's probabilities
+feed :func:`hf_kvgov.policies.accumulate_attention`, so the mass (and the last queries' attention) is exact.
 """
 
 from __future__ import annotations

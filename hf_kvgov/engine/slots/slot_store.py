@@ -1,33 +1,14 @@
 """Where an eviction layer's kept slots live: as the model produced them, or as codec codes.
 
-A layer's slot store holds K and V of its kept slots; a slot format turns one step's attended slots
-into the store kept after that step. The cache only asks a store to be read, gathered (eviction) and
-row-selected (beam search), so it never branches on how the slots are stored::
+The cache only asks a slot store to be read, gathered (eviction) and row-selected (beam search), so it never
+branches on how the slots are stored (quantized slots are attended in full precision, then encoded at commit)::
 
     DenseSlots       keys, values   [batch, kv_heads, slots, head_dim]    the model's dtype
     QuantizedSlots   keys, values   CodedSlots: codes + scales of each slot (see ``coded_slots``)
 
-Quantized slots follow `QuantizedCache`'s rhythm: a step's new tokens are attended in full precision,
-then encoded once when the step commits; from then on attention reads them decoded.
-
-Why keys are quantized per slot, not per channel
-------------------------------------------------
-KIVI groups keys per channel over many tokens because a few key channels are outliers. An eviction cache
-cannot keep such groups: it drops tokens one at a time and per KV head, and a group spanning dropped and
-kept tokens would have to be decoded and encoded again. So each slot's key gets its own scales along
-head_dim, as values do (``group_size`` elements per scale), and eviction is a gather of codes and scales.
-Keeping some per-channel equalisation, by dividing each channel by a divisor fixed from the first chunk
-before quantizing per slot, was measured and rejected. SmolLM2-135M, 2,048 tokens of Pride and Prejudice
-fed 16 at a time, H2O at 20% (perplexity; float slots 23.32, full cache 22.85):
-
-    keys per slot                              int8 23.34   int4 24.81   fp8 23.47
-    / each channel's max over the first chunk  int8 23.28   int4 25.55   fp8 23.42
-    / each RoPE pair's norm, same chunk        int8 23.31   int4 25.27   fp8 23.47
-
-A first chunk does not predict later channel ranges (RoPE turns each pair of channels with the position,
-moving magnitude between them), so the divisor makes int4 worse and gains nothing for int8 or fp8. What
-does help int4 is smaller groups (``QuantConfig(bits=4, group_size=...)``, keys and values alike): groups of
-32 give 24.14, of 16 give 23.66, at 0.062 and 0.075 of float16 bytes instead of 0.056.
+Keys are quantized per slot, not per channel as in KIVI, because an eviction cache drops tokens one at a time per
+KV head and a group spanning dropped and kept tokens would need re-encoding. A per-channel divisor from the first
+chunk does not help (RoPE moves magnitude within each channel pair as positions grow); smaller groups help int4.
 """
 
 from __future__ import annotations

@@ -3,12 +3,8 @@ SnapKV, TOVA, key-norm, or one policy at prefill and another during decode) on a
 
 They keep different tokens in each KV head, so they need the hf_kvgov eviction attention::
 
-    from hf_kvgov import HeavyHitterCache, eviction_attention
-
-    cache = HeavyHitterCache(model, budget=0.2)
     with eviction_attention(model):
-        out = model.generate(**inputs, cache=cache, max_new_tokens=64)
-    print(cache.stats())
+        out = model.generate(**inputs, cache=HeavyHitterCache(model, budget=0.2), max_new_tokens=64)
 
 ``codec="int8"`` (or "int4", "fp8", "fp8_e5m2", a `QuantConfig`) stores the kept slots as codes + per-slot
 scales; ``layer_budgets={0: 1.0}`` gives single layers their own budget.

@@ -2,27 +2,15 @@
 
 Each layer (`EvictionLayer`) holds per-slot tensors; a slot is one kept token of one (sequence, KV head)::
 
-    K/V            [batch, kv_heads, slots, head_dim]   as the model cached them (after RoPE), in a slot store:
-                                                        dense, or codes + per-slot scales (``codec=``)
+    K/V            [batch, kv_heads, slots, head_dim]   as cached (after RoPE); dense, or codes + scales (``codec=``)
     positions      long  [batch, kv_heads, slots]         the RoPE position each key was rotated at
     valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
     scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
 
-Heads keep different tokens, so the layer's attention is the hf_kvgov eviction attention, which applies
-this validity itself (see `slot_attention`). A step goes: ``update`` stages kept + new slots in an
-`EvictionView` -> the attention reads the view, attends and records the attention facts the policy
-``needs`` -> the view commits, and the cache keeps ``policy.select(facts, ...)`` of the slots once they
-exceed the budget (key norms, when needed, are taken from the keys then). The first chunk (the prompt,
-under generate) is evicted by the cache's policy and every later step by ``decode_policy`` when one is
-given: SnapKV at prefill, then H2O during decode, is configuration, not a class. Memory therefore never
-exceeds ``budget + q_len`` slots per (sequence, head) during a step and ``budget`` between steps. With a
-codec, the step's new tokens are attended in full precision and encoded once at commit; eviction then
-gathers codes and scales, never decoding and re-encoding the slots that stay. Each layer may have its own
-budget (``layer_budgets``).
-
-transformers' bookkeeping: ``get_seq_length()`` is the absolute number of tokens processed (generate slices
-prompts and derives positions from it); ``update`` returns only the new K/V and ``get_mask_sizes(q)`` says
-so, ``(q, tokens seen)``, which makes transformers' mask exactly the causal + padding mask of the new tokens.
+Heads keep different tokens, so ``update`` stages a step for the eviction attention (`slot_attention`), whose commit
+keeps ``policy.select(...)`` (``decode_policy`` after the first chunk, if given): at most ``budget + q_len`` slots
+per (sequence, head) in a step, ``budget`` between. ``update`` returns only the new K/V and ``get_mask_sizes(q)``
+says so, which makes transformers' mask exactly the causal + padding mask of the new tokens.
 """
 
 from __future__ import annotations

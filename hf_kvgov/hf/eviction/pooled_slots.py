@@ -1,35 +1,15 @@
 """Kept slots in pool blocks: eviction caches that draw from one shared, capped `BlockPool`.
 
-Layout. An eviction pool (`eviction_pool`) has one layer group per layer, so a block id is one layer's
-block. A block ``[block_size, kv_heads, record]`` (the pool's usual ``[tokens, heads, head_dim]``) is read
-as ``block_size x kv_heads`` slot records, and each batch row of a layer stores only its valid slots, as
-one stream, head by head::
+An eviction pool has one layer group per layer, so a block id is one layer's block, read as ``block_size x
+kv_heads`` slot records; each row of a layer stores only its valid slots, as one stream::
 
     row r's stream     head 0's valid slots in slot order, then head 1's, ...    (c_0 + c_1 + ... records)
     record j           block tables[r][j // (block_size x kv_heads)], record j % (block_size x kv_heads)
 
-Why a stream of records rather than per-head blocks or slot rows: heads keep different tokens, and under
-a head-adaptive budget (`HeadAdaptive`) different numbers of them, while the working store attention reads
-is one dense ``[batch, kv_heads, slots]`` tensor padded with invalid fillers. Writing only the valid slots
-makes that padding (left padding of a batch, the entries a head that keeps fewer slots leaves unused) take
-no memory, with no table per head: a row holds ``ceil(sum of c_h / (block_size x kv_heads))`` blocks, the
-same as ``ceil(slots / block_size)`` when every head keeps ``slots`` of them. The block keeps the pool's
-layout, allocator, cap and `PoolExhausted`; and since a block id is one layer, a layer with a smaller
-budget (``layer_budgets``, a sliding window) holds fewer blocks: layer-variable budgets free real memory.
-Which token a slot is, and which slots are valid, live in the layer's per-slot positions and validity.
-
-A slot's record is its K or V as the slot format stores it, as bytes: the model's dtype for dense slots,
-codes then scales (then zero points) for a codec, so one pool serves dense and quantized eviction caches of
-one model and codec. The pool's ``head_dim`` is the record in elements of the model's dtype (records are
-copied as bytes, never computed on); a layer kept in full precision beside quantized ones pads to the
-widest record.
-
-Between steps a layer's slots live only in its blocks; a step reads them into the working store (dense or
-codes, fillers read as zeros) it attends and evicts from, and the commit writes the kept slots back,
-allocating or freeing blocks so a row holds just what its stream needs. The blocks are allocated before
-anything is written, so `PoolExhausted` changes nothing in the pool. Writes hold the pool's lock (another
-request's allocation may grow the pool's tensors); every block is owned by one row of one cache, so reads
-need no lock.
+A stream, because heads keep different tokens (and numbers of them, under `HeadAdaptive`): padding takes no memory
+or per-head table, and a smaller layer budget holds fewer blocks. Records are bytes (model dtype, or codes then
+scales), so one pool serves dense and quantized caches. Blocks are allocated before any write, so `PoolExhausted`
+changes nothing; writes hold the pool's lock (another request may grow its tensors), reads need none (one owner).
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """`SinkCache`: StreamingLLM (Xiao et al., 2023): attention sinks plus a recent window, past any context length.
 
-Why and how keys are re-rotated
--------------------------------
-transformers caches keys after RoPE, each rotated at its own absolute position, and RoPE scores depend only
-on the query-key distance. StreamingLLM numbers positions inside the cache instead: the sinks sit right
-before the window, so no query-key distance exceeds the cache size. Re-rotating every key to in-cache
-positions is wrong here (and wasteful): window keys are contiguous and end at the query, so their true
-distances already are the in-cache distances. Only the sinks are displaced: after evictions, sink ``j``
-(of ``n``) must be read as if it were at ``w0 - n + j``, where ``w0`` is the oldest window position.
-
-This cache stores every key exactly as the model rotated it and re-rotates the ``n`` sink keys at read
-time, from their stored rotation straight to the target (`hf_kvgov.policies.rerotate`, float64 angles).
-Nothing is ever rotated twice, so no rounding error accumulates over a long stream, and the work per step
-is ``n_sink`` keys per head. Queries keep the absolute positions transformers gives them (it derives them
-from ``get_seq_length()``); the model's rotary embedding computes their angles in float32, which loses
-precision gradually at positions in the millions.
+transformers caches keys after RoPE, each at its own absolute position, and RoPE scores depend only on the
+query-key distance. StreamingLLM numbers positions inside the cache, the sinks right before the window, so no
+distance exceeds the cache size. Re-rotating every key is wrong here (and wasteful): window keys are contiguous and
+end at the query, so their true distances already are the in-cache ones; only sink ``j`` (of ``n``) must be read
+as if at ``w0 - n + j``, ``w0`` the oldest window position. So keys are stored as the model rotated them and the
+``n`` sinks are re-rotated at read time, straight to the target (`hf_kvgov.policies.rerotate`, float64 angles):
+nothing is rotated twice, so no rounding error accumulates over a long stream, and a step re-rotates ``n`` keys per
+head. Queries keep transformers' absolute positions; their float32 angles lose precision at positions in the millions.
 """
 
 from __future__ import annotations
