@@ -30,8 +30,8 @@ from hf_kvgov.bench.chain_steps import ChainBenchConfig, Context, Probe, shared_
 from hf_kvgov.bench.plan_setups import kv_dtype_name, planner_geometry, planner_setup, predict, with_shared_prefix
 from hf_kvgov.bench.plots import _pyplot, _save
 from hf_kvgov.bench.timing import machine_description
-from hf_kvgov.chain.rules import ChainRefused
 from hf_kvgov.data_text import demo_text
+from hf_kvgov.engine.rules import ChainRefused
 from hf_kvgov.evaluation.ppl_run import PerplexityOptions, run_perplexity
 from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
 from hf_kvgov.evaluation.texts import Document

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hf_kvgov.chain.rules import layout_for
 from hf_kvgov.engine.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
 from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.rules import layout_for
 from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
@@ -32,7 +32,7 @@ def GovernedCache(
     layers: Mapping[int, Layer] | None = None,
     attention: str = "contiguous",
 ) -> GovernedCacheBase:
-    """The cache these parts make, checked by `hf_kvgov.chain.rules` (`ChainRefused` says why not).
+    """The cache these parts make, checked by `hf_kvgov.engine.rules` (`ChainRefused` says why not).
 
     Args:
         model_or_config: the model the cache serves (or its config, for block-storing caches).

@@ -18,11 +18,13 @@ from hf_kvgov.engine.block_sealer import BlockSealer
 from hf_kvgov.engine.block_tier import BlockTier
 from hf_kvgov.engine.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
-from hf_kvgov.engine.parts import ATTENTION_PATHS
+from hf_kvgov.engine.parts import ChainParts, Paging
 from hf_kvgov.engine.prefix_layout import RowLayout
 from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.rules import layout_for
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
+from hf_kvgov.storage.gather_buffer import GatherBuffer
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
@@ -77,16 +79,17 @@ class BlockStore:
         codec: QuantConfig | None,
         spill: DiskCacheConfig | None,
     ) -> None:
+        # The chain's rules refuse what cannot work before anything is built, as for a chain built by name.
+        size = block_size if block_size is not None else prefix.block_size if prefix else DEFAULT_BLOCK_SIZE
+        asked = Paging(size, max_tokens, max_bytes) if pool is None else pool
+        layout_for(ChainParts(pool=asked, prefix=prefix, codec=codec, spill=spill, attention=attention))
         # The links come first: the pool may be created below, and each link shapes it.
         self.sealer = None if codec is None else BlockSealer(codec)
         self.spill_link = None if spill is None else BlockTier(spill, sealed=codec)
         if spill is not None:
-            check_spill_pool(None if prefix is not None and pool is prefix.pool else pool, max_tokens, max_bytes)
             block_size = disk_prefix.cache_block_size(prefix, spill, block_size, sealed=codec)
             max_bytes = spill.pool_bytes
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
-        if attention not in ATTENTION_PATHS:
-            raise ValueError(f"attention must be one of {ATTENTION_PATHS}; got {attention!r}.")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         if codec is not None:
             codec.check_model(num_layers, num_kv_heads, head_dim, block_size)
@@ -100,6 +103,8 @@ class BlockStore:
         self.tables: BlockTables | None = None  # the first layer group's (the only one without sliding groups)
         self.other_tables: list[BlockTables] = []  # the other groups', in `groups` order
         self._pending_view: PagedView | None = None
+        # What the contiguous path gathers each layer's K/V into: one layer's worth, reused by the next layer.
+        self.gather_buffer = GatherBuffer()
         self.prefix = prefix
         self.namespace = namespace
         # Prefix sharing's state (`paged_prefix`): the tree locks this store holds, each row's layout after a
@@ -110,9 +115,7 @@ class BlockStore:
         self.published_blocks = 0
         self.expand_rows_on_next_forward = False
         if prefix is not None:
-            if pool is not None and pool is not prefix.pool:
-                raise ValueError("Pass either pool= or prefix= (whose pool is used), or the same pool to both.")
-            pool = prefix.pool
+            pool = prefix.pool  # the rules refused any other
         self.layer_devices = layer_devices  # None: the first K/V tells
         self.placeable = frozenset[int]()  # layers placed where their first K/V arrive (`paged_pool`)
         groups = pool.groups if pool is not None else self._layer_groups(windows)
@@ -243,7 +246,7 @@ class BlockStore:
             return kv
         assert self.pool is not None
         table, first = self.tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
-        return self.pool.gather(layer.index, table, layer.length - first)
+        return self.pool.gather(layer.index, table, layer.length - first, into=self.gather_buffer)
 
     def _hand_view_to_attention(
         self,
@@ -310,6 +313,7 @@ class BlockStore:
         for layer in self.store_layers:
             layer.reset()
         self._pending_view = None
+        self.gather_buffer.clear()
         if self.spill_link is not None:
             self.spill_link.after_release(close=close_tier)
         if self.sealer is not None:
@@ -435,17 +439,3 @@ def resolve_block_size(block_size: int | None, given: BlockPool | None) -> int:
             f"{given.block_size}-token blocks; pass block_size={given.block_size} or leave it unset."
         )
     return block_size
-
-
-def check_spill_pool(pool: BlockPool | None, max_tokens: int | None, max_bytes: int | None) -> None:
-    """A disk tier creates its own pool, capped by what stays in memory (or draws from a prefix tree's)."""
-    if pool is not None:
-        raise ValueError(
-            "A cache with a disk tier creates its own pool, capped by max_resident_bytes (or draws from the prefix "
-            "tree's pool with prefix=); pass no pool=."
-        )
-    if max_tokens is not None or max_bytes is not None:
-        raise ValueError(
-            "With a disk tier the pool's cap is what stays in memory: give it as max_resident_bytes of the disk "
-            f"settings, not as max_tokens={max_tokens} / max_bytes={max_bytes}."
-        )

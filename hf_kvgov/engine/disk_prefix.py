@@ -60,17 +60,7 @@ def shared_pool_block_size(
     """
     pool = prefix.pool
     _check_pool_kind(pool, sealed)
-    if disk.max_resident_bytes is not None:
-        raise ValueError(
-            f"max_resident_bytes={disk.max_resident_bytes} was given with prefix=, but then the cache draws its "
-            "blocks from the tree's pool, which other requests share, so no per-cache cap can hold; cap that pool "
-            "where it is created (BlockPool(..., max_bytes=...)) and leave max_resident_bytes=None."
-        )
-    if block_size is not None and block_size != pool.block_size:
-        raise ValueError(
-            f"block_size={block_size} differs from the prefix tree's {pool.block_size}-token blocks; the cache "
-            "draws its blocks from the tree's pool, so pass the same block size or leave block_size=None."
-        )
+    # A per-cache cap or another block size with a tree is refused by the chain's rules (`hf_kvgov.engine.rules`).
     needed, kept = resident_need(pool.block_size, disk, sealed)
     if pool.max_blocks is not None and pool.max_blocks < needed:
         raise ValueError(

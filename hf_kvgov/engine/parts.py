@@ -9,7 +9,7 @@ The brief's chain, and the part that stands for each link::
                                              QuantConfig
 
 plus per-layer overrides (`Layer`). Nothing here holds K/V; `hf_kvgov.hf.governed.GovernedCache` turns a
-`ChainParts` into a working cache and `hf_kvgov.chain.rules` refuses the combinations that cannot work.
+`ChainParts` into a working cache and `hf_kvgov.engine.rules` refuses the combinations that cannot work.
 """
 
 from __future__ import annotations

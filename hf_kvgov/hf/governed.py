@@ -7,7 +7,7 @@ The named caches are presets of the chain: `PagedCache` (paged blocks, optionall
 `QuantizedCache` (+ a codec), `DiskOffloadCache` (+ a disk tier), `QuantizedDiskCache` (both),
 `HeavyHitterCache`, `SinkCache` and `PolicyCache` (an eviction policy). Each cache's `parts` says which chain
 it is, and ``GovernedCache(model, **cache.parts.kwargs())`` builds the same cache. `GovernedCache` is a
-function (`hf_kvgov.chain.build`): it checks the parts (`hf_kvgov.chain.rules`) and calls the builder of
+function (`hf_kvgov.chain.build`): it checks the parts (`hf_kvgov.engine.rules`) and calls the builder of
 their storage layout, so this boundary module imports nothing above it.
 """
 

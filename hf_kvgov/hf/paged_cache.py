@@ -21,10 +21,10 @@ from typing import Any, Self
 
 import torch
 
-from hf_kvgov.engine.block_store import ATTENTION_PATHS, AttentionPath, BlockStore, StoreLayer
+from hf_kvgov.engine.block_store import AttentionPath, BlockStore, StoreLayer
 from hf_kvgov.engine.paged_stats import CacheStats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
-from hf_kvgov.engine.parts import ChainParts, Paging
+from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import (
     decoder_config,
@@ -125,7 +125,7 @@ class PagedCache(GovernedCacheBase, BlockStore):
     def from_parts(cls, model_or_config: Any, parts: ChainParts) -> Self:
         """This configuration of the block store, built from a chain's parts (what `GovernedCache` returns).
 
-        The parts are checked by `hf_kvgov.chain.rules` first; the named caches differ only in their constructor's
+        The parts are checked by `hf_kvgov.engine.rules` first; the named caches differ only in their constructor's
         arguments, so each is built here by the one store's.
         """
         cache = cls.__new__(cls)

@@ -23,8 +23,8 @@ from hf_kvgov.bench.chain import (
     write_chain_plots,
 )
 from hf_kvgov.bench.chain_steps import shared_document
-from hf_kvgov.chain.rules import REFUSED_PAIRS
 from hf_kvgov.data_text import demo_text
+from hf_kvgov.engine.rules import REFUSED_PAIRS
 from tests.bench.conftest import BYTES_PER_BLOCK, BYTES_PER_TOKEN
 
 LENGTH, SHARED = 96, 48

@@ -223,10 +223,10 @@ def test_the_store_takes_its_links_as_arguments(tmp_path: Any) -> None:
     assert store.stats().spilled_blocks > 0  # type: ignore[attr-defined]  # a QuantizedDiskCacheStats
     with pytest.raises(ValueError, match="creates its own pool"):
         PagedCache(MODEL, pool=store.pool, spill=Disk())
-    with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
+    with pytest.raises(ValueError, match=r"give it as Disk\(max_resident_bytes=\.\.\.\)"):
         PagedCache(MODEL, max_tokens=64, spill=Disk())
     unchecked = ChainParts(pool=Paging(4, max_tokens=64), spill=Disk())  # parts the chain rules would refuse
-    with pytest.raises(ValueError, match="max_resident_bytes of the disk settings"):
+    with pytest.raises(ValueError, match=r"give it as Disk\(max_resident_bytes=\.\.\.\)"):
         PagedCache.from_parts(MODEL, unchecked)
 
 

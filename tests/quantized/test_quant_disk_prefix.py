@@ -308,9 +308,9 @@ def test_a_damaged_spill_file_raises_spill_corrupted(tmp_path: Path, prefetch: b
 
 def test_settings_that_cannot_apply_to_a_shared_pool_are_refused() -> None:
     shared = tree()
-    with pytest.raises(ValueError, match="max_resident_bytes=65536 was given with prefix="):
+    with pytest.raises(ValueError, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
         QuantizedDiskCache(MODEL, max_resident_bytes=65536, prefix=shared)
-    with pytest.raises(ValueError, match="block_size=16 differs from the prefix tree's 4-token blocks"):
+    with pytest.raises(ValueError, match=r"block_size=16\) differs from the prefix tree's 4-token blocks"):
         QuantizedDiskCache(MODEL, block_size=16, prefix=shared)
     # The cap counts full-precision blocks: 1 sink + ceil(8 / 4) residual + tail + one step = 5 > 4.
     with pytest.raises(ValueError, match=r"at most 4 blocks, but one sequence keeps .* 5 blocks of 4 tokens"):

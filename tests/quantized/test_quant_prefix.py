@@ -342,7 +342,7 @@ def test_trees_on_other_formats_are_refused() -> None:
     plain = PrefixCache(BlockPool(PagedCache(MODEL).pool.geometry, block_size=BLOCK))  # type: ignore[union-attr]
     with pytest.raises(TypeError, match="QuantizedBlockPool"):
         QuantizedCache(MODEL, prefix=plain)
-    with pytest.raises(ValueError, match="Pass either pool= or prefix="):
+    with pytest.raises(ValueError, match="prefix= brings its own pool"):
         QuantizedCache(MODEL, pool=shared_tree("int8").pool, prefix=int8_tree)
     cache = QuantizedCache(MODEL, prefix=int8_tree)  # block_size comes from the tree's pool
     assert cache.pool is int8_tree.pool and cache.stats().block_size == BLOCK

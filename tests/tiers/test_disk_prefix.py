@@ -193,9 +193,9 @@ def test_publish_that_cannot_bring_blocks_back_raises_and_changes_nothing() -> N
 
 def test_settings_that_cannot_apply_to_a_shared_pool_are_refused() -> None:
     shared = tree()
-    with pytest.raises(ValueError, match="max_resident_bytes=65536 was given with prefix="):
+    with pytest.raises(ValueError, match=r"Disk\(max_resident_bytes=65536\) cannot cap a disk tier with prefix="):
         DiskOffloadCache(MODEL, max_resident_bytes=65536, prefix=shared)
-    with pytest.raises(ValueError, match="block_size=16 differs from the prefix tree's 4-token blocks"):
+    with pytest.raises(ValueError, match=r"block_size=16\) differs from the prefix tree's 4-token blocks"):
         DiskOffloadCache(MODEL, block_size=16, prefix=shared)
     with pytest.raises(ValueError, match=r"at most 4 blocks, but one sequence keeps .* 6 blocks of 4 tokens"):
         DiskOffloadCache(MODEL, hot_tokens=10, prefix=tree(max_blocks=4))  # 1 + ceil(10 / 4) + 2 = 6
