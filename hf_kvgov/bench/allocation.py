@@ -5,9 +5,9 @@ memory is exactly the blocks it holds in one pool gets a factory for more caches
 shared, capped pool; the others get None and are counted by their measured bytes. Every fill allocates real K/V;
 none divides a budget by a size. `fill_until_refused` gives each sequence its own cache in a pool capped at the
 budget until it raises `PoolExhausted`; `fill_shared` serves requests that start with one document through a
-`PrefixCache`. A `QuantizedBlockPool` caps only its full-precision blocks (sealed codes live in a store that
-grows), so `fill_shared` also refuses a request once `pool_bytes_used` exceeds the budget, checked after each
-chunk a request writes (with, when asked, the memory it holds outside the pool: a disk cache's read-ahead rows).
+`PrefixCache`. A `QuantizedBlockPool`'s `max_bytes` caps its full-precision blocks and sealed codes together;
+`fill_shared` also refuses a request once `pool_bytes_used` exceeds the budget, checked after each chunk a request
+writes, for the memory a cache holds outside the pool (when asked: a disk cache's read-ahead rows).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Keys are quantized per channel over a block's tokens, values per token (KIVI, `h
 
 A full block older than `residual` is sealed after the last layer of the step that filled it, so every layer of a
 step sees the same K/V; until then it is full precision, so ``prefill_chunk_size`` bounds a long prompt's peak
-(`max_tokens` / `max_bytes` cap only those blocks). The sink is each row's first block, so a row with over a block
-of left padding has its first real tokens quantized. Sealing is deterministic, so over a prefix tree a request
-reads what a chunked prefill at the match boundary would; caches sharing a tree share its pool, hence its formats.
+(`max_tokens` caps those blocks; `max_bytes` every byte, codes included). The sink is each row's first block, so
+a row with over a block of left padding has its first real tokens quantized. Sealing is deterministic, so over a
+prefix tree a request reads what a chunked prefill at the match boundary would; caches sharing a tree share its
+pool, hence its formats.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class QuantizedCache(PagedCache):
             `QuantConfig` (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
             `QuantConfig.load` reads the map ``kvgov check-quant --recommend`` writes,
             ``QuantizedCache.from_config`` builds from it).
-        block_size, max_tokens, max_bytes, attention: as `PagedCache` (the cap bounds full-precision blocks).
+        block_size, max_tokens, max_bytes, attention: as `PagedCache` (`max_tokens` bounds full-precision
+            blocks, `max_bytes` every byte the pool holds, sealed codes included).
         pool: a `QuantizedBlockPool` shared by several caches with the same configuration.
         prefix: a `PrefixCache` over such a pool (its pool is used); enables `match` and `publish`.
         namespace: prefix-sharing namespace; the sealing configuration is added to it (`sharing_namespace`).

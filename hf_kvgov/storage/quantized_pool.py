@@ -15,9 +15,16 @@ full-precision one::
     seal([7, 7, 9]) -> [-1, -1, -2]    block 7 (shared by two rows) is encoded once and sealed id 0 takes
                                         both references; blocks 7 and 9 drop them (freed at count 0)
 
-The cap (`max_tokens` / `max_bytes`) bounds the full-precision blocks only; the sealed store grows as
-blocks are sealed. The full-precision part grows in small steps (`growth_blocks`, default 8), since a
-quantized cache keeps only the sink and tail blocks of each row there.
+The cap: `max_bytes` bounds every byte of the pool's tensors, full-precision blocks (free ones included)
+plus the sealed store (`stats().bytes_held`). Each part grows lazily, its step clamped to the budget left.
+Freeing a block returns no bytes (ids are stable), so a part short of budget first takes back the other
+part's free blocks at the end of its tensors, then asks the reclaimers, then raises `PoolExhausted` having
+done nothing. Sealing rule: the blocks an operation frees count as freed before it takes new ones, so `seal`
+may grow the store into the full-precision blocks it frees at the end (encoding them before they go), and
+`unseal` into the sealed block it drops; either is refused only when its net effect does not fit. A resize
+copies, briefly holding both copies, as `BlockPool`'s growth does. `max_tokens` still caps the
+full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget
+being shared.
 
 Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
 id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing
@@ -26,14 +33,17 @@ a block encodes one tensor per position, so those layers must share a sealed for
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
+from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.layer_groups import LayerGroup
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry, PoolStats
 from hf_kvgov.storage.sealed_formats import SealedFormat
 from hf_kvgov.storage.sealed_store import DEFAULT_SEALED_GROWTH, SealedBlockStore, SealedStats
 
@@ -66,12 +76,45 @@ def _repeats(ids: Sequence[int]) -> list[int]:
     return repeats
 
 
+@dataclass(frozen=True)
+class QuantizedPoolStats(PoolStats):
+    """`PoolStats` of the full-precision blocks (its fields count those only), plus the sealed store and the
+    total the byte cap bounds."""
+
+    sealed: SealedStats
+    bytes_held: int  # bytes_reserved + sealed.bytes_reserved: every byte of the pool's tensors
+    max_bytes: int | None  # the cap on bytes_held; None without a byte cap (max_tokens bounds full precision only)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One of the pool's two parts (full-precision blocks, the sealed store) as the byte cap sees it."""
+
+    bytes_per_block: int
+    used: int
+    free: int  # ids on its free list
+    step: Callable[[int], int]  # blocks to add for `short` missing ones, before the cap
+    free_tail: Callable[[Mapping[int, int]], int]  # free ids at its end, counting references being dropped
+
+
+@dataclass(frozen=True)
+class _Room:
+    """How a request fits under the byte cap: free blocks the other part gives back at its end, then blocks
+    the part grows by."""
+
+    give_back: int = 0
+    grow: int = 0
+
+
 class QuantizedBlockPool(BlockPool):
     """Full-precision blocks plus a sealed store; see the module docstring for the id convention.
 
     Args:
-        geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate: as `BlockPool`, for the
-            full-precision blocks.
+        geometry, block_size, growth_blocks, preallocate: as `BlockPool`, for the full-precision blocks
+            (`growth_blocks` defaults to 8: a quantized cache keeps only each row's sink and tail blocks there).
+        max_tokens: cap on the full-precision blocks, in tokens (the sealed store is then not capped).
+        max_bytes: cap on every byte the pool holds, full-precision blocks and sealed store together (see the
+            module docstring); not with `preallocate`.
         formats: one `SealedFormat` per layer: how sealed blocks of that layer are stored.
         sealed_growth_blocks: blocks added per growth step of the sealed store.
         groups: layer groups, as `BlockPool`'s (None: one group of every layer); the layers at one position of
@@ -94,11 +137,23 @@ class QuantizedBlockPool(BlockPool):
             raise ValueError(
                 f"A QuantizedBlockPool needs one SealedFormat per layer ({geometry.num_layers}); got {len(formats)}."
             )
+        if preallocate and max_bytes is not None:
+            raise ValueError(
+                "A QuantizedBlockPool shares max_bytes between full-precision and sealed blocks, so it cannot "
+                "preallocate the cap; give max_tokens to preallocate full-precision blocks, or leave "
+                "preallocate=False."
+            )
         super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate, groups)
         devices = [geometry.layer_device(layer) for layer in range(geometry.num_layers)]
         self.sealed = SealedBlockStore(
             formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
         )
+        self.max_bytes = max_bytes  # None: no byte cap (max_tokens, if given, caps the full-precision blocks)
+        if max_bytes is not None and max_bytes < self.sealed.bytes_per_block:
+            raise ValueError(
+                f"max_bytes={max_bytes} is smaller than one sealed block ({self.sealed.bytes_per_block} bytes at "
+                "this geometry and these formats); give at least one block's worth."
+            )
 
     @property
     def format_names(self) -> tuple[str, ...]:
@@ -137,6 +192,90 @@ class QuantizedBlockPool(BlockPool):
             super().decref(full)
             self.sealed.decref(sealed)
 
+    # ------------------------------------------------------------------ the byte cap
+
+    def bytes_held(self) -> int:
+        """Bytes of the pool's tensors: full-precision blocks (free ones included) + the sealed store's pieces."""
+        with self._lock:
+            return self.capacity * self.bytes_per_block + self.sealed.capacity * self.sealed.bytes_per_block
+
+    @property
+    def num_free(self) -> int:
+        """Full-precision blocks that can be handed out without exceeding the cap (free list + room to grow,
+        under a byte cap counting the sealed store's free blocks at its end)."""
+        if self.max_bytes is None:
+            return super().num_free
+        with self._lock:
+            return self._available(False, {})
+
+    def _parts(self, sealed: bool) -> tuple[_Part, _Part]:
+        """(the part a request takes blocks of, the other part): the sealed store if `sealed`, else full precision."""
+        store = self.sealed
+        full = _Part(
+            self.bytes_per_block, self.capacity - len(self._free), len(self._free), self._growth_step, self._free_tail
+        )
+        coded = _Part(store.bytes_per_block, store.num_used, store.num_free, store.growth_step, store.free_tail)
+        return (coded, full) if sealed else (full, coded)
+
+    def _available(self, sealed: bool, dropping: Mapping[int, int]) -> int:
+        """Blocks of one part a request could take now: its free ones, and what the budget left plus the other
+        part's free blocks at its end (counting the references `dropping` to its ids as dropped) would add."""
+        assert self.max_bytes is not None
+        part, other = self._parts(sealed)
+        spare = self.max_bytes - self.bytes_held() + other.free_tail(dropping) * other.bytes_per_block
+        return part.free + spare // part.bytes_per_block
+
+    def _fit(self, sealed: bool, n: int, dropping: Mapping[int, int]) -> _Room | None:
+        """How `n` blocks of one part fit under the byte cap (see `_available`), or None when they do not."""
+        assert self.max_bytes is not None
+        part, other = self._parts(sealed)
+        short = n - part.free
+        if short <= 0:
+            return _Room()
+        left = self.max_bytes - self.bytes_held()
+        over = short * part.bytes_per_block - left
+        give_back = 0
+        if over > 0:
+            give_back = -(-over // other.bytes_per_block)
+            if give_back > other.free_tail(dropping):
+                return None
+        budget = left + give_back * other.bytes_per_block
+        return _Room(give_back, min(part.step(short), budget // part.bytes_per_block))
+
+    def _room(self, sealed: bool, n: int, dropping: Sequence[int] = ()) -> _Room:
+        """Check that `n` blocks of one part fit under the byte cap once the references `dropping` (ids of the
+        other part) are dropped, asking the reclaimers first if they do not; raise `PoolExhausted` if they
+        still do not, with nothing changed but what the reclaimers freed. Changes nothing itself: the caller
+        drops `dropping`, then `_apply`s the room."""
+        drops = Counter(dropping)
+        room = self._fit(sealed, n, drops)
+        for reclaim in list(self._reclaimers):
+            if room is not None:
+                break
+            reclaim(n - self._available(sealed, drops))
+            room = self._fit(sealed, n, drops)  # trust the counts, not the reclaimer's
+        if room is None:
+            part, _ = self._parts(sealed)
+            available = self._available(sealed, drops)
+            raise PoolExhausted(n, available, part.used + available, self.block_size)
+        return room
+
+    def _apply(self, sealed: bool, room: _Room) -> None:
+        """The other part gives back its free blocks at its end, then the part grows, as `room` says."""
+        if sealed:
+            self._release_tail(room.give_back)
+            self.sealed.grow(room.grow)
+        else:
+            self.sealed.release_tail(room.give_back)
+            if room.grow:
+                self._grow(room.grow)
+
+    def _make_room(self, n: int) -> None:
+        if self.max_bytes is None:
+            super()._make_room(n)
+        else:
+            self._apply(False, self._room(False, n))
+
     # ------------------------------------------------------------------ sealing
 
     def seal(self, block_ids: Sequence[int]) -> list[int]:
@@ -145,6 +284,8 @@ class QuantizedBlockPool(BlockPool):
         Each occurrence of an id moves one reference from the full-precision block to its sealed copy, so
         a block listed by k rows is encoded once and its sealed copy has k references. A full-precision
         block still referenced elsewhere afterwards keeps its memory; the others return to the free list.
+        Under a byte cap the sealed blocks may take the bytes of those freed at the end of the tensors
+        (module docstring); `PoolExhausted` leaves every block as it was.
         """
         ids = [int(i) for i in block_ids]
         if not ids:
@@ -154,16 +295,28 @@ class QuantizedBlockPool(BlockPool):
                 raise ValueError(f"Cannot seal blocks that are already sealed (negative ids) in {ids}.")
             self._checked_live(ids, "free")
             unique = list(dict.fromkeys(ids))
-            slots = self.sealed.allocate(len(unique))
-            try:
-                self._encode(unique, slots)
-            except Exception:
-                self.sealed.decref(slots)
-                raise
+            room = None if self.max_bytes is None else self._room(True, len(unique), ids)
+            if room is not None and room.give_back:
+                # The store grows into full-precision blocks at the end, which this seal may be freeing:
+                # encode them before their references go.
+                pieces = self._encoded(unique)
+                BlockPool.decref(self, ids)
+                self._apply(True, room)
+                slots = self.sealed.allocate(len(unique))
+                self._write_encoded(slots, pieces)
+            else:
+                if room is not None:
+                    self._apply(True, room)
+                slots = self.sealed.allocate(len(unique))
+                try:
+                    self._encode(unique, slots)
+                except Exception:
+                    self.sealed.decref(slots)
+                    raise
+                BlockPool.decref(self, ids)
             sealed_of = dict(zip(unique, slots, strict=True))
             # allocate gave each sealed block one reference; every further occurrence adds one.
             self.sealed.incref(sealed_of[i] for i in _repeats(ids))
-            super().decref(ids)
             return [sealed_ref(sealed_of[i]) for i in ids]
 
     def _encode(self, full_ids: list[int], slots: list[int]) -> None:
@@ -173,10 +326,26 @@ class QuantizedBlockPool(BlockPool):
             source = sources[layer]
             self.sealed.write(layer, targets[layer], self.keys[layer][source], self.values[layer][source])
 
+    def _encoded(self, full_ids: list[int]) -> dict[int, dict[str, Tensor]]:
+        """The pieces of full-precision blocks, per position's layer, not yet stored anywhere."""
+        sources = index_per_layer(full_ids, self.geometry)
+        formats = self.sealed.formats
+        return {
+            layer: formats[layer].encode(self.keys[layer][sources[layer]], self.values[layer][sources[layer]])
+            for layer in self._heads
+        }
+
+    def _write_encoded(self, slots: list[int], pieces: dict[int, dict[str, Tensor]]) -> None:
+        targets = index_per_layer(slots, self.geometry)
+        for layer, encoded in pieces.items():
+            self.sealed.write_pieces(layer, targets[layer], encoded)
+
     def allocate_sealed(self, n: int) -> list[int]:
         """`n` sealed block-table entries with one reference each, whose pieces the caller then writes
         (`write_sealed_pieces`): for sealed blocks coming back from a tier."""
         with self._lock:
+            if self.max_bytes is not None:
+                self._apply(True, self._room(True, n))
             return [sealed_ref(s) for s in self.sealed.allocate(n)]
 
     def write_sealed_pieces(self, layer: int, block_ids: Sequence[int], pieces: dict[str, Tensor]) -> None:
@@ -190,13 +359,25 @@ class QuantizedBlockPool(BlockPool):
     def unseal(self, block_id: int) -> int:
         """A writable full-precision block holding the decoded content of sealed `block_id`.
 
-        Drops one reference to the sealed block (freed when it was the last one).
+        Drops one reference to the sealed block (freed when it was the last one). Under a byte cap the fresh
+        block may take the bytes of that sealed block, when it is freed at the end of the store.
         """
         with self._lock:
-            self.sealed.check_live([sealed_id_of(block_id)], "copy")
-            (fresh,) = self.allocate(1)
-            self.copy_block(block_id, fresh)
+            sealed_id = sealed_id_of(block_id)
+            self.sealed.check_live([sealed_id], "copy")
+            if self.max_bytes is None:
+                (fresh,) = self.allocate(1)
+                self.copy_block(block_id, fresh)
+                self.decref([block_id])
+                return fresh
+            decoded = self._decoded(block_id)  # before the sealed block's bytes may be given back
+            room = self._room(False, 1, [sealed_id])
             self.decref([block_id])
+            self._apply(False, room)
+            (fresh,) = self.allocate(1)
+            for layer, (keys, values) in decoded.items():
+                self.keys[layer][fresh].copy_(keys[0])
+                self.values[layer][fresh].copy_(values[0])
             return fresh
 
     def copy_on_write(self, block_id: int) -> int:
@@ -208,11 +389,14 @@ class QuantizedBlockPool(BlockPool):
         if not is_sealed(src):
             super().copy_block(src, dst)
             return
-        slots = index_per_layer([sealed_id_of(src)], self.geometry)
-        for layer in self._heads:
-            keys, values = self.sealed.read(layer, slots[layer], self.geometry.dtype)
+        for layer, (keys, values) in self._decoded(src).items():
             self.keys[layer][dst].copy_(keys[0])
             self.values[layer][dst].copy_(values[0])
+
+    def _decoded(self, block_id: int) -> dict[int, tuple[Tensor, Tensor]]:
+        """Decoded keys, values `[1, block_size, H, D]` of sealed entry `block_id`, per position's layer."""
+        slots = index_per_layer([sealed_id_of(block_id)], self.geometry)
+        return {layer: self.sealed.read(layer, slots[layer], self.geometry.dtype) for layer in self._heads}
 
     def place_layer(self, layer: int, device: torch.device) -> None:
         """As `BlockPool.place_layer`; the layer's sealed pieces follow (nothing of it is sealed yet)."""
@@ -229,3 +413,14 @@ class QuantizedBlockPool(BlockPool):
     def sealed_stats(self) -> SealedStats:
         with self._lock:
             return self.sealed.stats()
+
+    def stats(self) -> QuantizedPoolStats:
+        """The full-precision blocks' `PoolStats`, the sealed store's, and `bytes_held`: what `max_bytes` bounds."""
+        with self._lock:
+            full, sealed = super().stats(), self.sealed.stats()
+            return QuantizedPoolStats(
+                **{f.name: getattr(full, f.name) for f in fields(full)},
+                sealed=sealed,
+                bytes_held=full.bytes_reserved + sealed.bytes_reserved,
+                max_bytes=self.max_bytes,
+            )

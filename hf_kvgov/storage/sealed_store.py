@@ -20,13 +20,14 @@ one group, as a pool block does: the layers at one position of their groups shar
 Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
 different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
 mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
-`QuantizedBlockPool`, calls it under the pool's lock.
+`QuantizedBlockPool`, calls it under the pool's lock. Left alone it grows as `allocate` needs; an owner with
+a byte cap grows it first (`grow`, within the cap) and may take back free ids at its end (`release_tail`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -113,17 +114,30 @@ class SealedBlockStore:
     def ref_count(self, sealed_id: int) -> int:
         return self._ref[sealed_id]
 
+    @property
+    def num_free(self) -> int:
+        """Ids on the free list (the store may still grow)."""
+        return len(self._free)
+
     def allocate(self, n: int) -> list[int]:
-        """Hand out `n` sealed ids with reference count 1 (the store grows as needed)."""
+        """Hand out `n` sealed ids with reference count 1 (the store grows as needed: an owner with a cap grows
+        it first, within the cap, and then finds the ids free)."""
         short = n - len(self._free)
         if short > 0:
-            self._grow(max(short, self._growth, self.capacity))
+            self.grow(self.growth_step(short))
         ids = [self._free.popleft() for _ in range(n)]
         for sealed_id in ids:
             self._ref[sealed_id] = 1
         return ids
 
-    def _grow(self, extra: int) -> None:
+    def growth_step(self, short: int) -> int:
+        """Blocks to add when `short` more are needed (the store at least doubles), before any cap."""
+        return max(short, self._growth, self.capacity)
+
+    def grow(self, extra: int) -> None:
+        """Append `extra` zeroed blocks to every piece; their ids go to the back of the free list."""
+        if extra <= 0:
+            return
         start = self.capacity
         # As in BlockPool: tensors created under torch.inference_mode() could not take in-place writes later.
         with torch.inference_mode(False):
@@ -133,6 +147,31 @@ class SealedBlockStore:
                     self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
+
+    def free_tail(self, dropping: Mapping[int, int] | None = None) -> int:
+        """How many ids at the end of the pieces are free, or become free once the references counted in
+        `dropping` (sealed id -> references) are dropped: what `release_tail` could give back."""
+        dropping = dropping or {}
+        count = 0
+        for sealed_id in range(self.capacity - 1, -1, -1):
+            if self._ref[sealed_id] != dropping.get(sealed_id, 0):
+                break
+            count += 1
+        return count
+
+    def release_tail(self, count: int) -> None:
+        """Give back the memory of the last `count` ids, which must be free: every piece shrinks (a copy of the
+        blocks kept, as growth copies them) and those ids leave the free list."""
+        if count <= 0:
+            return
+        keep = self.capacity - count
+        assert all(self._ref[sealed_id] == 0 for sealed_id in range(keep, self.capacity)), "only free ids go"
+        with torch.inference_mode(False):
+            for layer in self._heads:  # one dict per position: the layers sharing it see the shrunk pieces
+                pieces = self.pieces[layer]
+                pieces.update({name: t[:keep].clone() for name, t in pieces.items()})
+        del self._ref[keep:]
+        self._free = deque(sealed_id for sealed_id in self._free if sealed_id < keep)
 
     def place_layer(self, layer: int, device: torch.device) -> None:
         """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros).

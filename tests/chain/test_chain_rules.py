@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
-from hf_kvgov.engine.rules import LAYOUTS, REFUSED_PAIRS, layout_for
 from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.rules import LAYOUTS, REFUSED_PAIRS, layout_for
 from hf_kvgov.policies import HeadAdaptive
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
