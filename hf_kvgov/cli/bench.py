@@ -3,12 +3,14 @@
 Examples::
 
     kvgov bench prefix --requests 20
+    kvgov bench prefix --remote redis://127.0.0.1:6379/0 --workers 4   # processes sharing prefixes on Redis
     kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
+    kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
 
-Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished so far
-(prefix: the modes; speed: every cache at the points measured; capacity: the caches) and writing them to --json
-with "partial": true and "completed" (rows done, total, unit) at its top. No plots are drawn, and when no row had
-finished nothing is written.
+Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished
+so far (prefix: the modes; speed: every cache at the (batch, context) points measured; capacity: the
+caches) and writing them to --json with "partial": true and "completed" (rows done, total, unit) at its
+top. No plots are drawn, and when no row had finished nothing is written.
 """
 
 from __future__ import annotations

@@ -1,14 +1,20 @@
 """`kvgov check-quant`: how much does int8 / fp8 / int4 KV cost on this model and this text?
 
+    kvgov check-quant --model smollm2                        # int8, fp8, int4 on the built-in text, 0.5% gate
     kvgov check-quant --model ./my-model --text domain.txt --formats int8 --max-ppl-increase 1 --json out.json
+    kvgov check-quant --full                                 # and the per-layer scan, whatever the verdict
 
-By default every format runs on 2,048 tokens in one batched pass, a block per step as in generation; only when the
-lowest-bit format exceeds the tolerance (the one case where they change the recommendation) do the per-layer scan
-and a retry with its most sensitive layers in full precision follow. ``--full`` scans every layer whatever the
-verdict. Fewer tokens would be faster but would not gate, because a format's loss grows with the context it reads
-(wall times and losses: eval/RESULTS.md). Exit status: 0 when every listed format is within --max-ppl-increase
-(default 0.5%), 1 when one exceeds it, so the command can gate a deployment (list only the format you deploy);
-2 on bad options.
+What runs, and how long it takes on a 2-core CPU with SmolLM2 (30 layers); one progress bar shows the ETA:
+  default  every format on 2,048 tokens in one batched pass, a block per step as in generation: about 1.5
+           minutes. Only when the lowest-bit format exceeds the tolerance, the one case where they change the
+           recommendation, also the per-layer scan (512 tokens) and a retry with its most sensitive layers in
+           full precision: about 3.5 minutes in all.
+  --full   the scan of every layer whatever the verdict: about 2.5 minutes.
+Fewer tokens would be faster but would not gate: fp8's loss on SmolLM2 grows with the context it reads,
++0.17% over the first 1,024 tokens of the built-in text and +0.69% over 2,048.
+
+Exit status: 0 when every listed format is within --max-ppl-increase (default 0.5%), 1 when one exceeds it,
+so the command can gate a deployment (list only the format you deploy); 2 on bad options.
 """
 
 from __future__ import annotations

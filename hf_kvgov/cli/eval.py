@@ -1,14 +1,20 @@
 """`kvgov eval`: quality of each KV cache on perplexity, LongBench and synthetic long-context tasks.
 
     kvgov eval ppl --caches dynamic,int8,h2o@0.2,sink@4+252 --tokens 2048 --json ppl.json --plots plots/
+    kvgov eval longbench --data ./longbench_data --tasks hotpotqa,trec --limit 20 --caches dynamic,int4
+    kvgov eval synthetic --tasks passkey,niah_single --lengths 1024,4096 --samples 5 --caches dynamic,h2o@0.2
 
-Every command prints a Markdown table, writes JSON with --json (per-sample details included) and PNG plots with
---plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main eval ...` (or
-`torchrun`) to split the examples over N processes; only the first prints and writes. Ctrl-C stops a run with one
-line on stderr and exit status 130, keeping the rows finished so far: their table is printed, and --json gets
-"partial": true and "completed" (rows done, total, unit) at its top. A row is, for ppl, a cache scored on every
-document; for longbench and synthetic, a sample generated with every cache. No plots are drawn, nothing is
-written when no row had finished, and over several processes the first keeps only the rows it finished itself.
+Every command prints a Markdown table, writes JSON with --json (per-sample details included) and PNG
+plots with --plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main
+eval ...` (or `torchrun --nproc_per_node N`) to split the examples over N processes; only the first
+process prints and writes.
+
+Ctrl-C stops a run with one line on stderr and exit status 130. The rows finished so far are kept: the
+table of them is printed, and --json gets the same JSON with "partial": true and "completed" (rows done,
+total, unit) at its top. A row is, for ppl, a cache scored on every document; for longbench and
+synthetic, a sample generated with every cache (the scores are over those samples). No plots are
+drawn, and when no row had finished nothing is written. Over several processes the first process
+keeps only the rows it finished itself.
 """
 
 from __future__ import annotations
