@@ -24,7 +24,6 @@ from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.rules import layout_for
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
-from hf_kvgov.storage.gather_buffer import GatherBuffer
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
@@ -103,8 +102,6 @@ class BlockStore:
         self.tables: BlockTables | None = None  # the first layer group's (the only one without sliding groups)
         self.other_tables: list[BlockTables] = []  # the other groups', in `groups` order
         self._pending_view: PagedView | None = None
-        # What the contiguous path gathers each layer's K/V into: one layer's worth, reused by the next layer.
-        self.gather_buffer = GatherBuffer()
         self.prefix = prefix
         self.namespace = namespace
         # Prefix sharing's state (`paged_prefix`): the tree locks this store holds, each row's layout after a
@@ -246,7 +243,7 @@ class BlockStore:
             return kv
         assert self.pool is not None
         table, first = self.tables_of(layer.index).live_tensor(self.pool.layer_device(layer.index))
-        return self.pool.gather(layer.index, table, layer.length - first, into=self.gather_buffer)
+        return self.pool.gather(layer.index, table, layer.length - first)
 
     def _hand_view_to_attention(
         self,
@@ -313,7 +310,6 @@ class BlockStore:
         for layer in self.store_layers:
             layer.reset()
         self._pending_view = None
-        self.gather_buffer.clear()
         if self.spill_link is not None:
             self.spill_link.after_release(close=close_tier)
         if self.sealer is not None:
