@@ -25,7 +25,7 @@ from hf_kvgov.engine.rules import layout_for
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups, single_group
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
@@ -104,6 +104,7 @@ class BlockStore:
         self._pending_view: PagedView | None = None
         self.prefix = prefix
         self.namespace = namespace
+        self.store_layers: list[StoreLayer] = []  # each layer's token count, kept by the adapter's layer objects
         # Prefix sharing's state (`paged_prefix`): the tree locks this store holds, each row's layout after a
         # match, prompt blocks published as computed (a tree over layer groups), and whether generate's
         # expansion of the matched rows is still to come.
@@ -121,11 +122,6 @@ class BlockStore:
             paged_pool.adopt_pool(self, pool)
         elif dtype_device is not None and None not in layer_devices:
             paged_pool.create_pool(self, *dtype_device)
-
-    @property
-    def store_layers(self) -> list[StoreLayer]:
-        """Each layer's token count, as the adapter keeps them."""
-        raise NotImplementedError
 
     def stored_tokens(self) -> int:
         """Tokens every layer has stored (the absolute position of the next token)."""
@@ -164,6 +160,12 @@ class BlockStore:
         """The first token layer `layer` keeps while queries start at `position` (0 outside sliding groups); known
         before the pool exists (the mask asks first), from the block size the pool gets."""
         return self.group(layer).first_kept(position, self.pool_args["block_size"])  # type: ignore[arg-type]
+
+    def block_bytes(self, geometry: KVGeometry) -> int:
+        """Bytes of one full-precision block of the pool this store creates: one position of every layer group."""
+        block_size = self.pool_args["block_size"]
+        assert block_size is not None
+        return geometry.bytes_per_token // geometry.num_layers * len(self.layout.heads) * block_size
 
     def ensure_pool(self, key_states: torch.Tensor) -> None:
         if self.pool is None:

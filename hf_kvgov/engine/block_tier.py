@@ -94,7 +94,7 @@ class BlockTier:
             return
         blocks, kept = disk_prefix.resident_need(block_size, self.disk, self.sealed)
         # A block holds one position of every group; a sliding group keeps at most its window, the tail and a step.
-        bytes_per_block = geometry.bytes_per_token // geometry.num_layers * len(cache.layout.heads) * block_size
+        bytes_per_block = cache.block_bytes(geometry)
         per_group = [
             blocks if g.window is None else min(blocks, math.ceil(g.window / block_size) + 2) for g in cache.groups
         ]

@@ -38,10 +38,10 @@ def _new_pool(cache: BlockStore, geometry: KVGeometry) -> BlockPool:
         if cache.spill_link is not None and args["max_bytes"] is not None:
             # A disk tier's max_resident_bytes budgets the full-precision blocks, the sealed codes of its hot window
             # on top (`QuantizedDiskCache`); a quantized pool's max_bytes would count both, so cap in tokens.
+            blocks = args["max_bytes"] // cache.block_bytes(geometry)
             block_size = args["block_size"]
             assert block_size is not None
-            per_block = geometry.bytes_per_token // geometry.num_layers * len(cache.layout.heads) * block_size
-            args["max_tokens"], args["max_bytes"] = args["max_bytes"] // per_block * block_size, None
+            args["max_tokens"], args["max_bytes"] = blocks * block_size, None
         return cache.sealer.new_pool(geometry, cache.groups, **args)
     return BlockPool(geometry, groups=cache.groups, **cache.pool_args)  # type: ignore[arg-type]
 

@@ -21,7 +21,7 @@ from typing import Any, Self
 
 import torch
 
-from hf_kvgov.engine.block_store import AttentionPath, BlockStore, StoreLayer
+from hf_kvgov.engine.block_store import AttentionPath, BlockStore
 from hf_kvgov.engine.paged_stats import CacheStats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
@@ -84,7 +84,6 @@ class PagedCache(GovernedCacheBase, BlockStore):
         windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
         num_layers = int(config.num_hidden_layers)
-        self.layers: list[Any] = []  # the store asks for its layers' lengths before they exist
         BlockStore.__init__(
             self,
             num_layers,
@@ -116,10 +115,11 @@ class PagedCache(GovernedCacheBase, BlockStore):
             spill=spill,
             attention=attention,
         )
-        layers: list[Any] = [PagedLayer(self, i) for i in range(num_layers)]
+        layers = [PagedLayer(self, i) for i in range(num_layers)]
         for layer in layers:
             layer.is_sliding = self.group(layer.index).window is not None
-        GovernedCacheBase.__init__(self, layers=layers)
+        self.store_layers = list(layers)
+        GovernedCacheBase.__init__(self, layers=list(layers))
 
     @classmethod
     def from_parts(cls, model_or_config: Any, parts: ChainParts) -> Self:
@@ -145,14 +145,6 @@ class PagedCache(GovernedCacheBase, BlockStore):
             spill=parts.spill,
         )
         return cache
-
-    @property
-    def store_layers(self) -> list[StoreLayer]:
-        return self.paged_layers  # type: ignore[return-value]
-
-    @property
-    def paged_layers(self) -> list[PagedLayer]:
-        return [layer for layer in self.layers if isinstance(layer, PagedLayer)]
 
     # ------------------------------------------------------------------ generate's bookkeeping
 
