@@ -5,9 +5,11 @@ transformers later splats into the attention call; this function finds it there 
 block tables directly. Without a view (any other cache) it falls back to sdpa on the K/V it was given,
 so switching a model to this implementation never breaks other caches.
 
-Registration adds a new name to transformers' registries through their public `register` API; it
-never replaces an existing entry. `paged_attention(model)` switches one model and restores its previous
-implementation on exit.
+`kvgov_ragged` is the serving engine's: one packed row of many sequences, whose `RaggedStep` (in the kwargs, as the
+view is) stores each layer's K/V and tells the sequences apart, so no mask is built for it.
+
+Registration adds new names to transformers' registries through their public `register` API; it never replaces an
+existing entry. `paged_attention(model)` switches one model and restores its previous implementation on exit.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from torch import nn
 
 from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
 from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.kernels.ragged import RaggedStep
 
 ATTENTION_NAME = "kvgov_paged"
+RAGGED_ATTENTION_NAME = "kvgov_ragged"
+RAGGED_STEP_KEY = "kvgov_ragged_step"
 _registered = False
 
 
@@ -45,6 +50,40 @@ def kvgov_attention_forward(
     if view is None:
         return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap), None
     return view.attend(query, attention_mask, scale, softcap), None
+
+
+def ragged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention signature over a packed step; returns `([1, tokens, q_heads, head_dim], None)`."""
+    step: RaggedStep | None = kwargs.get(RAGGED_STEP_KEY)
+    if step is None:
+        raise RuntimeError(
+            f"The {RAGGED_ATTENTION_NAME!r} attention serves packed steps of hf_kvgov's ServingEngine only; this "
+            "forward pass came without one. Close the engine (it restores the model's attention) to use the model "
+            "alone."
+        )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by the serving engine.")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise RuntimeError(f"{type(module).__name__} has no layer_idx; the serving engine cannot tell its layer.")
+    return step.attend(int(layer), query, key, value, scale, softcap, sliding_window), None
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """A packed step's sequences are told apart by its `RaggedStep`, so transformers builds no mask for it."""
+    return None
 
 
 def sdpa_over_given_kv(
@@ -76,11 +115,13 @@ def sdpa_over_given_kv(
 
 
 def register() -> str:
-    """Make `ATTENTION_NAME` known to transformers (idempotent); returns the name."""
+    """Make `ATTENTION_NAME` and `RAGGED_ATTENTION_NAME` known to transformers (idempotent); returns the first."""
     global _registered
     if not _registered:
         AttentionInterface.register(ATTENTION_NAME, kvgov_attention_forward)
         AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        AttentionInterface.register(RAGGED_ATTENTION_NAME, ragged_attention_forward)
+        AttentionMaskInterface.register(RAGGED_ATTENTION_NAME, _no_mask)
         _registered = True
     return ATTENTION_NAME
 

@@ -24,7 +24,9 @@ __all__ = [
     "AttentionMaskInterface",
     "Cache",
     "CacheLayerMixin",
+    "GenerationOutput",
     "LayerKind",
+    "RequestStatus",
     "attention_implementation",
     "decoder_config",
     "layer_kinds",
@@ -33,6 +35,13 @@ __all__ = [
 ]
 
 TRANSFORMERS_VERSION = transformers.__version__
+
+# transformers' continuous batching hands results back as these (since 5.0; the module is internal, so the import
+# is guarded: without them `hf_kvgov.serving.install` refuses with the version, and nothing else needs them).
+try:
+    from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+except ImportError:  # pragma: no cover - a transformers without continuous batching
+    GenerationOutput = RequestStatus = None  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,125 @@
+"""Ragged paged attention: one step of many sequences, each with its own length and block table, none padded.
+
+A continuous-batching step packs every scheduled sequence's new tokens into one row of the model's input: first one
+token per decoding sequence, then each prefill chunk. Per layer, `RaggedStep.attend` writes the step's K/V into the
+pool at the sequences' slots, then serves the decode rows with one batched call whose mask hides each row's keys
+past its own length, and each prefill chunk with a call of its own (causal, its queries the last of its keys). Every
+call goes through `kernels.dispatch`, so the backend is the one a `PagedCache` would get: the torch reference, sdpa
+over gathered blocks on the CPU, Triton or flash-attn on CUDA. The index tensors are built once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_kvgov.kernels import dispatch
+from hf_kvgov.storage.pool import BlockPool
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's share of a packed step: `query_length` new tokens after `kv_length - query_length` stored."""
+
+    query_length: int
+    kv_length: int  # tokens its keys span after this step's write, the new ones included
+    block_ids: Sequence[int]  # its block table, covering at least `kv_length` tokens
+
+
+@dataclass
+class RaggedStep:
+    """The index tensors of one packed step, built once and read by every layer."""
+
+    pool: BlockPool
+    slots: torch.Tensor  # long [tokens]: where each packed token's K/V goes
+    decode_tables: torch.Tensor  # long [decoding, blocks]; short rows padded with a block id they never read
+    decode_lengths: torch.Tensor  # long [decoding]
+    decode_max: int
+    chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first packed token, queries, kv length, table [1, n])
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
+        """`sequences` in packing order: the leading slices of one query are the decode rows, the rest chunks."""
+        size = pool.block_size
+        slots: list[int] = []
+        decoding = next((i for i, s in enumerate(sequences) if s.query_length != 1), len(sequences))
+        decode = sequences[:decoding]
+        for s in sequences:
+            for position in range(s.kv_length - s.query_length, s.kv_length):
+                slots.append(s.block_ids[position // size] * size + position % size)
+        width = max((-(-s.kv_length // size) for s in decode), default=0)
+        tables = [list(s.block_ids[: -(-s.kv_length // size)]) for s in decode]
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        chunks = []
+        start = decoding
+        for s in sequences[decoding:]:
+            table = torch.tensor([list(s.block_ids[: -(-s.kv_length // size)])], dtype=torch.long, device=device)
+            chunks.append((start, s.query_length, s.kv_length, table))
+            start += s.query_length
+        return cls(
+            pool=pool,
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(decode), width),
+            decode_lengths=torch.tensor([s.kv_length for s in decode], dtype=torch.long, device=device),
+            decode_max=max((s.kv_length for s in decode), default=0),
+            chunks=tuple(chunks),
+        )
+
+    @property
+    def num_decoding(self) -> int:
+        return int(self.decode_lengths.shape[0])
+
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        softcap: float | None = None,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Store `key`/`value` `[1, kv_heads, tokens, dim]` and attend `query` `[1, q_heads, tokens, dim]`.
+
+        Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
+        """
+        self.pool.write(layer, self.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+        decoding = self.num_decoding
+        if decoding:
+            rows = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [decoding, q_heads, 1, dim]
+            mask = self._decode_mask(window)
+            result = dispatch.paged_attention(
+                rows, keys, values, self.decode_tables, self.decode_max, scale, mask=mask, softcap=softcap
+            )
+            out[0, :decoding] = result[:, 0]
+        for start, length, kv_length, table in self.chunks:
+            chunk = query[:, :, start : start + length]
+            mask = _chunk_mask(length, kv_length, window, query.device)
+            result = dispatch.paged_attention(chunk, keys, values, table, kv_length, scale, mask=mask, softcap=softcap)
+            out[0, start : start + length] = result[0]
+        return out
+
+    def _decode_mask(self, window: int | None) -> torch.Tensor | None:
+        """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
+        if window not in self._masks:
+            keys = torch.arange(self.decode_max, device=self.decode_lengths.device)
+            lengths = self.decode_lengths[:, None]
+            keep = keys[None, :] < lengths
+            if window is not None:
+                keep &= keys[None, :] >= lengths - window
+            self._masks[window] = None if bool(keep.all()) else keep[:, None, None, :]
+        return self._masks[window]
+
+
+def _chunk_mask(length: int, kv_length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Causal with the queries last, within a sliding window when there is one (None: plain causal)."""
+    if window is None or kv_length <= window:
+        return None
+    queries = torch.arange(kv_length - length, kv_length, device=device)[:, None]
+    keys = torch.arange(kv_length, device=device)[None, :]
+    return ((keys <= queries) & (keys > queries - window))[None, None]

@@ -1,0 +1,256 @@
+"""`ServingEngine`: continuous batching over one governed block pool.
+
+Requests arrive at any time (`add_request`), each step runs every request the scheduler lets in as its own
+sequence (own block table and positions, no padding), and a request leaves the step it finishes, its blocks back to
+the pool at once. `generate` runs a list of prompts to the end; `hf_kvgov.serving.loop.EngineLoop` runs the steps in
+a background thread and streams each request's tokens.
+
+    engine = ServingEngine(model, max_bytes=2 << 30)
+    outputs = engine.generate([prompt_ids_a, prompt_ids_b], SamplingParams(max_new_tokens=64))
+    engine.close()  # the model's attention implementation is restored
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
+from hf_kvgov.hf.compat import (
+    attention_implementation,
+    decoder_config,
+    kv_heads_and_head_dim,
+    layer_kinds,
+    model_dtype_and_device,
+)
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
+from hf_kvgov.serving.runner import ModelRunner
+from hf_kvgov.serving.scheduler import Scheduler
+from hf_kvgov.storage.geometry import KVGeometry
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Where the engine stands, and its counters since it started."""
+
+    steps: int
+    running: int
+    waiting: int
+    max_running: int  # the most requests that ran in one step
+    finished: int
+    cancelled: int
+    preemptions: int
+    recomputed_tokens: int
+    prompt_tokens: int
+    prefix_hit_tokens: int
+    generated_tokens: int
+    kv_bytes_used: int  # bytes of the pool's blocks in use now (prefix-tree blocks included)
+    kv_bytes_peak: int
+    kv_bytes_cap: int | None
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class ServingEngine:
+    """Serve many requests at once from one block pool under one byte cap.
+
+    Args:
+        model: a transformers causal LM with an attention-only decoder (its attention implementation is switched to
+            hf_kvgov's ragged one until `close`).
+        max_bytes: the KV cap: bytes of blocks the pool may hold (None: unbounded, the pool grows).
+        block_size: tokens per block.
+        prefix_sharing: keep finished prompts' full blocks in a prefix tree that later requests match.
+        max_batched_tokens: tokens one step computes at most (longer prompts are prefilled in chunks).
+        max_running: requests running at once at most.
+        reserve_blocks: blocks kept free per running request when admitting another (room for decode growth).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        max_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        prefix_sharing: bool = True,
+        max_batched_tokens: int = 512,
+        max_running: int = 256,
+        reserve_blocks: int = 1,
+    ) -> None:
+        config = decoder_config(model)
+        layer_kinds(config)  # refuses layer types it cannot serve
+        placement = model_dtype_and_device(model)
+        if placement is None:
+            raise TypeError(f"ServingEngine needs a transformers model; got {type(model).__name__}.")
+        dtype, self.device = placement
+        num_kv_heads, head_dim = kv_heads_and_head_dim(config)
+        geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
+        self.pool = BlockPool(geometry, block_size, max_bytes=max_bytes)
+        self.prefix = PrefixCache(self.pool) if prefix_sharing else None
+        self.scheduler = Scheduler(self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks)
+        self.model = model
+        self._previous_attention = attention_implementation(model.config)
+        register()
+        model.set_attn_implementation(RAGGED_ATTENTION_NAME)
+        self.runner = ModelRunner(model, self.pool, RAGGED_STEP_KEY, self.device)
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._max_running = 0
+        self._finished = 0
+        self._cancelled = 0
+        self._generated = 0
+        self._peak_blocks = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, namespace: str = "") -> int:
+        """Queue a request; returns its id. Refuses at once what could never run (empty, or larger than the pool)."""
+        self._check_open()
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("A request needs at least one prompt token; got an empty prompt.")
+        if self.max_positions is not None and len(ids) + params.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} exceed the model's "
+                f"{self.max_positions} positions."
+            )
+        generator = None
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
+        request = Request(next(self._ids), ids, params, namespace, generator=generator)
+        self.scheduler.check_fits(request)
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def cancel(self, request_id: int) -> TokenEvent | None:
+        """Stop a request now: its blocks go back to the pool at once. None when it had already ended."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestState.CANCELLED)
+        self._cancelled += 1
+        return TokenEvent(request_id, None, "cancelled")
+
+    def request(self, request_id: int) -> Request | None:
+        """The live request with this id (None once it ended)."""
+        return self.requests.get(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self) -> list[TokenEvent]:
+        """Run one step; returns the tokens it produced (a finished request's last one carries why it ended)."""
+        self._check_open()
+        scheduled = self.scheduler.schedule()
+        if not len(scheduled):
+            return []
+        self._max_running = max(self._max_running, len(self.scheduler.running))
+        self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
+        sampled = self.runner.run(scheduled)
+        self._steps += 1
+        now = time.perf_counter()
+        events = []
+        for request, count, token in zip(scheduled.requests, scheduled.counts, sampled, strict=True):
+            self.scheduler.advance(request, count)
+            if token is None:
+                continue
+            request.output.append(token)
+            request.token_times.append(now)
+            if request.first_token_at is None:
+                request.first_token_at = now
+            self._generated += 1
+            reason = request.stop_reason(self._stop_ids(request))
+            if reason is None and self.max_positions is not None and request.num_tokens >= self.max_positions:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(request, RequestState.FINISHED)
+                self.requests.pop(request.request_id, None)
+                self._finished += 1
+            events.append(TokenEvent(request.request_id, token, reason))
+        return events
+
+    def _stop_ids(self, request: Request) -> tuple[int, ...]:
+        stop = request.params.stop_token_ids
+        return self.eos_token_ids if stop is None else stop
+
+    def run_until_done(self) -> Iterator[TokenEvent]:
+        """Step until no request is left, yielding every token as it comes."""
+        while self.has_work:
+            yield from self.step()
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[list[int]]:
+        """Serve `prompts` together to the end; returns each one's generated tokens, in the order given."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"Give one SamplingParams or one per prompt; got {len(params)} for {len(prompts)}.")
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        outputs: dict[int, list[int]] = {i: [] for i in ids}
+        for event in self.run_until_done():
+            if event.token is not None and event.request_id in outputs:
+                outputs[event.request_id].append(event.token)
+        return [outputs[i] for i in ids]
+
+    # ------------------------------------------------------------------ state
+
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.counters
+        per_block = self.pool.bytes_per_block
+        cap = self.pool.max_blocks
+        return EngineStats(
+            steps=self._steps,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            max_running=self._max_running,
+            finished=self._finished,
+            cancelled=self._cancelled,
+            preemptions=counters.preemptions,
+            recomputed_tokens=counters.recomputed_tokens,
+            prompt_tokens=counters.prompt_tokens,
+            prefix_hit_tokens=counters.prefix_hit_tokens,
+            generated_tokens=self._generated,
+            kv_bytes_used=self.pool.num_used * per_block,
+            kv_bytes_peak=self._peak_blocks * per_block,
+            kv_bytes_cap=None if cap is None else cap * per_block,
+        )
+
+    def close(self) -> None:
+        """Cancel what is left, free the prefix tree's blocks and give the model its attention back."""
+        if self._closed:
+            return
+        for request_id in list(self.requests):
+            self.cancel(request_id)
+        if self.prefix is not None:
+            self.prefix.clear()
+        self.model.set_attn_implementation(self._previous_attention)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("This ServingEngine is closed; build a new one.")
+
+    def __enter__(self) -> ServingEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""A request's life in the serving engine: what it asks for (`SamplingParams`), where it stands (`Request`), and
+what the engine hands back for it each step (`TokenEvent`)."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_kvgov.storage.block_table import BlockTable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops.
+
+    Args:
+        max_new_tokens: tokens to generate at most.
+        temperature: 0 is greedy (argmax); above 0 samples from softmax(logits / temperature).
+        top_p: with sampling, keep the smallest set of tokens whose probability reaches `top_p` (1.0 keeps all).
+        stop_token_ids: tokens that end the request (kept in its output); None: the model's end-of-sequence tokens.
+        ignore_eos: generate exactly `max_new_tokens`, whatever is sampled.
+        seed: seeds this request's sampling alone, so its tokens do not depend on what else runs.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1; got {self.max_new_tokens!r}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy); got {self.temperature!r}.")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again; holds no blocks
+    RUNNING = "running"  # holds a block table; its prompt may still be in prefill
+    FINISHED = "finished"  # stopped by length or a stop token
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One token of one request, as a step produced it; `finish_reason` is set on its last event."""
+
+    request_id: int
+    token: int | None  # None: the request ended without a new token (cancelled)
+    finish_reason: str | None = None  # "length", "stop" or "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """One request inside the engine. `tokens` is the prompt and what it generated; `computed` of them have
+    their K/V in the pool (a preempted request loses them and computes them again)."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    namespace: str = ""
+    state: RequestState = RequestState.WAITING
+    output: list[int] = field(default_factory=list)
+    computed: int = 0
+    table: BlockTable | None = None
+    locks: list[int] = field(default_factory=list)  # prefix-tree blocks to unlock when it leaves the pool
+    published: int = 0  # tokens offered to the prefix tree so far
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V the next steps must compute before it can sample."""
+        return self.num_tokens - self.computed
+
+    def stop_reason(self, stop_ids: Sequence[int]) -> str | None:
+        """Why it must stop after its latest token, or None."""
+        if self.output and not self.params.ignore_eos and self.output[-1] in stop_ids:
+            return "stop"
+        if len(self.output) >= self.params.max_new_tokens:
+            return "length"
+        return None

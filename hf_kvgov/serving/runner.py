@@ -1,0 +1,74 @@
+"""The model runner: one forward pass over a scheduled step, packed into one row, and the sampling after it.
+
+The step's tokens are packed without padding (`input_ids` and `position_ids` of shape `[1, tokens]`, each sequence
+at its own positions), the `kvgov_ragged` attention reads the step's `RaggedStep` from the forward's kwargs, and
+`logits_to_keep` asks the model for the logits of each sampling sequence's last token only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hf_kvgov.kernels.ragged import RaggedStep, SequenceSlice
+from hf_kvgov.serving.request import Request
+from hf_kvgov.serving.scheduler import ScheduledStep
+from hf_kvgov.storage.pool import BlockPool
+
+
+class ModelRunner:
+    """Runs a model over packed steps whose K/V live in `pool`; the model must use the `kvgov_ragged` attention."""
+
+    def __init__(self, model: Any, pool: BlockPool, step_key: str, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.step_key = step_key
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> list[int | None]:
+        """Compute the step; returns, per request in order, its sampled token or None (its prompt goes on)."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slices: list[SequenceSlice] = []
+        sampling: list[int] = []  # packed index of each sampling request's last token
+        samplers: list[Request] = []
+        for request, count in zip(step.requests, step.counts, strict=True):
+            start, end = request.computed, request.computed + count
+            tokens = request.tokens
+            ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            assert request.table is not None
+            slices.append(SequenceSlice(count, end, request.table.block_ids))
+            if end == request.num_tokens:
+                sampling.append(len(ids) - 1)
+                samplers.append(request)
+        ragged = RaggedStep.build(self.pool, slices, self.device)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(sampling, dtype=torch.long, device=self.device),
+            **{self.step_key: ragged},
+        )
+        chosen = sample(out.logits[0], samplers) if samplers else []
+        by_request = dict(zip((id(r) for r in samplers), chosen, strict=True))
+        return [by_request.get(id(request)) for request in step.requests]
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """One token per row of `logits` `[rows, vocab]`, by each request's own parameters and generator."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, request in enumerate(requests):
+        params = request.params
+        if params.greedy:
+            continue
+        probs = torch.softmax(logits[row].float() / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            keep = ordered.cumsum(0) - ordered < params.top_p  # the smallest head whose mass reaches top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], ordered[keep])
+        tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator).item())
+    return tokens

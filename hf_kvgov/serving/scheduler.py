@@ -1,0 +1,224 @@
+"""Which requests run in the next step, and with how many tokens: admission by blocks, preemption, prefix sharing.
+
+Each step has a token budget. Running requests go first, oldest first: one token each when decoding, the next chunk
+of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted in arrival
+order while the budget lasts: a request enters when the blocks of its prompt, after the longest prefix the tree
+holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (the prefix
+tree's unlocked blocks count as free: the pool's reclaimer evicts them on demand). A decode step that finds the
+pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
+tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed). The caller
+never sees `PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.serving.request import Request, RequestState
+from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.pool import BlockPool
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    """The requests of one step in packing order (those computing one token first), and how many tokens each
+    computes."""
+
+    requests: tuple[Request, ...]
+    counts: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass
+class SchedulerCounters:
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens computed again after a preemption
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, hits included
+
+
+class Scheduler:
+    """The waiting queue, the running set and their blocks in one pool.
+
+    Args:
+        pool: the block pool every request's table draws from (its cap is the engine's KV budget).
+        prefix: the prefix tree shared by every request, or None for no sharing.
+        max_batched_tokens: tokens one step computes at most (prefill chunks are cut to fit).
+        max_running: requests running at once at most.
+        reserve_blocks: blocks kept free per running request when admitting another.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        prefix: PrefixCache | None,
+        max_batched_tokens: int,
+        max_running: int,
+        reserve_blocks: int = 1,
+    ) -> None:
+        for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
+        if reserve_blocks < 0:
+            raise ValueError(f"reserve_blocks must be >= 0; got {reserve_blocks!r}.")
+        self.pool = pool
+        self.prefix = prefix
+        self.max_batched_tokens = max_batched_tokens
+        self.max_running = max_running
+        self.reserve_blocks = reserve_blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> ScheduledStep:
+        """The next step's requests and token counts; allocates their blocks (preempting when the pool is full)."""
+        budget = self.max_batched_tokens
+        decoding: list[tuple[Request, int]] = []
+        chunks: list[tuple[Request, int]] = []
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.state is not RequestState.RUNNING:  # preempted by an older request of this step
+                continue
+            count = min(request.pending, budget)
+            while not self._grow(request, request.computed + count):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            if request.state is RequestState.RUNNING:
+                (decoding if count == 1 else chunks).append((request, count))
+                budget -= count
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            if not self._admit(request):
+                break  # first come, first served: nothing overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            count = min(request.pending, budget)
+            (decoding if count == 1 else chunks).append((request, count))
+            budget -= count
+        ordered = decoding + chunks
+        return ScheduledStep(tuple(r for r, _ in ordered), tuple(c for _, c in ordered))
+
+    def _grow(self, request: Request, end: int) -> bool:
+        assert request.table is not None
+        try:
+            request.table.prepare_write(request.computed, end)
+        except PoolExhausted:
+            return False
+        return True
+
+    def _admit(self, request: Request) -> bool:
+        """Give `request` a table holding its prefix hit and blocks for the rest of its tokens, if they fit."""
+        tokens = request.tokens
+        hit: list[int] = []
+        if self.prefix is not None:  # at least one token is left to compute: its logits are sampled
+            hit = self.prefix.match(tokens, request.namespace, max_tokens=len(tokens) - 1)
+        table = BlockTable(self.pool, hit)
+        computed = len(hit) * self.pool.block_size
+        try:
+            table.prepare_write(computed, len(tokens))
+        except PoolExhausted:
+            self._drop(table, hit)
+            return False
+        if self.running and self.free_blocks() < self.reserve_blocks * len(self.running):
+            self._drop(table, hit)
+            return False
+        if request.preemptions:
+            self.counters.recomputed_tokens += len(tokens) - computed
+        else:
+            self.counters.prompt_tokens += len(tokens)
+            self.counters.prefix_hit_tokens += computed
+            request.prefix_hit_tokens = computed
+        request.table, request.locks, request.computed, request.published = table, hit, computed, computed
+        request.state = RequestState.RUNNING
+        return True
+
+    def _drop(self, table: BlockTable, locks: list[int]) -> None:
+        table.release()
+        if self.prefix is not None:
+            self.prefix.unlock(locks)
+
+    def free_blocks(self) -> int:
+        """Blocks an allocation can still get: the pool's free ones and the prefix tree's unlocked ones."""
+        evictable = self.prefix.tree.evictable_blocks() if self.prefix is not None else 0
+        return self.pool.num_free + evictable
+
+    def advance(self, request: Request, count: int) -> None:
+        """`count` more of the request's tokens have their K/V in the pool. In prefill, the full blocks go to the
+        prefix tree after every chunk, so a request with the same prefix admitted meanwhile finds them; generated
+        tokens' blocks go when the request finishes."""
+        request.computed += count
+        if self.prefix is not None and request.published < len(request.prompt):
+            self.publish(request)
+
+    def publish(self, request: Request) -> None:
+        """Offer the request's computed full blocks to the tree (a block it already holds is stored once)."""
+        if self.prefix is None or request.table is None:
+            return
+        size = self.pool.block_size
+        full = request.computed // size * size
+        if full <= request.published // size * size:
+            return
+        tokens = request.tokens[:full]
+        swapped, locks = self.prefix.publish(tokens, request.table.block_ids[: full // size], request.namespace)
+        request.table.block_ids[: len(swapped)] = swapped
+        request.locks.extend(locks)
+        request.published = full
+
+    def preempt(self, request: Request) -> None:
+        """Take the request's blocks back and queue it first; its tokens are computed again when it re-enters."""
+        self.running.remove(request)
+        self._release(request)
+        request.state = RequestState.WAITING
+        request.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, state: RequestState) -> None:
+        """The request leaves: its full blocks stay in the prefix tree, the rest go back to the pool at once."""
+        if request in self.running:
+            self.publish(request)
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.state = state
+
+    def _release(self, request: Request) -> None:
+        if request.table is not None:
+            self._drop(request.table, request.locks)
+        request.table, request.locks, request.computed, request.published = None, [], 0, 0
+
+    def check_fits(self, request: Request) -> None:
+        """Refuse a request that could not run even alone in the whole pool (it would wait forever)."""
+        cap = self.pool.max_blocks
+        if cap is None:
+            return
+        size = self.pool.block_size
+        needed = -(-(len(request.prompt) + request.params.max_new_tokens) // size)
+        if needed > cap:
+            raise ValueError(
+                f"Request {request.request_id} needs {needed} blocks ({len(request.prompt)} prompt tokens + "
+                f"max_new_tokens={request.params.max_new_tokens}, {size} tokens a block) but the pool holds at most "
+                f"{cap}; shorten it or give the engine a larger max_bytes."
+            )

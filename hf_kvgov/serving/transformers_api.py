@@ -1,0 +1,225 @@
+"""transformers' own continuous-batching entry points, run by the governed engine.
+
+`install(model, **engine_args)` gives one model an `init_continuous_batching` that returns a
+`GovernedBatchingManager` (a `ServingEngine` and its `EngineLoop` behind the methods of transformers'
+`ContinuousBatchingManager` that its callers use). transformers' `generate_batch` and
+`continuous_batching_context_manager` call `init_continuous_batching`, so both then run on hf_kvgov's pool, prefix
+tree and scheduler unchanged; `uninstall(model)` gives the model transformers' own back.
+
+    hf_kvgov.serving.install(model, max_bytes=4 << 30)
+    results = model.generate_batch([ids_a, ids_b], max_new_tokens=64)   # {request id: GenerationOutput}
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from hf_kvgov.hf.compat import TRANSFORMERS_VERSION, GenerationOutput, RequestStatus
+from hf_kvgov.serving.engine import ServingEngine
+from hf_kvgov.serving.loop import EngineLoop
+from hf_kvgov.serving.request import SamplingParams, TokenEvent
+
+_INSTALLED = "_kvgov_engine_args"
+
+
+def install(model: Any, **engine_args: Any) -> None:
+    """Make `model`'s continuous batching (`generate_batch`, the context manager) run on a `ServingEngine`.
+
+    `engine_args` are `ServingEngine`'s (max_bytes, block_size, prefix_sharing, max_batched_tokens, ...); each
+    manager the model creates builds its engine with them.
+    """
+    if GenerationOutput is None or not hasattr(model, "generate_batch"):
+        raise RuntimeError(
+            f"transformers {TRANSFORMERS_VERSION} has no continuous batching API to install into (it needs "
+            "transformers >= 5.0 and a model with generate_batch)."
+        )
+    ServingEngine(model, **engine_args).close()  # refuses a bad argument now, not at the first generate_batch
+    setattr(model, _INSTALLED, dict(engine_args))
+    model.init_continuous_batching = types.MethodType(_init_governed_batching, model)
+
+
+def uninstall(model: Any) -> None:
+    """Give `model` transformers' own continuous batching back."""
+    if hasattr(model, _INSTALLED):
+        delattr(model, _INSTALLED)
+        del model.init_continuous_batching
+
+
+def _init_governed_batching(
+    model: Any, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
+) -> GovernedBatchingManager:
+    """What `install` puts in place of `model.init_continuous_batching` (its signature)."""
+    config = generation_config if generation_config is not None else model.generation_config
+    return GovernedBatchingManager(model, config, **getattr(model, _INSTALLED))
+
+
+class GovernedBatchingManager:
+    """transformers' `ContinuousBatchingManager` interface on a `ServingEngine`: add requests, get results (all,
+    or one request's as they stream), cancel, start and stop the background loop."""
+
+    warmed_up = True  # nothing to capture: no CUDA graphs
+
+    def __init__(self, model: Any, generation_config: Any, **engine_args: Any) -> None:
+        self.model = model
+        self.generation_config = generation_config
+        self._engine_args = engine_args
+        self._engine: ServingEngine | None = None
+        self._loop: EngineLoop | None = None
+        self._outputs: queue.Queue[Any] = queue.Queue()
+        self._states: dict[int, Any] = {}  # engine id -> the GenerationOutput transformers' callers see
+        self._ids: dict[str, int] = {}
+        self._streaming: set[int] = set()
+        self._timestamps: set[int] = set()
+        self._lock = threading.Lock()
+        self._counter = 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def warmup(self) -> None:
+        """Nothing to warm up (kept for transformers' context manager)."""
+
+    def start(self) -> None:
+        if self._loop is None:
+            self._engine = ServingEngine(self.model, **self._engine_args)
+            self._loop = EngineLoop(self._engine, listener=self._on_event)
+
+    def is_running(self) -> bool:
+        return self._loop is not None
+
+    @property
+    def engine(self) -> ServingEngine | None:
+        """The engine behind the manager while it runs (its pool, prefix tree and stats), else None."""
+        return self._engine
+
+    def stop(self, block: bool = True, timeout: float | None = None, keep_for_next_session: bool = False) -> None:
+        """Stop the loop (what is still running is cancelled) and close the engine, giving the model its attention
+        back."""
+        if self._loop is not None and self._engine is not None:
+            self._loop.stop()
+            self._engine.close()
+        self._loop = self._engine = None
+
+    def destroy(self) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str:
+        if self._loop is None:
+            raise RuntimeError("Start the manager (or use it as transformers' context manager) before adding requests.")
+        if logit_processor_kwargs:
+            raise ValueError(
+                f"Per-request logits processor arguments {sorted(logit_processor_kwargs)} are not supported by the "
+                "governed engine; set temperature, top_p and max_new_tokens on the generation config."
+            )
+        params = self._params(max_new_tokens, eos_token_id)
+        with self._lock:
+            if request_id is None:
+                request_id = f"req_{self._counter}"
+                self._counter += 1
+            state = GenerationOutput(request_id=request_id, prompt_ids=list(input_ids), status=RequestStatus.PENDING)
+            state.timestamps = [] if record_timestamps else None
+            stream = self._loop.submit(input_ids, params)
+            engine_id = stream.request_id
+            self._states[engine_id] = state
+            self._ids[request_id] = engine_id
+            if streaming:
+                self._streaming.add(engine_id)
+        return request_id
+
+    def add_requests(
+        self,
+        inputs: list[list[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        **logit_processor_kwargs: Any,
+    ) -> list[str]:
+        return [
+            self.add_request(ids, None, max_new_tokens, streaming, record_timestamps, **logit_processor_kwargs)
+            for ids in inputs
+        ]
+
+    def cancel_request(self, request_id: str) -> None:
+        engine_id = self._ids.get(request_id)
+        if engine_id is not None and self._loop is not None:
+            self._loop.cancel(engine_id)
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> Any:
+        """The next result (a finished request's, or a streaming request's latest state), or None after `timeout`."""
+        if self._outputs.empty() and self._loop is None:
+            return None
+        try:
+            result = self._outputs.get(block=True, timeout=timeout)
+        except queue.Empty:
+            return None
+        if request_id is not None and result.request_id != request_id:
+            self._outputs.put(result)
+            return None
+        return result
+
+    def request_id_iter(self, request_id: str) -> Iterator[Any]:
+        """A request's results as they come, until it finished."""
+        while True:
+            result = self.get_result(request_id=request_id, timeout=0.1)
+            if result is not None:
+                yield result
+                if result.is_finished():
+                    return
+            elif request_id not in self._ids:
+                return
+
+    # ------------------------------------------------------------------ results
+
+    def _params(self, max_new_tokens: int | None, eos_token_id: int | list[int] | None) -> SamplingParams:
+        config = self.generation_config
+        new = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
+        eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+        stop = tuple(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None and t >= 0)
+        sampling = bool(config.do_sample)
+        return SamplingParams(
+            max_new_tokens=int(new) if new is not None else 20,  # transformers' default max_length - prompt
+            temperature=float(config.temperature or 1.0) if sampling else 0.0,
+            top_p=float(config.top_p or 1.0) if sampling else 1.0,
+            stop_token_ids=stop,
+        )
+
+    def _on_event(self, event: TokenEvent | BaseException) -> None:
+        """The loop's listener: fold a token into its request's GenerationOutput and hand that out."""
+        if isinstance(event, BaseException):
+            for state in self._states.values():
+                state.status, state.error = RequestStatus.FAILED, repr(event)
+                self._outputs.put(state)
+            return
+        with self._lock:
+            state = self._states.get(event.request_id)
+        if state is None:
+            return
+        if event.token is not None:
+            state.generated_tokens.append(event.token)
+            if state.timestamps is not None:
+                state.timestamps.append(time.perf_counter())
+            state.status = RequestStatus.DECODING
+        if event.finished:
+            state.status = RequestStatus.FINISHED
+            with self._lock:
+                self._states.pop(event.request_id, None)
+                self._ids.pop(state.request_id, None)
+                self._streaming.discard(event.request_id)
+            self._outputs.put(state)
+        elif event.request_id in self._streaming:
+            self._outputs.put(state)

@@ -1,0 +1,216 @@
+"""The serving engine on tiny random models: each request's greedy tokens equal the same request run alone with
+`DynamicCache`, whatever the engine does around it (chunked prefill beside decode, prefix hits, preemption under a
+small cap, sliding windows), and every block goes back to the pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov.serving import SamplingParams, ServingEngine
+from hf_kvgov.serving.loop import EngineLoop
+from tests.conftest import tiny_gemma3, tiny_llama, tiny_mistral
+
+NEW = 12
+
+
+def alone(model, prompt: list[int], new: int = NEW) -> list[int]:  # type: ignore[no-untyped-def]
+    """The request run by itself: batch of one, DynamicCache, greedy."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new,
+        do_sample=False,
+        cache=DynamicCache(config=model.config),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts_with_shared_prefix(vocab: int, lengths: tuple[int, ...], shared: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    doc = torch.randint(3, vocab, (shared,), generator=generator).tolist()
+    return [doc + torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(new: int = NEW) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llama():  # type: ignore[no-untyped-def]
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def mixed_prompts(llama):  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, llama.config.vocab_size, (n,), generator=generator).tolist() for n in (5, 17, 33, 2, 40)]
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(llama, mixed_prompts):  # type: ignore[no-untyped-def]
+    return [alone(llama, p) for p in mixed_prompts]
+
+
+@pytest.mark.parametrize("max_batched_tokens", [512, 20, 3])
+def test_requests_of_unequal_lengths_equal_each_run_alone(
+    llama, mixed_prompts, mixed_reference, max_batched_tokens: int
+) -> None:
+    """512: all prefills in one step; 20 and 3: prompts cut into chunks that share steps with other rows' decode."""
+    with ServingEngine(llama, max_batched_tokens=max_batched_tokens) as engine:
+        assert engine.generate(mixed_prompts, greedy()) == mixed_reference
+        stats = engine.stats()
+    assert stats.finished == len(mixed_prompts) and stats.generated_tokens == NEW * len(mixed_prompts)
+    # No cap: the token budget alone bounds how many run at once (a request enters with at least one token).
+    assert stats.max_running == min(len(mixed_prompts), max_batched_tokens)
+
+
+def test_logits_match_dynamic_cache(llama, mixed_prompts) -> None:
+    """The last step's logits of a packed row equal the model's over the whole sequence, within float tolerance."""
+    prompt = mixed_prompts[2]
+    with ServingEngine(llama, block_size=4) as engine:
+        tokens = engine.generate([prompt, mixed_prompts[4]], greedy(3))[0]
+        captured = {}
+        forward = llama.forward
+
+        def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = forward(*args, **kwargs)
+            captured["logits"] = out.logits[0, 0].clone()
+            return out
+
+        llama.forward = spy
+        try:
+            engine.generate([prompt + tokens], greedy(1))  # the prefix tree serves all but the last token
+        finally:
+            del llama.forward
+        assert engine.stats().prefix_hit_tokens > 0
+    with torch.no_grad():
+        expected = llama(torch.tensor([prompt + tokens])).logits[0, -1]
+    torch.testing.assert_close(captured["logits"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_prefix_hits_and_preemption_under_a_small_cap(llama) -> None:
+    prompts = prompts_with_shared_prefix(llama.config.vocab_size, (5, 17, 3, 2, 9, 11, 4, 8), shared=37)
+    reference = [alone(llama, p, 20) for p in prompts]
+    per_block = ServingEngine(llama, block_size=4)
+    bytes_per_block = per_block.pool.bytes_per_block
+    per_block.close()
+    for blocks in (20, 40):
+        with ServingEngine(llama, block_size=4, max_bytes=blocks * bytes_per_block, max_batched_tokens=32) as engine:
+            assert engine.generate(prompts, greedy(20)) == reference
+            stats = engine.stats()
+            assert stats.preemptions > 0 and stats.recomputed_tokens > 0  # the cap forced it
+            assert stats.prefix_hit_tokens > 0
+            assert stats.kv_bytes_peak <= blocks * bytes_per_block
+            assert engine.pool.num_used == len(engine.prefix.tree)  # only the tree's blocks are left
+            engine.prefix.check_invariants()
+        assert engine.pool.num_used == 0  # closing clears the tree
+
+
+def test_without_prefix_sharing_every_block_returns(llama, mixed_prompts, mixed_reference) -> None:
+    with ServingEngine(llama, prefix_sharing=False, block_size=4) as engine:
+        assert engine.generate(mixed_prompts, greedy()) == mixed_reference
+        assert engine.pool.num_used == 0
+        assert engine.stats().prefix_hit_tokens == 0
+
+
+@pytest.mark.parametrize("build", [tiny_gemma3, tiny_mistral], ids=["gemma3", "mistral"])
+def test_sliding_window_models_with_prefix_hits(build) -> None:  # type: ignore[no-untyped-def]
+    """Hits of unequal length on sliding-window layers (window 8): no padding enters any row's window."""
+    model = build()
+    prompts = prompts_with_shared_prefix(model.config.vocab_size, (3, 14, 1, 9), shared=21)
+    reference = [alone(model, p) for p in prompts]
+    with ServingEngine(model, block_size=4, max_batched_tokens=16) as engine:
+        first = engine.generate(prompts[:1], greedy())  # publishes the shared prefix
+        rest = engine.generate(prompts[1:], greedy())
+        assert engine.stats().prefix_hit_tokens >= 3 * 20
+    assert first + rest == reference
+
+
+def test_cancel_returns_blocks_at_once(llama, mixed_prompts) -> None:
+    with ServingEngine(llama, prefix_sharing=False, block_size=4) as engine:
+        ids = [engine.add_request(p, greedy(50)) for p in mixed_prompts]
+        engine.step()
+        engine.step()
+        held = engine.pool.num_used
+        assert held > 0
+        event = engine.cancel(ids[1])
+        assert event is not None and event.finish_reason == "cancelled"
+        assert engine.pool.num_used == held - -(-(len(mixed_prompts[1]) + 1) // 4)
+        assert engine.cancel(ids[1]) is None  # already gone
+        for request_id in ids:
+            engine.cancel(request_id)
+        assert engine.pool.num_used == 0 and not engine.has_work
+        assert engine.stats().cancelled == len(ids)
+
+
+def test_stop_tokens_and_lengths(llama, mixed_prompts, mixed_reference) -> None:
+    stop = mixed_reference[0][4]
+    first = mixed_reference[0].index(stop)
+    with ServingEngine(llama) as engine:
+        request_id = engine.add_request(mixed_prompts[0], SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop,)))
+        events = list(engine.run_until_done())
+    assert [e.token for e in events] == mixed_reference[0][: first + 1]
+    assert events[-1].finish_reason == "stop" and events[-1].request_id == request_id
+    with ServingEngine(llama) as engine:
+        events = [e for e in engine.run_until_done()] if engine.add_request(mixed_prompts[0], greedy(3)) == 0 else []
+    assert [e.finish_reason for e in events] == [None, None, "length"]
+
+
+def test_sampling_is_per_request_and_seeded(llama, mixed_prompts) -> None:
+    """A seeded request draws the same tokens alone or beside others; temperature and top_p change what it draws."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.5, top_p=0.9, seed=7, ignore_eos=True)
+    with ServingEngine(llama) as engine:
+        alone_tokens = engine.generate([mixed_prompts[1]], params)[0]
+        together = engine.generate(mixed_prompts, [greedy(), params, greedy(), greedy(), greedy()])[1]
+        greedy_tokens = engine.generate([mixed_prompts[1]], greedy(10))[0]
+    assert together == alone_tokens
+    assert alone_tokens != greedy_tokens
+
+
+def test_bad_requests_are_refused_when_added(llama) -> None:
+    with ServingEngine(llama, block_size=4, max_bytes=None) as engine:
+        with pytest.raises(ValueError, match="empty prompt"):
+            engine.add_request([])
+        with pytest.raises(ValueError, match="model's 512 positions"):
+            engine.add_request([5] * 500, greedy(20))
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        SamplingParams(max_new_tokens=0)
+    one_block = ServingEngine(llama, block_size=4)
+    size = one_block.pool.bytes_per_block
+    one_block.close()
+    with ServingEngine(llama, block_size=4, max_bytes=10 * size) as engine:
+        with pytest.raises(ValueError, match=r"needs 11 blocks .* holds at most 10"):
+            engine.add_request([5] * 30, greedy(13))
+        assert not engine.has_work
+    with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
+        ServingEngine(llama, max_batched_tokens=0)
+
+
+def test_closed_engine_restores_attention(llama) -> None:
+    before = llama.config._attn_implementation
+    engine = ServingEngine(llama)
+    assert llama.config._attn_implementation == "kvgov_ragged"
+    engine.close()
+    assert llama.config._attn_implementation == before
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.add_request([5, 6])
+
+
+def test_background_loop_streams_and_cancels(llama, mixed_prompts, mixed_reference) -> None:
+    with ServingEngine(llama, block_size=4, prefix_sharing=False) as engine, EngineLoop(engine) as loop:
+        streams = [loop.submit(p, greedy()) for p in mixed_prompts]
+        endless = loop.submit(mixed_prompts[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        assert [s.result() for s in streams] == mixed_reference
+        assert all(s.finish_reason == "length" for s in streams)
+        seen = [token for token, _ in zip(endless, range(3), strict=False)]
+        assert len(seen) == 3
+        endless.cancel()
+        endless.result()
+        assert endless.finish_reason == "cancelled"
+        assert engine.pool.num_used == 0
+        assert engine.request(endless.request_id) is None

@@ -1,0 +1,69 @@
+"""transformers' own continuous-batching entry points (`generate_batch`, the context manager, its streaming and
+cancel), unchanged, running on the governed engine after `install`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvgov import serving
+from hf_kvgov.serving import GovernedBatchingManager
+from tests.conftest import tiny_llama
+from tests.serving.test_engine import alone
+
+
+@pytest.fixture
+def model():  # type: ignore[no-untyped-def]
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None  # every request runs its max_new_tokens, as `alone` does
+    serving.install(model, block_size=4, max_batched_tokens=24)
+    yield model
+    serving.uninstall(model)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (5, 17, 33, 9)]
+
+
+def test_generate_batch_runs_on_the_engine_and_answers_as_alone(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    reference = [alone(model, p, 10) for p in prompts]
+    results = model.generate_batch(prompts, max_new_tokens=10, record_timestamps=True)
+    assert list(results) == ["req_0", "req_1", "req_2", "req_3"]
+    assert [r.generated_tokens for r in results.values()] == reference
+    assert all(r.is_finished() and r.error is None and len(r.timestamps) == 10 for r in results.values())
+    assert model.config._attn_implementation == "sdpa"  # the manager's engine gave the attention back
+
+
+def test_context_manager_streams_and_cancels(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    reference = alone(model, prompts[1], 10)
+    with model.continuous_batching_context_manager() as manager:
+        assert isinstance(manager, GovernedBatchingManager)
+        request_id = manager.add_request(prompts[1], max_new_tokens=10, streaming=True)
+        lengths = [len(r.generated_tokens) for r in manager.request_id_iter(request_id)]
+        assert lengths == list(range(1, 11))  # one result per token, as it came
+        endless = manager.add_request(prompts[0], max_new_tokens=400)
+        manager.cancel_request(endless)
+        result = manager.get_result(endless, timeout=10)
+        assert result is not None and result.is_finished() and len(result.generated_tokens) < 400
+        engine = manager.engine
+        assert engine is not None and engine.pool.num_used == len(engine.prefix.tree)  # only the tree's blocks
+    finished = model.generate_batch([prompts[1]], max_new_tokens=10)
+    assert finished["req_0"].generated_tokens == reference
+
+
+def test_refusals_name_what_is_wrong(prompts) -> None:  # type: ignore[no-untyped-def]
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
+        serving.install(model, max_batched_tokens=0)
+    assert "init_continuous_batching" not in vars(model)  # nothing installed
+    serving.install(model)
+    with (
+        model.continuous_batching_context_manager() as manager,
+        pytest.raises(ValueError, match="logits processor arguments \\['repetition_penalty'\\]"),
+    ):
+        manager.add_request(prompts[0], repetition_penalty=1.2)
+    manager = model.init_continuous_batching()
+    with pytest.raises(RuntimeError, match="Start the manager"):
+        manager.add_request(prompts[0])
