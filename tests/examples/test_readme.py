@@ -40,12 +40,15 @@ def test_usage_and_chain_examples_run_as_shown_without_warnings(
     namespace: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exec(block_with('load_model("smollm2")'), namespace)
+        exec(block_with("PagedCache(model, block_size=16"), namespace)
         exec(block_with("with paged_attention(model):"), namespace)
         exec(block_with("PagedCache(model, pool=pool)"), namespace)
         exec(block_with("GovernedCache(model"), namespace)
+        exec(block_with("ServingEngine(model"), namespace)
     noisy = [str(w.message) for w in caught if issubclass(w.category, FutureWarning | DeprecationWarning)]
     assert not [message for message in noisy if "past_key_values" in message or "cache" in message], noisy
     assert namespace["out"].shape[1] > namespace["inputs"]["input_ids"].shape[1]  # generate produced tokens
     assert all(cache.pool is namespace["pool"] for cache in namespace["caches"])
+    assert len(namespace["answers"]) == 2 and all(0 < len(a) <= 32 for a in namespace["answers"])
+    assert 0 < len(namespace["stream"].tokens) <= 32 and namespace["stream"].finish_reason in ("stop", "length")
     assert Path(namespace["spill_dir"]).parent == tmp_path and Path(namespace["spill_dir"]).is_dir()
