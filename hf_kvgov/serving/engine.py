@@ -86,6 +86,13 @@ class ServingEngine:
     ) -> None:
         config = decoder_config(model)
         layer_kinds(config)  # refuses layer types it cannot serve
+        self.model = model
+        self._previous_attention = attention_implementation(model.config)
+        if self._previous_attention == RAGGED_ATTENTION_NAME:
+            raise RuntimeError(
+                "This model is already served by an open ServingEngine (its attention is kvgov_ragged); close that "
+                "engine first, or serve more requests through it."
+            )
         placement = model_dtype_and_device(model)
         if placement is None:
             raise TypeError(f"ServingEngine needs a transformers model; got {type(model).__name__}.")
@@ -95,8 +102,6 @@ class ServingEngine:
         self.pool = BlockPool(geometry, block_size, max_bytes=max_bytes)
         self.prefix = PrefixCache(self.pool) if prefix_sharing else None
         self.scheduler = Scheduler(self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks)
-        self.model = model
-        self._previous_attention = attention_implementation(model.config)
         register()
         model.set_attn_implementation(RAGGED_ATTENTION_NAME)
         self.runner = ModelRunner(model, self.pool, RAGGED_STEP_KEY, self.device)

@@ -195,6 +195,8 @@ def test_closed_engine_restores_attention(llama) -> None:
     before = llama.config._attn_implementation
     engine = ServingEngine(llama)
     assert llama.config._attn_implementation == "kvgov_ragged"
+    with pytest.raises(RuntimeError, match="already served by an open ServingEngine"):
+        ServingEngine(llama)  # a second engine would restore the first one's attention when it closes
     engine.close()
     assert llama.config._attn_implementation == before
     with pytest.raises(RuntimeError, match="closed"):
