@@ -5,18 +5,22 @@ token per decoding sequence, then each prefill chunk. Per layer, `RaggedStep.att
 pool at the sequences' slots, then serves the decode rows with one batched call whose mask hides each row's keys
 past its own length, and each prefill chunk with a call of its own (causal, its queries the last of its keys). Every
 call goes through `kernels.dispatch`, so the backend is the one a `PagedCache` would get: the torch reference, sdpa
-over gathered blocks on the CPU, Triton or flash-attn on CUDA. The index tensors are built once per step.
+over gathered blocks on the CPU, Triton or flash-attn on CUDA. The index tensors are built once per step. Over a
+`QuantizedBlockPool` (`SealedRaggedStep`) the tables also name sealed blocks, read by the quantized path.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hf_kvgov.kernels import dispatch
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.pool import BlockPool
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
 
 @dataclass(frozen=True)
@@ -87,22 +91,32 @@ class RaggedStep:
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
         self.pool.write(layer, self.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        keys, values = self.pool.keys[layer], self.pool.values[layer]
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         decoding = self.num_decoding
         if decoding:
             rows = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [decoding, q_heads, 1, dim]
             mask = self._decode_mask(window)
-            result = dispatch.paged_attention(
-                rows, keys, values, self.decode_tables, self.decode_max, scale, mask=mask, softcap=softcap
-            )
+            result = self.paged(layer, rows, self.decode_tables, self.decode_max, scale, mask, softcap)
             out[0, :decoding] = result[:, 0]
         for start, length, kv_length, table in self.chunks:
             chunk = query[:, :, start : start + length]
             mask = _chunk_mask(length, kv_length, window, query.device)
-            result = dispatch.paged_attention(chunk, keys, values, table, kv_length, scale, mask=mask, softcap=softcap)
-            out[0, start : start + length] = result[0]
+            out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
         return out
+
+    def paged(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        table: torch.Tensor,
+        kv_length: int,
+        scale: float,
+        mask: torch.Tensor | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """One call of paged attention over `layer`'s blocks: `[batch, q_len, q_heads, dim]`."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        return dispatch.paged_attention(query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
@@ -123,3 +137,35 @@ def _chunk_mask(length: int, kv_length: int, window: int | None, device: torch.d
     queries = torch.arange(kv_length - length, kv_length, device=device)[:, None]
     keys = torch.arange(kv_length, device=device)[None, :]
     return ((keys <= queries) & (keys > queries - window))[None, None]
+
+
+@dataclass
+class SealedRaggedStep(RaggedStep):
+    """A packed step over a `QuantizedBlockPool`: tables mix full-precision blocks and sealed codes (negative ids),
+    which the quantized path of `kernels.dispatch` decodes (or a kernel reads in place)."""
+
+    pool: QuantizedBlockPool
+
+    def paged(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        table: torch.Tensor,
+        kv_length: int,
+        scale: float,
+        mask: torch.Tensor | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        store = self.pool.sealed
+        return dispatch.quantized_paged_attention(
+            query,
+            self.pool.keys[layer],
+            self.pool.values[layer],
+            table,
+            kv_length,
+            scale,
+            functools.partial(self.pool.read_sealed, layer),
+            SealedBlocks(store.formats[layer].name, store.pieces[layer]),
+            mask=mask,
+            softcap=softcap,
+        )

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from hf_kvgov.engine.parts import codec_config
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
     attention_implementation,
@@ -29,11 +31,12 @@ from hf_kvgov.hf.compat import (
     model_dtype_and_device,
 )
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.serving.blocks import FullPrecisionBlocks, SealedBlockCodec
 from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
 from hf_kvgov.serving.runner import ModelRunner
 from hf_kvgov.serving.scheduler import Scheduler
 from hf_kvgov.storage.geometry import KVGeometry
-from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
+from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,9 @@ class EngineStats:
     prompt_tokens: int
     prefix_hit_tokens: int
     generated_tokens: int
-    kv_bytes_used: int  # bytes of the pool's blocks in use now (prefix-tree blocks included)
-    kv_bytes_peak: int
+    kv_bytes_used: int  # bytes of the pool's blocks and codes in use now (prefix-tree blocks included)
+    kv_bytes_peak: int  # the most in use at a step's start
+    kv_bytes_held: int  # bytes of the pool's tensors, free blocks included
     kv_bytes_cap: int | None
 
     @property
@@ -72,6 +76,9 @@ class ServingEngine:
         max_batched_tokens: tokens one step computes at most (longer prompts are prefilled in chunks).
         max_running: requests running at once at most.
         reserve_blocks: blocks kept free per running request when admitting another (room for decode growth).
+        codec: seal each request's full blocks into codes past its residual window: a codec name ("int8", "int4",
+            "fp8", ...) or a `QuantConfig`; None keeps every block in full precision. Codes and full-precision
+            blocks share the pool and its cap.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class ServingEngine:
         max_batched_tokens: int = 512,
         max_running: int = 256,
         reserve_blocks: int = 1,
+        codec: str | QuantConfig | None = None,
     ) -> None:
         config = decoder_config(model)
         layer_kinds(config)  # refuses layer types it cannot serve
@@ -99,12 +107,16 @@ class ServingEngine:
         dtype, self.device = placement
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
         geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
-        self.pool = BlockPool(geometry, block_size, max_bytes=max_bytes)
+        quant = codec_config(codec)
+        self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
+        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes)
         self.prefix = PrefixCache(self.pool) if prefix_sharing else None
-        self.scheduler = Scheduler(self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks)
+        self.scheduler = Scheduler(
+            self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks, blocks=self.blocks
+        )
         register()
         model.set_attn_implementation(RAGGED_ATTENTION_NAME)
-        self.runner = ModelRunner(model, self.pool, RAGGED_STEP_KEY, self.device)
+        self.runner = ModelRunner(model, self.pool, RAGGED_STEP_KEY, self.device, self.blocks.step_class)
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -115,7 +127,7 @@ class ServingEngine:
         self._finished = 0
         self._cancelled = 0
         self._generated = 0
-        self._peak_blocks = 0
+        self._peak_bytes = 0
         self._closed = False
 
     # ------------------------------------------------------------------ requests
@@ -168,7 +180,7 @@ class ServingEngine:
         if not len(scheduled):
             return []
         self._max_running = max(self._max_running, len(self.scheduler.running))
-        self._peak_blocks = max(self._peak_blocks, self.pool.num_used)
+        self._peak_bytes = max(self._peak_bytes, self.blocks.bytes_used(self.pool))
         sampled = self.runner.run(scheduled)
         self._steps += 1
         now = time.perf_counter()
@@ -220,8 +232,6 @@ class ServingEngine:
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters
-        per_block = self.pool.bytes_per_block
-        cap = self.pool.max_blocks
         return EngineStats(
             steps=self._steps,
             running=len(self.scheduler.running),
@@ -234,9 +244,10 @@ class ServingEngine:
             prompt_tokens=counters.prompt_tokens,
             prefix_hit_tokens=counters.prefix_hit_tokens,
             generated_tokens=self._generated,
-            kv_bytes_used=self.pool.num_used * per_block,
-            kv_bytes_peak=self._peak_blocks * per_block,
-            kv_bytes_cap=None if cap is None else cap * per_block,
+            kv_bytes_used=self.blocks.bytes_used(self.pool),
+            kv_bytes_peak=self._peak_bytes,
+            kv_bytes_held=self.blocks.bytes_held(self.pool),
+            kv_bytes_cap=self.blocks.bytes_cap(self.pool),
         )
 
     def close(self) -> None:

@@ -82,8 +82,10 @@ class Request:
     table: BlockTable | None = None
     locks: list[int] = field(default_factory=list)  # prefix-tree blocks to unlock when it leaves the pool
     published: int = 0  # tokens offered to the prefix tree so far
+    sealed_blocks: int = 0  # leading blocks of its table past which nothing is sealed yet (with a codec)
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None  # when it first entered the pool (the end of its queue time)
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0

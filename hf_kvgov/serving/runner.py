@@ -21,8 +21,11 @@ from hf_kvgov.storage.pool import BlockPool
 class ModelRunner:
     """Runs a model over packed steps whose K/V live in `pool`; the model must use the `kvgov_ragged` attention."""
 
-    def __init__(self, model: Any, pool: BlockPool, step_key: str, device: torch.device) -> None:
+    def __init__(
+        self, model: Any, pool: BlockPool, step_key: str, device: torch.device, step_class: type[RaggedStep]
+    ) -> None:
         self.model = model
+        self.step_class = step_class
         self.pool = pool
         self.step_key = step_key
         self.device = device
@@ -45,7 +48,7 @@ class ModelRunner:
             if end == request.num_tokens:
                 sampling.append(len(ids) - 1)
                 samplers.append(request)
-        ragged = RaggedStep.build(self.pool, slices, self.device)
+        ragged = self.step_class.build(self.pool, slices, self.device)
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),

@@ -4,7 +4,8 @@ Each step has a token budget. Running requests go first, oldest first: one token
 of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted in arrival
 order while the budget lasts: a request enters when the blocks of its prompt, after the longest prefix the tree
 holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (the prefix
-tree's unlocked blocks count as free: the pool's reclaimer evicts them on demand). A decode step that finds the
+tree's unlocked blocks count as free: the pool's reclaimer evicts them on demand); a request whose prefix another
+is still prefilling waits for it, so the prefix is computed once. A decode step that finds the
 pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
 tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed). The caller
 never sees `PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
@@ -12,11 +13,13 @@ never sees `PoolExhausted`; a request that could not fit in the whole pool is re
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.serving.blocks import FullPrecisionBlocks
 from hf_kvgov.serving.request import Request, RequestState
 from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import BlockPool
@@ -55,6 +58,7 @@ class Scheduler:
         max_batched_tokens: tokens one step computes at most (prefill chunks are cut to fit).
         max_running: requests running at once at most.
         reserve_blocks: blocks kept free per running request when admitting another.
+        blocks: how blocks are stored (full precision, or sealed by a codec after each step).
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class Scheduler:
         max_batched_tokens: int,
         max_running: int,
         reserve_blocks: int = 1,
+        blocks: FullPrecisionBlocks | None = None,
     ) -> None:
         for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -75,6 +80,7 @@ class Scheduler:
         self.max_batched_tokens = max_batched_tokens
         self.max_running = max_running
         self.reserve_blocks = reserve_blocks
+        self.blocks = blocks or FullPrecisionBlocks()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -109,7 +115,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
             request = self.waiting[0]
-            if not self._admit(request):
+            if self._follows_a_prefill(request) or not self._admit(request):
                 break  # first come, first served: nothing overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(request)
@@ -118,6 +124,21 @@ class Scheduler:
             budget -= count
         ordered = decoding + chunks
         return ScheduledStep(tuple(r for r, _ in ordered), tuple(c for _, c in ordered))
+
+    def _follows_a_prefill(self, request: Request) -> bool:
+        """True while a running request is still prefilling full blocks that `request` shares: admitted now, it would
+        compute them again; a step or two later the tree serves them (a burst of questions on one document)."""
+        if self.prefix is None:
+            return False
+        size = self.pool.block_size
+        tokens = request.tokens
+        for leader in self.running:
+            if leader.computed >= len(leader.prompt) or leader.namespace != request.namespace:
+                continue
+            shared = _common_prefix(leader.prompt, tokens) // size * size
+            if shared > leader.published and shared >= size:
+                return True
+        return False
 
     def _grow(self, request: Request, end: int) -> bool:
         assert request.table is not None
@@ -151,6 +172,8 @@ class Scheduler:
             request.prefix_hit_tokens = computed
         request.table, request.locks, request.computed, request.published = table, hit, computed, computed
         request.state = RequestState.RUNNING
+        if request.admitted_at is None:
+            request.admitted_at = time.perf_counter()
         return True
 
     def _drop(self, table: BlockTable, locks: list[int]) -> None:
@@ -164,19 +187,20 @@ class Scheduler:
         return self.pool.num_free + evictable
 
     def advance(self, request: Request, count: int) -> None:
-        """`count` more of the request's tokens have their K/V in the pool. In prefill, the full blocks go to the
-        prefix tree after every chunk, so a request with the same prefix admitted meanwhile finds them; generated
-        tokens' blocks go when the request finishes."""
+        """`count` more of the request's tokens have their K/V in the pool; blocks past its residual window are
+        sealed (with a codec). In prefill, the full blocks go to the prefix tree after every chunk, so a request
+        with the same prefix admitted meanwhile finds them; generated tokens' blocks go when it finishes."""
         request.computed += count
+        self.blocks.seal_ready(request, self.pool)
         if self.prefix is not None and request.published < len(request.prompt):
             self.publish(request)
 
     def publish(self, request: Request) -> None:
-        """Offer the request's computed full blocks to the tree (a block it already holds is stored once)."""
+        """Offer the request's full blocks to the tree (a block it already holds is stored once)."""
         if self.prefix is None or request.table is None:
             return
         size = self.pool.block_size
-        full = request.computed // size * size
+        full = self.blocks.publishable(request, size) // size * size
         if full <= request.published // size * size:
             return
         tokens = request.tokens[:full]
@@ -208,6 +232,7 @@ class Scheduler:
         if request.table is not None:
             self._drop(request.table, request.locks)
         request.table, request.locks, request.computed, request.published = None, [], 0, 0
+        request.sealed_blocks = 0
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could not run even alone in the whole pool (it would wait forever)."""
@@ -222,3 +247,11 @@ class Scheduler:
                 f"max_new_tokens={request.params.max_new_tokens}, {size} tokens a block) but the pool holds at most "
                 f"{cap}; shorten it or give the engine a larger max_bytes."
             )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

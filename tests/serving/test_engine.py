@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_kvgov import QuantizedCache
 from hf_kvgov.serving import SamplingParams, ServingEngine
 from hf_kvgov.serving.loop import EngineLoop
 from tests.conftest import tiny_gemma3, tiny_llama, tiny_mistral
@@ -107,6 +108,21 @@ def test_prefix_hits_and_preemption_under_a_small_cap(llama) -> None:
             assert engine.pool.num_used == len(engine.prefix.tree)  # only the tree's blocks are left
             engine.prefix.check_invariants()
         assert engine.pool.num_used == 0  # closing clears the tree
+
+
+def test_a_burst_on_one_document_computes_it_once(llama) -> None:
+    """Requests arriving together on one document wait while the first prefills it (16 tokens a step), then hit
+    every full block of it; without the wait they would be admitted beside it and compute it again."""
+    prompts = prompts_with_shared_prefix(llama.config.vocab_size, (3, 5, 2, 6), shared=37)
+    reference = [alone(llama, p) for p in prompts]
+    with ServingEngine(llama, block_size=4, max_batched_tokens=16) as engine:
+        ids = [engine.add_request(p, greedy()) for p in prompts]
+        requests = [engine.request(i) for i in ids]
+        outputs: dict[int, list[int]] = {i: [] for i in ids}
+        for event in engine.run_until_done():
+            outputs[event.request_id].append(event.token)  # type: ignore[arg-type]
+    assert [outputs[i] for i in ids] == reference
+    assert [r.prefix_hit_tokens for r in requests] == [0, 36, 36, 36]  # type: ignore[union-attr]
 
 
 def test_without_prefix_sharing_every_block_returns(llama, mixed_prompts, mixed_reference) -> None:
@@ -216,3 +232,45 @@ def test_background_loop_streams_and_cancels(llama, mixed_prompts, mixed_referen
         assert endless.finish_reason == "cancelled"
         assert engine.pool.num_used == 0
         assert engine.request(endless.request_id) is None
+
+
+def alone_quantized(model, prompt: list[int], bits: int, new: int = 20) -> list[int]:  # type: ignore[no-untyped-def]
+    cache = QuantizedCache(model, bits=bits, block_size=4)
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new, do_sample=False, cache=cache, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("max_batched_tokens", [512, 16])
+def test_sealed_codes_answer_as_a_quantized_cache_alone(llama, codec: str, max_batched_tokens: int) -> None:
+    """Each request's blocks are sealed once its prompt is computed (chunks attend to it in full precision), so its
+    tokens are those of `QuantizedCache` running it alone, chunked prefill or not."""
+    prompts = prompts_with_shared_prefix(llama.config.vocab_size, (5, 17, 3, 2, 9, 11), shared=37)
+    bits = {"int8": 8, "int4": 4}[codec]
+    reference = [alone_quantized(llama, p, bits) for p in prompts]
+    with ServingEngine(
+        llama, block_size=4, max_batched_tokens=max_batched_tokens, codec=codec, prefix_sharing=False
+    ) as engine:
+        assert engine.generate(prompts, greedy(20)) == reference
+        assert engine.pool.num_used == 0 and engine.pool.sealed_stats().used_blocks == 0  # every byte returned
+
+
+def test_sealed_codes_under_a_cap_with_prefix_hits(llama) -> None:
+    """int8 holds more requests under the same cap than full precision; what a hit serves is the tree's codes."""
+    prompts = prompts_with_shared_prefix(llama.config.vocab_size, (5, 17, 3, 2, 9, 11, 4, 8), shared=37)
+    full = [alone(llama, p, 20) for p in prompts]
+    cap = 30 * 4 * 512  # 30 full-precision blocks of 4 tokens (512 bytes a token)
+    peaks = {}
+    for codec in (None, "int8"):
+        with ServingEngine(llama, block_size=4, max_bytes=cap, max_batched_tokens=32, codec=codec) as engine:
+            got = engine.generate(prompts, greedy(20))
+            stats = engine.stats()
+            assert stats.kv_bytes_peak <= cap and stats.kv_bytes_held <= cap
+            assert stats.prefix_hit_tokens > 0 and stats.finished == len(prompts)
+            peaks[codec] = stats.max_running
+            engine.prefix.check_invariants()
+        agreement = sum(a == b for r, g in zip(full, got, strict=True) for a, b in zip(r, g, strict=True))
+        assert agreement >= 0.9 * 20 * len(prompts), codec
+    assert peaks["int8"] > peaks[None]

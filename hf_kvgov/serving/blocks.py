@@ -1,0 +1,101 @@
+"""How the engine stores its blocks: in full precision (`FullPrecisionBlocks`), or sealed into a codec's codes once
+they leave a request's residual window (`SealedBlockCodec`: int8, int4, int2, fp8, per-layer formats).
+
+Sealing is per request, after each step once its prompt is computed, on the blocks that became full past
+`QuantConfig.residual` (the first `sink_blocks` stay in full precision, as `QuantizedCache` keeps them), so each
+request's tokens are those of a `QuantizedCache` running it alone; codes and full-precision blocks share one
+`QuantizedBlockPool` and its one byte cap. The prefix tree is offered only sealed blocks (and the sinks), so a block
+the tree holds is never sealed again into a second copy.
+"""
+
+from __future__ import annotations
+
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.kernels.ragged import RaggedStep, SealedRaggedStep
+from hf_kvgov.serving.request import Request
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
+
+
+class FullPrecisionBlocks:
+    """Blocks as the model computed them."""
+
+    step_class: type[RaggedStep] = RaggedStep
+
+    def new_pool(self, geometry: KVGeometry, block_size: int, max_bytes: int | None) -> BlockPool:
+        return BlockPool(geometry, block_size, max_bytes=max_bytes)
+
+    def seal_ready(self, request: Request, pool: BlockPool) -> None:
+        """Nothing to seal."""
+
+    def publishable(self, request: Request, block_size: int) -> int:
+        """Tokens of the request the prefix tree may take (whole blocks of them)."""
+        return request.computed
+
+    def bytes_used(self, pool: BlockPool) -> int:
+        """Bytes of the blocks in use (the prefix tree's included)."""
+        return pool.num_used * pool.bytes_per_block
+
+    def bytes_held(self, pool: BlockPool) -> int:
+        """Bytes of the pool's tensors, free blocks included: what the engine holds of the device's memory."""
+        return pool.capacity * pool.bytes_per_block
+
+    def bytes_cap(self, pool: BlockPool) -> int | None:
+        return None if pool.max_blocks is None else pool.max_blocks * pool.bytes_per_block
+
+    def describe(self) -> str:
+        return "full precision"
+
+
+class SealedBlockCodec(FullPrecisionBlocks):
+    """Full blocks sealed into `quant`'s codes, per request, once past its residual window."""
+
+    step_class = SealedRaggedStep
+
+    def __init__(self, quant: QuantConfig) -> None:
+        self.quant = quant
+
+    def new_pool(self, geometry: KVGeometry, block_size: int, max_bytes: int | None) -> BlockPool:
+        self.quant.check_model(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, block_size)
+        formats = self.quant.formats(geometry.num_layers, geometry.dtype)
+        return QuantizedBlockPool(geometry, formats, block_size, max_bytes=max_bytes)
+
+    def seal_ready(self, request: Request, pool: BlockPool) -> None:
+        """Seal the request's full blocks that left its residual window since the last call. Not before its prompt is
+        all computed: every chunk of a prefill attends to the prompt in full precision, as one prefill alone does,
+        and the blocks it would free were reserved for the whole prompt at admission anyway."""
+        assert isinstance(pool, QuantizedBlockPool) and request.table is not None
+        if request.computed < len(request.prompt):
+            return
+        ready = max(0, request.computed - self.quant.residual) // pool.block_size
+        first = max(request.sealed_blocks, self.quant.sink_blocks)
+        if ready <= first:
+            return
+        ids = request.table.block_ids
+        columns = [c for c in range(first, ready) if not is_sealed(ids[c])]  # a prefix hit may be codes already
+        try:
+            sealed = pool.seal([ids[c] for c in columns])
+        except PoolExhausted:  # no room for the codes now: the blocks stay in full precision until a later step
+            return
+        for column, block in zip(columns, sealed, strict=True):
+            ids[column] = block
+        request.sealed_blocks = ready
+
+    def bytes_used(self, pool: BlockPool) -> int:
+        assert isinstance(pool, QuantizedBlockPool)
+        return super().bytes_used(pool) + pool.sealed_stats().bytes_used
+
+    def bytes_held(self, pool: BlockPool) -> int:
+        assert isinstance(pool, QuantizedBlockPool)
+        return pool.bytes_held()
+
+    def bytes_cap(self, pool: BlockPool) -> int | None:
+        assert isinstance(pool, QuantizedBlockPool)
+        return pool.max_bytes if pool.max_bytes is not None else super().bytes_cap(pool)
+
+    def publishable(self, request: Request, block_size: int) -> int:
+        return max(request.sealed_blocks, self.quant.sink_blocks) * block_size if request.sealed_blocks else 0
+
+    def describe(self) -> str:
+        return self.quant.describe()
