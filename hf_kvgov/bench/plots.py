@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_kvgov.bench.capacity import CapacityReport
+from hf_kvgov.bench.serve import ServeReport
 from hf_kvgov.bench.speed import SpeedReport, SpeedRow
 
 MB = 1e6
@@ -111,3 +112,44 @@ def write_speed_plots(report: SpeedReport, directory: str | Path) -> list[Path]:
 def write_capacity_plots(report: CapacityReport, directory: str | Path) -> list[Path]:
     """capacity.png in `directory` (created if missing)."""
     return [plot_capacity(report, Path(directory) / "capacity.png")]
+
+
+def plot_running(report: ServeReport, path: str | Path) -> Path:
+    """Requests running (top) and KV bytes in use (bottom) over the trace, one line per configuration."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(2, 1, figsize=(8.0, 6.5), sharex=True)
+    for row in report.rows:
+        times = [s.t for s in row.samples]
+        axes[0].step(times, [s.running for s in row.samples], where="post", label=row.config)
+        axes[1].step(times, [s.kv_bytes / MB for s in row.samples], where="post", label=row.config)
+    axes[1].axhline(report.config.kv_bytes / MB, color="grey", linestyle="--", linewidth=1, label="KV cap")
+    axes[0].set_ylabel("requests running")
+    axes[1].set_ylabel("KV MB in use")
+    axes[1].set_xlabel("seconds since the trace started")
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    axes[0].set_title(f"{report.model or 'model'}: {report.config.trace.requests} requests", fontsize=10)
+    return _save(figure, plt, Path(path))
+
+
+def plot_latency_cdf(report: ServeReport, path: str | Path) -> Path:
+    """The distribution of time to first token per configuration (the fraction of requests served within t)."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(7.0, 4.5))
+    for row in report.rows:
+        ordered = sorted(row.ttfts)
+        fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        axes.step(ordered, fractions, where="post", label=row.config)
+    axes.axvline(report.config.slo_ttft_s, color="grey", linestyle="--", linewidth=1, label="TTFT SLO")
+    axes.set_xlabel("time to first token (s)")
+    axes.set_ylabel("fraction of requests")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    return _save(figure, plt, Path(path))
+
+
+def write_serve_plots(report: ServeReport, directory: str | Path) -> list[Path]:
+    """running.png and ttft_cdf.png in `directory` (created if missing)."""
+    folder = Path(directory)
+    return [plot_running(report, folder / "running.png"), plot_latency_cdf(report, folder / "ttft_cdf.png")]

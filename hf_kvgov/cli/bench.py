@@ -6,11 +6,13 @@ Examples::
     kvgov bench prefix --remote redis://127.0.0.1:6379/0 --workers 4   # processes sharing prefixes on Redis
     kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
     kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
+    kvgov bench serve --requests 32 --rate inf --kv-budget 32MiB --plots out/   # a burst, every configuration
+    kvgov bench serve --rate 2 --burstiness 0.5 --configs transformers,prefix --json serve.json
 
 Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished
 so far (prefix: the modes; speed: every cache at the (batch, context) points measured; capacity: the
-caches) and writing them to --json with "partial": true and "completed" (rows done, total, unit) at its
-top. No plots are drawn, and when no row had finished nothing is written.
+caches; serve: the configurations) and writing them to --json with "partial": true and "completed" (rows
+done, total, unit) at its top. No plots are drawn, and when no row had finished nothing is written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hf_kvgov.partial import Progress, mark_partial, partial_note
 DEFAULT_CACHES = "dynamic,paged,int8,h2o,disk"
 PREFIX_NEW_TOKENS = 8
 SPEED_NEW_TOKENS = 32
+SERVE_NEW_TOKENS = 32
 
 
 def _int_list(text: str, option: str) -> tuple[int, ...]:
@@ -155,6 +158,52 @@ def _show_capacity(report: Any, args: argparse.Namespace, completed: Progress | 
             print(f"Wrote {path}")
 
 
+def _serve(args: argparse.Namespace) -> Any:
+    from hf_kvgov.bench import serve
+    from hf_kvgov.bench.serve_workload import TraceConfig
+    from hf_kvgov.planner.units import parse_memory
+
+    new = args.new_tokens if args.new_tokens is not None else SERVE_NEW_TOKENS
+    try:
+        rate = float(args.rate)
+    except ValueError:
+        raise ValueError(
+            f"--rate takes requests per second (a number, or 'inf' for a burst); got {args.rate!r}."
+        ) from None
+    trace = TraceConfig(
+        requests=args.requests,
+        rate=rate,
+        burstiness=args.burstiness,
+        documents=args.documents,
+        document_tokens=args.document_tokens,
+        min_new_tokens=max(1, new // 2),
+        max_new_tokens=new,
+        seed=args.seed,
+    )
+    config = serve.ServeConfig(
+        configs=_names(args.configs),
+        trace=trace,
+        kv_bytes=parse_memory(args.kv_budget, "KV byte cap"),
+        block_size=args.block_size,
+        max_batched_tokens=args.max_batched_tokens,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+    )
+    model, tokenizer = _load(args)
+    return serve.run_serve(model, tokenizer, config, model_name=args.model)
+
+
+def _show_serve(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
+    from hf_kvgov.bench import serve
+
+    _show(serve.serve_markdown(report), report.to_dict(), args, completed)
+    if args.plots and completed is None:
+        from hf_kvgov.bench.plots import write_serve_plots
+
+        for path in write_serve_plots(report, args.plots):
+            print(f"Wrote {path}")
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """One scenario: ``run`` checks the options, loads the model and measures, returning a report (raising
@@ -174,6 +223,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     ),
     "capacity": Benchmark(
         "sequences that fit in a KV budget per cache, measured, beside the planner's figure", _capacity, _show_capacity
+    ),
+    "serve": Benchmark(
+        "one arrival trace served under one KV cap: static batches, transformers' continuous batching, the engine",
+        _serve,
+        _show_serve,
     ),
 }
 
@@ -236,4 +290,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "'lognormal:median=300,max=2048,n=100' (one prefill per distinct length) [%(default)s]",
     )
     measured.add_argument("--budget", default="1GiB", help="capacity: KV memory budget, e.g. 512MiB [%(default)s]")
+    served = parser.add_argument_group("serve (--requests, --block-size, --plots and --threads apply too)")
+    served.add_argument(
+        "--configs",
+        default="static,transformers,paged,prefix,int8",
+        help="configurations, comma-separated [%(default)s]",
+    )
+    served.add_argument("--rate", default="inf", help="arrivals per second, or 'inf' for a burst [%(default)s]")
+    served.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    served.add_argument("--documents", type=int, default=4, help="documents the requests ask about [%(default)s]")
+    served.add_argument("--document-tokens", type=int, default=256, help="tokens per document [%(default)s]")
+    served.add_argument("--kv-budget", default="32MiB", help="the KV byte cap of every configuration [%(default)s]")
+    served.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
+    served.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token, seconds")
+    served.add_argument("--slo-tpot", type=float, default=0.5, help="goodput: time per output token, seconds")
+    served.add_argument("--seed", type=int, default=0, help="the trace's seed [%(default)s]")
     parser.set_defaults(func=_run)
