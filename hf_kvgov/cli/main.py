@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     "hf_kvgov.cli.fetch",
     "hf_kvgov.cli.plan",
     "hf_kvgov.cli.eval",
+    "hf_kvgov.cli.serve",
 )
 
 

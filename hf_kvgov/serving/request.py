@@ -22,6 +22,7 @@ class SamplingParams:
         max_new_tokens: tokens to generate at most.
         temperature: 0 is greedy (argmax); above 0 samples from softmax(logits / temperature).
         top_p: with sampling, keep the smallest set of tokens whose probability reaches `top_p` (1.0 keeps all).
+        top_k: with sampling, keep the `top_k` most likely tokens (0 keeps all; 1 is greedy).
         stop_token_ids: tokens that end the request (kept in its output); None: the model's end-of-sequence tokens.
         ignore_eos: generate exactly `max_new_tokens`, whatever is sampled.
         seed: seeds this request's sampling alone, so its tokens do not depend on what else runs.
@@ -30,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     seed: int | None = None
@@ -41,10 +43,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 is greedy); got {self.temperature!r}.")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 keeps every token); got {self.top_k!r}.")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature == 0 or self.top_k == 1
 
 
 class RequestState(enum.Enum):

@@ -68,7 +68,11 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         params = request.params
         if params.greedy:
             continue
-        probs = torch.softmax(logits[row].float() / params.temperature, dim=-1)
+        scores = logits[row].float() / params.temperature
+        if params.top_k:
+            kept = scores.topk(min(params.top_k, scores.shape[-1])).values[-1]
+            scores = scores.masked_fill(scores < kept, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         if params.top_p < 1.0:
             ordered, order = probs.sort(descending=True)
             keep = ordered.cumsum(0) - ordered < params.top_p  # the smallest head whose mass reaches top_p

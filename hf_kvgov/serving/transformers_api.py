@@ -12,12 +12,16 @@ tree and scheduler unchanged; `uninstall(model)` gives the model transformers' o
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import types
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from hf_kvgov.hf.compat import TRANSFORMERS_VERSION, GenerationOutput, RequestStatus
 from hf_kvgov.serving.engine import ServingEngine
@@ -25,6 +29,24 @@ from hf_kvgov.serving.loop import EngineLoop
 from hf_kvgov.serving.request import SamplingParams, TokenEvent
 
 _INSTALLED = "_kvgov_engine_args"
+# Under `transformers serve` this logger's lines come out with the server's own (its `transformers.cli` loggers).
+logger = logging.getLogger("transformers.cli.kvgov")
+
+
+@dataclass
+class _LoopStatus:
+    """What transformers' server reads of a batching manager's background thread."""
+
+    fatal_error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class _SamplingKeys:
+    """The per-request sampling settings the manager takes, by name and type (transformers' server asks)."""
+
+    supported_keys: dict[str, type] = field(
+        default_factory=lambda: {"temperature": float, "top_p": float, "top_k": int}
+    )
 
 
 def install(model: Any, **engine_args: Any) -> None:
@@ -63,6 +85,8 @@ class GovernedBatchingManager:
     or one request's as they stream), cancel, start and stop the background loop."""
 
     warmed_up = True  # nothing to capture: no CUDA graphs
+    batch_processor = None  # transformers' own batch processor: there is none (the server's stats line skips it)
+    logit_processor = _SamplingKeys()
 
     def __init__(self, model: Any, generation_config: Any, **engine_args: Any) -> None:
         self.model = model
@@ -77,6 +101,7 @@ class GovernedBatchingManager:
         self._timestamps: set[int] = set()
         self._lock = threading.Lock()
         self._counter = 0
+        self.background_thread_status = _LoopStatus()
 
     # ------------------------------------------------------------------ the loop
 
@@ -121,12 +146,17 @@ class GovernedBatchingManager:
     ) -> str:
         if self._loop is None:
             raise RuntimeError("Start the manager (or use it as transformers' context manager) before adding requests.")
+        sampling = {
+            k: logit_processor_kwargs.pop(k) for k in ("temperature", "top_p", "top_k") if k in logit_processor_kwargs
+        }
         if logit_processor_kwargs:
             raise ValueError(
                 f"Per-request logits processor arguments {sorted(logit_processor_kwargs)} are not supported by the "
-                "governed engine; set temperature, top_p and max_new_tokens on the generation config."
+                "governed engine; it takes temperature, top_p, top_k, max_new_tokens and eos_token_id."
             )
-        params = self._params(max_new_tokens, eos_token_id)
+        params = self._params(max_new_tokens, eos_token_id, **sampling)
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
         with self._lock:
             if request_id is None:
                 request_id = f"req_{self._counter}"
@@ -155,9 +185,20 @@ class GovernedBatchingManager:
         ]
 
     def cancel_request(self, request_id: str) -> None:
+        """Cancel a request: its blocks go back to the pool before the next step (logged at info with the pool's
+        blocks then in use)."""
         engine_id = self._ids.get(request_id)
-        if engine_id is not None and self._loop is not None:
+        if engine_id is not None and self._loop is not None and self._engine is not None:
             self._loop.cancel(engine_id)
+            stats = self._engine.stats()
+            logger.info(
+                "kvgov: request %s cancelled; KV bytes in use %d of %s, requests running %d, waiting %d",
+                request_id,
+                stats.kv_bytes_used,
+                stats.kv_bytes_cap,
+                stats.running,
+                stats.waiting,
+            )
 
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> Any:
         """The next result (a finished request's, or a streaming request's latest state), or None after `timeout`."""
@@ -185,22 +226,38 @@ class GovernedBatchingManager:
 
     # ------------------------------------------------------------------ results
 
-    def _params(self, max_new_tokens: int | None, eos_token_id: int | list[int] | None) -> SamplingParams:
+    def _params(
+        self,
+        max_new_tokens: int | None,
+        eos_token_id: int | list[int] | None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+    ) -> SamplingParams:
+        """A request's settings: what it was given, else the generation config's (greedy unless it samples)."""
         config = self.generation_config
         new = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
         eos = eos_token_id if eos_token_id is not None else config.eos_token_id
         stop = tuple(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None and t >= 0)
         sampling = bool(config.do_sample)
+        if temperature is None:
+            temperature = float(config.temperature or 1.0) if sampling else 0.0
+        if top_p is None:
+            top_p = float(config.top_p or 1.0) if sampling else 1.0
+        if top_k is None:
+            top_k = int(config.top_k or 0) if sampling else 0
         return SamplingParams(
             max_new_tokens=int(new) if new is not None else 20,  # transformers' default max_length - prompt
-            temperature=float(config.temperature or 1.0) if sampling else 0.0,
-            top_p=float(config.top_p or 1.0) if sampling else 1.0,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=int(top_k),
             stop_token_ids=stop,
         )
 
     def _on_event(self, event: TokenEvent | BaseException) -> None:
         """The loop's listener: fold a token into its request's GenerationOutput and hand that out."""
         if isinstance(event, BaseException):
+            self.background_thread_status.fatal_error = event
             for state in self._states.values():
                 state.status, state.error = RequestStatus.FAILED, repr(event)
                 self._outputs.put(state)

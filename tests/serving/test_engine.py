@@ -196,6 +196,8 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_k must be an int >= 0"):
+        SamplingParams(top_k=-1)
     one_block = ServingEngine(llama, block_size=4)
     size = one_block.pool.bytes_per_block
     one_block.close()

@@ -67,3 +67,17 @@ def test_refusals_name_what_is_wrong(prompts) -> None:  # type: ignore[no-untype
     manager = model.init_continuous_batching()
     with pytest.raises(RuntimeError, match="Start the manager"):
         manager.add_request(prompts[0])
+
+
+def test_per_request_sampling_settings(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """transformers' server passes temperature, top_p and top_k per request; top_k=1 is greedy whatever the
+    temperature, and the manager says which settings it takes."""
+    reference = alone(model, prompts[2], 10)
+    with model.continuous_batching_context_manager() as manager:
+        assert manager.logit_processor.supported_keys == {"temperature": float, "top_p": float, "top_k": int}
+        assert manager.background_thread_status.fatal_error is None
+        greedy_id = manager.add_request(prompts[2], max_new_tokens=10, temperature=1.3, top_k=1)
+        sampled_id = manager.add_request(prompts[2], max_new_tokens=10, temperature=5.0, top_p=0.95, top_k=20)
+        results = {r.request_id: r for r in (manager.get_result(timeout=30), manager.get_result(timeout=30))}
+    assert results[greedy_id].generated_tokens == reference
+    assert len(results[sampled_id].generated_tokens) == 10 and results[sampled_id].generated_tokens != reference

@@ -1,0 +1,75 @@
+"""`kvgov serve`: an OpenAI-compatible HTTP server on the embedded (or any) model, its requests served continuously
+from one governed KV pool.
+
+It is transformers' own server (`transformers serve --continuous-batching`: /v1/completions, /v1/chat/completions,
+/v1/responses, streaming, cancel on disconnect) with its continuous batching run by hf_kvgov's engine: admission by
+KV bytes, prefix sharing, preemption instead of out-of-memory, int8 codes with --codec. Needs the serving extras:
+``pip install hf-kvgov[serve]``.
+
+Examples::
+
+    kvgov serve                                          # SmolLM2 on http://127.0.0.1:8000/v1
+    kvgov serve --kv-budget 2GiB --codec int8 --port 8080
+    python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
+      .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from hf_kvgov import models
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "openai")
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = "kvgov serve"
+    missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"{command}: error: the server needs {', '.join(missing)}; `pip install hf-kvgov[serve]` installs them.",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        from hf_kvgov.planner.units import parse_memory
+
+        engine_args = {
+            "max_bytes": None if args.kv_budget is None else parse_memory(args.kv_budget, "KV byte cap"),
+            "block_size": args.block_size,
+            "prefix_sharing": not args.no_prefix_sharing,
+            "max_batched_tokens": args.max_batched_tokens,
+            "codec": args.codec,
+        }
+        from hf_kvgov.engine.parts import codec_config
+        from hf_kvgov.serving.server import run_server, server_model_id
+
+        codec_config(args.codec)  # an unknown codec is refused here, not in the model's process
+        server_model_id(args.model)  # a missing file, likewise
+    except ValueError as err:
+        print(f"{command}: error: {err}", file=sys.stderr)
+        return 2
+    run_server(args.model, args.host, args.port, args.log_level, **engine_args)
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="an OpenAI-compatible server whose requests share one governed KV pool",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="embedded name, .gguf path, directory or hub id")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--kv-budget", help="the KV byte cap, e.g. 2GiB (default: the pool grows as needed)")
+    parser.add_argument("--codec", help="seal full blocks into codes: int8, int4, fp8 (default: full precision)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
+    parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
+    parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
+    parser.add_argument("--log-level", default="info", help="the server's log level [%(default)s]")
+    parser.set_defaults(func=_run)

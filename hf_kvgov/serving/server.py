@@ -1,0 +1,72 @@
+"""`kvgov serve`: transformers' OpenAI-compatible server (`transformers serve --continuous-batching`), its continuous
+batching run by the governed engine.
+
+transformers' server loads each model in a process of its own through its `ModelLoader`, a copy of which the process
+receives. `run_server` hands the server a `GovernedModelLoader`, whose load installs the engine on the model it
+loaded (`hf_kvgov.serving.install`), so the server's batching manager is `GovernedBatchingManager`: its requests share
+one block pool under one byte cap, with prefix sharing and codes as configured. Needs transformers' serving extras
+(`pip install hf-kvgov[serve]`: fastapi, uvicorn, openai).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+from transformers.cli import serve as transformers_serve
+from transformers.cli.serving import model_manager
+
+from hf_kvgov import models
+from hf_kvgov.serving.transformers_api import install
+
+
+class GovernedModelLoader(model_manager.ModelLoader):
+    """transformers' model loader, plus the governed engine on every model it loads.
+
+    The server builds its loader itself, so `run_server` sets the class's `engine_args` (`ServingEngine`'s) first;
+    each loader keeps a copy, which travels with it to the model's process.
+    """
+
+    engine_args: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine_args = dict(type(self).engine_args)  # type: ignore[misc]
+
+    def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> tuple[Any, Any]:
+        model, processor = super().load_model_and_processor(model_id, on_progress)
+        install(model, **self.engine_args)
+        return model, processor
+
+
+def server_model_id(name: str) -> str:
+    """The id transformers' server loads `name` by: an embedded model's GGUF as ``<directory>:<file>.gguf`` (fetched
+    once if it is not yet), a ``.gguf`` path likewise, anything else (a hub id, a local directory) as given."""
+    if name in models.EMBEDDED_MODELS:
+        path = models.fetch(name, quiet=True)
+    elif name.endswith(".gguf"):
+        path = Path(name).resolve()
+        if not path.is_file():
+            raise ValueError(f"No GGUF file at {name!r}.")
+    else:
+        return name
+    return f"{path.parent}:{path.name}"
+
+
+def run_server(name: str, host: str, port: int, log_level: str = "info", **engine_args: Any) -> None:
+    """Serve `name` on `host:port` until interrupted; each request's KV lives in the governed engine's pool."""
+    model_id = server_model_id(name)
+    own_loader = model_manager.ModelLoader
+    GovernedModelLoader.engine_args = dict(engine_args)
+    model_manager.ModelLoader = GovernedModelLoader  # type: ignore[misc]
+    try:
+        transformers_serve.Serve(
+            force_model=model_id,
+            continuous_batching=True,
+            host=host,
+            port=port,
+            dtype="float32",
+            log_level=log_level,
+        )
+    finally:
+        model_manager.ModelLoader = own_loader  # type: ignore[misc]
