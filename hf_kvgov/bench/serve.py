@@ -113,9 +113,9 @@ class ServeRow:
     running_mean: float
     kv_bytes_max: int
     kv_bytes_mean: float
-    preemptions: int
-    recomputed_tokens: int
-    prefix_hit_rate: float
+    preemptions: int | None  # None: the configuration does not say (transformers' own manager)
+    recomputed_tokens: int | None
+    prefix_hit_rate: float | None
     samples: tuple[Sample, ...]
     ttfts: tuple[float, ...]
     outputs: tuple[tuple[int, ...], ...]  # each request's tokens, in trace order
@@ -312,7 +312,7 @@ def _run_transformers(model: Any, trace: Sequence[TraceRequest], config: ServeCo
                 bar.update()
     finally:
         manager.stop(block=True)
-    return served, samples, 0, 0, 0.0
+    return served, samples, None, None, None  # what its cache did is not exposed
 
 
 # ------------------------------------------------------------------ metrics
@@ -405,6 +405,11 @@ def serve_markdown(report: ServeReport) -> str:
             f"| {r.config} | {r.completed} | {r.failed} | {r.request_throughput:.2f} | {r.output_throughput:.1f} "
             f"| {r.ttft.p50:.2f} / {r.ttft.p99:.2f} | {r.tpot.p50:.3f} / {r.tpot.p99:.3f} | {r.itl.p99:.3f} "
             f"| {r.e2e.p50:.2f} | {r.queue.mean:.2f} | {r.goodput:.2f} | {r.running_max} / {r.running_mean:.1f} "
-            f"| {r.kv_bytes_max / 2**20:.1f} | {r.preemptions} | {r.recomputed_tokens} | {r.prefix_hit_rate:.0%} |"
+            f"| {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} | {_or_na(r.recomputed_tokens)} "
+            f"| {_or_na(r.prefix_hit_rate, '{:.0%}')} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _or_na(value: float | None, form: str = "{}") -> str:
+    return "n/a" if value is None else form.format(value)

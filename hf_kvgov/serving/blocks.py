@@ -33,6 +33,10 @@ class FullPrecisionBlocks:
         """Tokens of the request the prefix tree may take (whole blocks of them)."""
         return request.computed
 
+    def growth_blocks(self, blocks: int, pool: BlockPool) -> int:
+        """Free full-precision blocks that `blocks` blocks of decode growth take for good."""
+        return blocks
+
     def bytes_used(self, pool: BlockPool) -> int:
         """Bytes of the blocks in use (the prefix tree's included)."""
         return pool.num_used * pool.bytes_per_block
@@ -81,6 +85,11 @@ class SealedBlockCodec(FullPrecisionBlocks):
         for column, block in zip(columns, sealed, strict=True):
             ids[column] = block
         request.sealed_blocks = ready
+
+    def growth_blocks(self, blocks: int, pool: BlockPool) -> int:
+        """A block a request fills is sealed at once: what growth keeps is codes, a fraction of a block each."""
+        assert isinstance(pool, QuantizedBlockPool)
+        return -(-blocks * pool.sealed.bytes_per_block // pool.bytes_per_block)
 
     def bytes_used(self, pool: BlockPool) -> int:
         assert isinstance(pool, QuantizedBlockPool)

@@ -3,8 +3,9 @@
 Each step has a token budget. Running requests go first, oldest first: one token each when decoding, the next chunk
 of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted in arrival
 order while the budget lasts: a request enters when the blocks of its prompt, after the longest prefix the tree
-holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (the prefix
-tree's unlocked blocks count as free: the pool's reclaimer evicts them on demand); a request whose prefix another
+holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (with a codec,
+the codes those blocks become; the prefix tree's unlocked blocks count as free: the pool's reclaimer evicts them on
+demand); a request whose prefix another
 is still prefilling waits for it, so the prefix is computed once. A decode step that finds the
 pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
 tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed). The caller
@@ -161,7 +162,9 @@ class Scheduler:
         except PoolExhausted:
             self._drop(table, hit)
             return False
-        if self.running and self.free_blocks() < self.reserve_blocks * len(self.running):
+        if self.running and self.free_blocks() < self.blocks.growth_blocks(
+            self.reserve_blocks * len(self.running), self.pool
+        ):
             self._drop(table, hit)
             return False
         if request.preemptions:

@@ -84,6 +84,7 @@ def test_every_configuration_serves_the_burst_without_failures(tiny: tuple[Any, 
     assert [len(o) for o in rows["paged"].outputs] == asked
     assert rows["prefix"].prefix_hit_rate > 0.4 and rows["paged"].prefix_hit_rate == 0
     assert rows["int8"].running_max >= rows["prefix"].running_max
+    assert rows["transformers"].prefix_hit_rate is None and rows["static"].prefix_hit_rate == 0
     assert rows["static"].running_max <= 3  # its padded batches fit the cap
     data = report.to_dict()
     assert [r["config"] for r in data["rows"]] == list(rows) and "outputs" not in data["rows"][0]
