@@ -175,6 +175,51 @@ def _log(quiet: bool, message: str) -> None:
         print(f"[kvgov] {message}", file=sys.stderr, flush=True)
 
 
+def check_name(name: str) -> None:
+    """Refuse, with what is accepted, a model name that no load could succeed with, before anything loads.
+
+    Embedded names, existing ``.gguf`` files and model directories pass at once; a hub id passes when the local
+    Hugging Face cache holds it, else when the hub says it exists (one request of at most 10 s, no retries, none
+    at all with ``HF_HUB_OFFLINE``). A hub that cannot be reached is named as the reason.
+    """
+    accepted = (
+        f"an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}), a .gguf file, a model directory, or a hub id "
+        "in the local Hugging Face cache or on the hub"
+    )
+    if name in EMBEDDED_MODELS:
+        return
+    path = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise ValueError(f"No GGUF file at {name!r}.")
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{name!r} is a directory without a config.json, so not a transformers model directory.")
+        return
+    if name.startswith(("/", ".", "~")) or path.exists():
+        raise ValueError(f"No model at {name!r}; give {accepted}.")
+    import huggingface_hub
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    except HFValidationError:
+        raise ValueError(f"{name!r} is not a valid model name; give {accepted}.") from None
+    if isinstance(cached, str):
+        return
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise ValueError(f"{name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; give {accepted}.")
+    try:
+        huggingface_hub.model_info(name, timeout=10)
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        raise ValueError(f"{name!r} is not on the hub (nor local); give {accepted}.") from None
+    except Exception as error:  # DNS, connection, timeout: the hub cannot say
+        raise ValueError(
+            f"{name!r} is not local and the hub cannot be reached ({type(error).__name__}); give {accepted}."
+        ) from None
+
+
 def load_model(name: str = DEFAULT_MODEL, dtype: Any = None, device: str | None = None) -> tuple[Any, Any]:
     """Load `(model, tokenizer)` from an embedded name, a ``.gguf`` path, a local directory or a hub id.
 

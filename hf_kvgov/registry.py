@@ -129,10 +129,16 @@ def get_cache_spec(name: str) -> CacheSpec:
     family, at, argument = name.partition("@")
     if at and family in FAMILIES:
         return FAMILIES[family].parse(argument)
+    forms = ", ".join(f"{family}@..." for family in FAMILIES)
     raise ValueError(
-        f"Unknown cache {name!r}; available caches: {', '.join(CACHES)}; or a parameterized name: "
-        f"{'; '.join(family.syntax for family in FAMILIES.values())}."
+        f"Unknown cache {name!r}; names: {', '.join(CACHES)}; with an argument: {forms} "
+        "(`kvgov demo --list-caches` gives each one's forms)."
     )
+
+
+def cache_name_forms() -> str:
+    """Every accepted cache name, a line each: the fixed names, then each family's forms (for --help)."""
+    return "\n".join([f"  {', '.join(CACHES)}", *(f"  {family.syntax}" for family in FAMILIES.values())])
 
 
 def kv_bytes(cache: Any) -> int:

@@ -75,6 +75,11 @@ def _show(table: str, data: dict[str, Any], args: argparse.Namespace, completed:
 def _prefix(args: argparse.Namespace) -> Any:
     from hf_kvgov.bench import prefix_qa
 
+    for option, value in (("--requests", args.requests), ("--document-chars", args.document_chars)):
+        if value < 1:
+            raise ValueError(f"{option} must be at least 1; got {value}.")
+    if args.new_tokens is not None and args.new_tokens < 1:
+        raise ValueError(f"--new-tokens must be at least 1; got {args.new_tokens}.")
     document = demo_text(max_chars=args.document_chars)
     asks = prefix_qa.questions(args.requests)
     new_tokens = args.new_tokens if args.new_tokens is not None else PREFIX_NEW_TOKENS
@@ -266,9 +271,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "true (nothing when none had finished)",
     )
     prefix = parser.add_argument_group("prefix")
-    prefix.add_argument("--requests", type=int, default=20)
-    prefix.add_argument("--document-chars", type=int, default=5000)
-    prefix.add_argument("--block-size", type=int, default=16)
+    prefix.add_argument("--requests", type=int, default=20, help="prefix, serve: requests (questions) [%(default)s]")
+    prefix.add_argument(
+        "--document-chars", type=int, default=5000, help="prefix: characters of the shared document [%(default)s]"
+    )
+    prefix.add_argument("--block-size", type=int, default=16, help="prefix, serve: tokens per KV block [%(default)s]")
     prefix.add_argument(
         "--remote",
         metavar="URL",
@@ -305,4 +312,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     served.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token, seconds")
     served.add_argument("--slo-tpot", type=float, default=0.5, help="goodput: time per output token, seconds")
     served.add_argument("--seed", type=int, default=0, help="the trace's seed [%(default)s]")
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, loads_model=True)

@@ -26,17 +26,21 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_kvgov import models
-from hf_kvgov.quality.check import (
+from hf_kvgov.quality.check_defaults import (
+    DEFAULT_MAX_ROWS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SCAN_TOKENS,
     DEFAULT_TOLERANCE_PCT,
     FORMAT_OPTIONS,
-    FULL,
-    QUICK,
-    CheckOptions,
-    check_quantization,
 )
+
+if TYPE_CHECKING:
+    from hf_kvgov.quality.check import CheckOptions
+
+# The check itself (torch, transformers) is imported when it runs: `kvgov --help` stays instant.
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -68,14 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     scan = parser.add_mutually_exclusive_group()
     scan.add_argument("--full", action="store_true", help="run the per-layer scan whatever the verdict")
     scan.add_argument("--no-scan", action="store_true", help="never run the per-layer scan")
-    parser.add_argument("--tokens", type=int, help=f"tokens of the text to score (default: {QUICK.max_tokens})")
+    parser.add_argument("--tokens", type=int, help=f"tokens of the text to score (default: {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default: %(default)s)")
     parser.add_argument("--chunk", type=int, help="tokens fed per step (default: the block size, as in generation)")
     parser.add_argument("--residual", type=int, default=0, help="newest tokens kept in full precision (default: 0)")
     parser.add_argument("--sink-blocks", type=int, default=1, help="leading blocks kept in full precision (default: 1)")
     parser.add_argument("--scan-format", choices=sorted(FORMAT_OPTIONS), help="format of the per-layer scan")
-    parser.add_argument("--scan-tokens", type=int, help=f"tokens used by the scan (default: {QUICK.scan_tokens})")
-    parser.add_argument("--rows", type=int, help=f"caches scored per batched pass (default: {QUICK.max_rows})")
+    parser.add_argument("--scan-tokens", type=int, help=f"tokens used by the scan (default: {DEFAULT_SCAN_TOKENS})")
+    parser.add_argument("--rows", type=int, help=f"caches scored per batched pass (default: {DEFAULT_MAX_ROWS})")
     parser.add_argument(
         "--threads",
         type=int,
@@ -96,11 +100,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --recommend: choose the map on this many consecutive passages of --tokens tokens of the text, "
         "measuring every candidate on each, so it must hold on all of them (default: %(default)s)",
     )
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, loads_model=True)
 
 
 def options_from_args(args: argparse.Namespace) -> CheckOptions:
     """QUICK, or FULL with --full, with the options given on the command line."""
+    from hf_kvgov.quality.check import FULL, QUICK
+
     given: dict[str, Any] = {
         "formats": tuple(name.strip() for name in args.formats.split(",") if name.strip()),
         "max_tokens": args.tokens,
@@ -168,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     with torch_threads(args.threads) as threads:
         print(f"[kvgov] loading {args.model} ({threads} torch threads) ...", file=sys.stderr, flush=True)
         model, tokenizer = models.load_model(args.model)
+        from hf_kvgov.quality.check import check_quantization
+
         report = check_quantization(model, tokenizer, text, options, model_name=args.model, progress=True)
     if args.json == "-":
         print(report.to_json())

@@ -23,24 +23,23 @@ import argparse
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import run_reported
-from hf_kvgov.evaluation.distributed import Workers, current_workers
 from hf_kvgov.evaluation.longbench.data import HUB_DATASET
-from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
-from hf_kvgov.evaluation.ppl_run import PerplexityOptions, run_perplexity
-from hf_kvgov.evaluation.report import EvalReport, emit
-from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
-from hf_kvgov.evaluation.texts import TextSource, load_documents
-from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.partial import Progress
+
+if TYPE_CHECKING:
+    from hf_kvgov.evaluation.distributed import Workers
+    from hf_kvgov.evaluation.report import EvalReport
+
+# The runners (torch, transformers) are imported when a benchmark runs: `kvgov --help` stays instant.
 
 DEFAULT_CACHES = "dynamic,int8,int4,h2o@0.2,sink@4+252"
 
 # A prepared run: given the loaded model and tokenizer and the processes, returns the report.
-Job = Callable[[Any, Any, Workers], EvalReport]
+Job = Callable[[Any, Any, "Workers"], "EvalReport"]
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -102,10 +101,14 @@ def _add_ppl(subparsers: Any) -> None:
     parser.add_argument(
         "--bin", type=int, default=64, help="positions per point of the loss curve (default: %(default)s)"
     )
-    parser.set_defaults(func=lambda args: _main(args, "ppl", _prepare_ppl))
+    parser.set_defaults(func=lambda args: _main(args, "ppl", _prepare_ppl), loads_model=True)
 
 
 def _prepare_ppl(args: argparse.Namespace) -> Job:
+    from hf_kvgov.evaluation.ppl_run import PerplexityOptions, run_perplexity
+    from hf_kvgov.evaluation.texts import TextSource, load_documents
+    from hf_kvgov.hf.compat import decoder_config
+
     source = TextSource(
         path=args.text, jsonl_field=args.jsonl_field, dataset=args.dataset, dataset_config=args.dataset_config,
         split=args.split, dataset_field=args.dataset_field, max_documents=args.documents, join=args.join,
@@ -143,10 +146,12 @@ def _add_longbench(subparsers: Any) -> None:
     parser.add_argument("--limit", type=int, help="samples per task (default: all)")
     parser.add_argument("--max-length", type=int, help="prompt tokens after the middle cut (default: context - answer)")
     parser.add_argument("--max-new-tokens", type=int, help="cap the official answer lengths (quick runs only)")
-    parser.set_defaults(func=lambda args: _main(args, "longbench", _prepare_longbench))
+    parser.set_defaults(func=lambda args: _main(args, "longbench", _prepare_longbench), loads_model=True)
 
 
 def _prepare_longbench(args: argparse.Namespace) -> Job:
+    from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
+
     options = LongBenchOptions(caches=args.caches, max_length=args.max_length, max_new_tokens=args.max_new_tokens)
     items = load_items(args.tasks, data_dir=args.data, hub=args.hub, longbench_e=args.longbench_e, limit=args.limit)
 
@@ -168,10 +173,13 @@ def _add_synthetic(subparsers: Any) -> None:
         "--no-chat-template", action="store_true", help="feed prompts raw even if the model has a template"
     )
     parser.add_argument("--max-new-tokens", type=int, help="cap the tasks' answer lengths")
-    parser.set_defaults(func=lambda args: _main(args, "synthetic", _prepare_synthetic))
+    parser.set_defaults(func=lambda args: _main(args, "synthetic", _prepare_synthetic), loads_model=True)
 
 
 def _prepare_synthetic(args: argparse.Namespace) -> Job:
+    from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run_synthetic
+    from hf_kvgov.evaluation.texts import TextSource, load_documents
+
     options = SyntheticOptions(
         caches=args.caches, tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
         chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens,
@@ -205,6 +213,9 @@ def _missing_benchmark(parser: argparse.ArgumentParser) -> int:
 
 def _main(args: argparse.Namespace, name: str, prepare: Callable[[argparse.Namespace], Job]) -> int:
     """Check the options and read the data before loading the model, so mistakes fail fast."""
+    from hf_kvgov.evaluation.distributed import current_workers
+    from hf_kvgov.evaluation.report import emit
+
     command = f"kvgov eval {name}"
     try:
         job = prepare(args)

@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from hf_kvgov import models
 from hf_kvgov.cli.interrupted import EXIT_INTERRUPTED
 
 # Subcommand modules; each defines add_parser(subparsers) which sets `func` on its parser.
@@ -45,7 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 0
         command = f"kvgov {args.command}"
+        if getattr(args, "loads_model", False):  # an impossible name is refused before anything loads
+            models.check_name(args.model)
         return int(args.func(args))
+    except ValueError as err:  # a mistake the command did not answer itself (the model check's, an unknown name)
+        print(f"{command}: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

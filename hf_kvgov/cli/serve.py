@@ -72,4 +72,4 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
     parser.add_argument("--log-level", default="info", help="the server's log level [%(default)s]")
-    parser.set_defaults(func=_run)
+    parser.set_defaults(func=_run, loads_model=True)

@@ -24,22 +24,20 @@ from tqdm import tqdm
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.quality.builtin_text import BUILTIN_TEXT
+from hf_kvgov.quality.check_defaults import (
+    DEFAULT_MAX_ROWS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SCAN_TOKENS,
+    DEFAULT_TOLERANCE_PCT,
+    FORMAT_OPTIONS,
+)
 from hf_kvgov.quality.grouped_attention import grouped_sdpa_on_cpu
 from hf_kvgov.quality.lockstep import CacheBuilder, CacheScore, LockstepResult, progress_bar, score_in_lockstep
 from hf_kvgov.quality.outliers import flagged_by_outliers, key_outlier_ratios
 from hf_kvgov.quality.plan import CheckPlan, Pass, cost, lockstep_passes
-from hf_kvgov.quality.recommend import MAX_PROTECTED_FRACTION, layers_to_protect, recommend
+from hf_kvgov.quality.recommendation import MAX_PROTECTED_FRACTION, layers_to_protect, recommend
 from hf_kvgov.quality.report import QuantCheckReport, SensitivityScan
 
-# Format names accepted by the check -> QuantizedCache(bits=..., fmt=...).
-FORMAT_OPTIONS: dict[str, dict[str, Any]] = {
-    "int8": {"bits": 8, "fmt": "int"},
-    "int4": {"bits": 4, "fmt": "int"},
-    "int2": {"bits": 2, "fmt": "int"},
-    "fp8": {"bits": 8, "fmt": "fp8"},
-    "fp8_e5m2": {"bits": 8, "fmt": "fp8_e5m2"},
-}
-DEFAULT_TOLERANCE_PCT = 0.5
 ScanWhen = Literal["always", "if-failing", "never"]
 
 
@@ -61,7 +59,7 @@ class CheckOptions:
     """
 
     formats: tuple[str, ...] = ("int8", "fp8", "int4")
-    max_tokens: int = 2048
+    max_tokens: int = DEFAULT_MAX_TOKENS
     block_size: int = 16
     residual: int = 0
     sink_blocks: int = 1
@@ -69,8 +67,8 @@ class CheckOptions:
     max_ppl_increase: float | None = None
     scan: ScanWhen = "always"
     scan_format: str | None = None
-    scan_tokens: int = 512
-    max_rows: int = 32
+    scan_tokens: int = DEFAULT_SCAN_TOKENS
+    max_rows: int = DEFAULT_MAX_ROWS
 
     def __post_init__(self) -> None:
         unknown = [f for f in (*self.formats, self.scan_format) if f is not None and f not in FORMAT_OPTIONS]

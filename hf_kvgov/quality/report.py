@@ -9,10 +9,9 @@ from typing import Any
 
 from hf_kvgov.quality.lockstep import CacheScore
 from hf_kvgov.quality.outliers import DEFAULT_OUTLIER_RATIO
-from hf_kvgov.quality.recommend import Recommendation
+from hf_kvgov.quality.recommendation import TOP1_AGREEMENT_FLOOR, Recommendation
 
 TOP_LAYERS_SHOWN = 5
-TOP1_NOTE_BELOW = 0.98  # a format within the tolerance but below this agreement gets a note in the verdict
 
 
 @dataclass(frozen=True)
@@ -60,12 +59,12 @@ class QuantCheckReport:
         lines = [f"within +{self.tolerance_pct:g}% perplexity: {', '.join(ok) or 'none'}"]
         if bad:
             lines.append(f"above it: {', '.join(bad)}")
-        shifted = [s for s in self.formats if s.name in ok and s.top1_agreement < TOP1_NOTE_BELOW]
+        shifted = [s for s in self.formats if s.name in ok and s.top1_agreement < TOP1_AGREEMENT_FLOOR]
         for s in shifted:
             lines.append(
                 f"{s.name} keeps perplexity but changes the most likely next token at "
-                f"{100 * (1 - s.top1_agreement):.1f}% of positions (KL {s.kl_mean:.3g} nats): check generations "
-                "on your task before relying on it"
+                f"{100 * (1 - s.top1_agreement):.1f}% of positions (KL {s.kl_mean:.3g} nats), so it is not "
+                "recommended: check generations on your task before relying on it"
             )
         outliers = self.outlier_layers()
         if outliers:

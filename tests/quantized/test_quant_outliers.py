@@ -20,6 +20,7 @@ from transformers import LlamaForCausalLM
 
 from hf_kvgov.quality import CheckOptions, QuantCheckReport, check_quantization
 from hf_kvgov.quality.outliers import flagged_by_outliers, outlier_layers
+from hf_kvgov.quality.recommendation import TOP1_AGREEMENT_FLOOR
 from tests.conftest import tiny_llama
 
 OPTIONS = CheckOptions(max_tokens=256, block_size=8, scan_tokens=64)
@@ -58,9 +59,11 @@ def test_the_planted_layer_has_a_large_outlier_ratio(reports: dict[str, QuantChe
 
 def test_int4_is_flagged_and_a_safer_configuration_recommended(reports: dict[str, QuantCheckReport]) -> None:
     clean, planted = reports["unplanted"], reports["planted"]
-    # Unplanted: every format is within the tolerance and nothing is flagged, so the smallest (int4) wins.
+    # Unplanted: every format is within the tolerance and nothing is flagged, so the smallest that keeps the top
+    # token wins (on random weights int4 changes it too often, and the verdict says so).
     assert clean.flagged == () and clean.protected is None
-    assert clean.recommendation.name == "int4"
+    keeping = [s for s in clean.formats if s.top1_agreement >= TOP1_AGREEMENT_FLOOR]
+    assert clean.recommendation.name == min(keeping, key=lambda s: s.bytes_per_token).name
     assert not any("outlier" in line or "flagged" in line for line in clean.verdict())
     # Planted: int4 is flagged on layer 0, measured with layer 0 in full precision, and not recommended as is.
     assert planted.flagged == ("int4",)

@@ -27,6 +27,7 @@ from hf_kvgov.quality import (
     recommend,
     score_in_lockstep,
 )
+from hf_kvgov.quality.recommendation import TOP1_AGREEMENT_FLOOR
 from tests.conftest import tiny_llama
 
 MODEL = tiny_llama()
@@ -70,8 +71,8 @@ def test_layers_to_protect_takes_the_most_sensitive_until_inside_the_tolerance()
     assert layers_to_protect([-1.0, 0.0], tolerance_pct=0.0) == ()
 
 
-def score(name: str, increase: float, bytes_per_token: float) -> CacheScore:
-    return CacheScore(name, 100, 10 * (1 + increase / 100), 10.0, increase, 0.01, 0.99, bytes_per_token, 2.0)
+def score(name: str, increase: float, bytes_per_token: float, top1: float = 0.99) -> CacheScore:
+    return CacheScore(name, 100, 10 * (1 + increase / 100), 10.0, increase, 0.01, top1, bytes_per_token, 2.0)
 
 
 def test_recommend_picks_the_smallest_configuration_within_the_tolerance() -> None:
@@ -84,9 +85,19 @@ def test_recommend_picks_the_smallest_configuration_within_the_tolerance() -> No
     assert nothing.name is None and nothing.code.startswith("PagedCache") and "int4 +3.00%" in nothing.reason
 
 
+def test_recommend_never_picks_what_the_verdict_warns_about() -> None:
+    """int4 within the perplexity tolerance but changing the top token at 3.3% of positions: the verdict warns, so
+    the recommendation takes the next cheapest format instead."""
+    scores = [score("int8", 0.0, 150.0), score("fp8", -0.03, 140.0), score("int4", 0.2, 80.0, top1=0.967)]
+    options = {"int8": {"bits": 8}, "fp8": {"bits": 8, "fmt": "fp8"}, "int4": {"bits": 4}}
+    assert recommend(scores, options, tolerance_pct=0.5).name == "fp8"
+    only_int4 = recommend(scores[2:], options, tolerance_pct=0.5)
+    assert only_int4.name is None and "top-1 96.7%" in only_int4.reason
+
+
 def chunked_logits(cache, ids: torch.Tensor, chunk: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
     with torch.inference_mode():
-        return torch.cat([MODEL(ids[:, s : s + chunk], past_key_values=cache).logits for s in range(0, 30, chunk)], 1)
+        return torch.cat([MODEL(ids[:, s : s + chunk], cache=cache).logits for s in range(0, 30, chunk)], 1)
 
 
 def test_stacked_rows_equal_separate_runs() -> None:
@@ -126,9 +137,15 @@ def test_check_quantization_report_on_the_tiny_model(tokenizer: PreTrainedTokeni
     assert report.sensitivity is not None and report.sensitivity.format == "int4"
     assert [s.name for s in report.sensitivity.layers] == ["layer 0", "layer 1"]
     assert report.passed and report.gate_failures == ()
-    assert report.recommendation.name == "int4"  # every format passes a 1000% gate; int4 is smallest
+    # Every format passes a 1000% gate: the smallest one that keeps the top token (random weights: int4 does not).
+    keeping = [s for s in report.formats if s.top1_agreement >= TOP1_AGREEMENT_FLOOR]
+    expected = min(keeping, key=lambda s: (s.bytes_per_token, s.ppl_increase_pct))
+    assert report.recommendation.name == expected.name
     data = json.loads(report.to_json())
-    assert data["passed"] is True and data["recommendation"]["code"].startswith("QuantizedCache(model, bits=4")
+    assert data["passed"] is True and data["recommendation"]["code"].startswith("QuantizedCache(model, bits=")
+    for s in report.formats:  # what the verdict warns about is never the recommendation
+        warned = any(line.startswith(f"{s.name} keeps perplexity but changes") for line in report.verdict())
+        assert warned == (s.top1_agreement < TOP1_AGREEMENT_FLOOR) and not (warned and s.name == expected.name)
     assert "per-layer sensitivity (int4" in report.render()
     with pytest.raises(ValueError, match="needs more than two blocks"):
         check_quantization(MODEL, tokenizer, "short", options)

@@ -1,7 +1,8 @@
 """From measured scores to a recommended configuration: pure functions, no model.
 
-The rule: among the configurations whose perplexity increase is within the tolerance, take the one that
-holds the fewest bytes per token (ties: the smaller loss). When the cheapest format fails, the per-layer
+The rule: among the configurations whose perplexity increase is within the tolerance and that keep the most likely
+next token where full precision has it (`TOP1_AGREEMENT_FLOOR`), take the one that holds the fewest bytes per token
+(ties: the smaller loss). When the cheapest format fails, the per-layer
 scan says which layers carry the loss; keeping those few in full precision is often enough.
 """
 
@@ -13,6 +14,9 @@ from typing import Any
 
 from hf_kvgov.quality.lockstep import CacheScore
 
+# A configuration that changes the most likely next token at more than 2% of positions is not recommended, whatever
+# its perplexity: the report's verdict warns about it, and a recommendation must not contradict the verdict.
+TOP1_AGREEMENT_FLOOR = 0.98
 MAX_PROTECTED_FRACTION = 0.25  # keeping more layers than this in full precision gives up most of the saving
 
 
@@ -54,15 +58,19 @@ def layers_to_protect(increases: Sequence[float], tolerance_pct: float) -> tuple
 def recommend(
     scores: Sequence[CacheScore], options: Mapping[str, dict[str, Any]], tolerance_pct: float
 ) -> Recommendation:
-    """The cheapest configuration within `tolerance_pct`; `options` maps a score's name to its kwargs."""
-    passing = [s for s in scores if s.ppl_increase_pct <= tolerance_pct]
+    """The cheapest configuration within `tolerance_pct` that keeps the most likely next token at
+    `TOP1_AGREEMENT_FLOOR` of positions at least; `options` maps a score's name to its kwargs."""
+    passing = [s for s in scores if s.ppl_increase_pct <= tolerance_pct and s.top1_agreement >= TOP1_AGREEMENT_FLOOR]
     if not passing:
-        worst = ", ".join(f"{s.name} {s.ppl_increase_pct:+.2f}%" for s in scores)
+        worst = ", ".join(
+            f"{s.name} {s.ppl_increase_pct:+.2f}% (top-1 {100 * s.top1_agreement:.1f}%)" for s in scores
+        )
         return Recommendation(
             None,
             None,
-            f"no configuration stays within +{tolerance_pct:g}% perplexity ({worst}); keep the full-precision "
-            "cache, or accept a larger loss",
+            f"no configuration stays within +{tolerance_pct:g}% perplexity with the top token kept at "
+            f"{100 * TOP1_AGREEMENT_FLOOR:g}% of positions ({worst}); keep the full-precision cache, or accept a "
+            "larger loss",
         )
     best = min(passing, key=lambda s: (s.bytes_per_token, s.ppl_increase_pct))
     return Recommendation(
