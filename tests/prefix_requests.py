@@ -30,7 +30,7 @@ def serve(model: Any, new_tokens: int, cache: PagedCache, rows: list[list[int]],
     context = paged_attention(model) if cache.attention == "paged" else contextlib.nullcontext()
     with context:
         out = model.generate(
-            **inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+            **inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False,
             return_dict_in_generate=True, output_logits=True, **kwargs,
         )  # fmt: skip
     held = [list(row.block_ids) for row in cache.tables.rows]  # type: ignore[union-attr]

@@ -18,7 +18,7 @@ def ask(cache: PagedCache, question: list[int]) -> torch.Tensor:
     ids = torch.cat([DOCUMENT, torch.tensor([question])], dim=1)
     inputs = cache.match(ids)
     with torch.no_grad():
-        out = MODEL.generate(**inputs, past_key_values=cache, max_new_tokens=4, do_sample=False)
+        out = MODEL.generate(**inputs, cache=cache, max_new_tokens=4, do_sample=False)
     cache.publish(out)
     return out
 

@@ -140,7 +140,7 @@ def generate(model: Any, cache: Any) -> Any:
         return model.generate(
             input_ids=ids,
             attention_mask=mask,
-            past_key_values=cache,
+            cache=cache,
             max_new_tokens=10,
             do_sample=False,
             return_dict_in_generate=True,

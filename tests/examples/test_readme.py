@@ -18,11 +18,6 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
 
 
-def block_with(text: str) -> str:
-    (block,) = [block for block in python_blocks() if text in block]
-    return block
-
-
 def test_no_example_uses_the_deprecated_argument_name_or_a_fixed_absolute_path() -> None:
     blocks = python_blocks()
     assert len(blocks) >= 5
@@ -33,22 +28,22 @@ def test_no_example_uses_the_deprecated_argument_name_or_a_fixed_absolute_path()
 
 
 @pytest.mark.real_model
-def test_usage_and_chain_examples_run_as_shown_without_warnings(
+def test_every_python_block_runs_in_order_without_warnings(
     smollm2: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The blocks in the order the README gives them, each after the ones before it, as a reader pastes them."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # gettempdir() in the chain example
     namespace: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        exec(block_with("PagedCache(model, block_size=16"), namespace)
-        exec(block_with("with paged_attention(model):"), namespace)
-        exec(block_with("PagedCache(model, pool=pool)"), namespace)
-        exec(block_with("GovernedCache(model"), namespace)
-        exec(block_with("ServingEngine(model"), namespace)
+        for block in python_blocks():
+            exec(block, namespace)
     noisy = [str(w.message) for w in caught if issubclass(w.category, FutureWarning | DeprecationWarning)]
     assert not [message for message in noisy if "past_key_values" in message or "cache" in message], noisy
-    assert namespace["out"].shape[1] > namespace["inputs"]["input_ids"].shape[1]  # generate produced tokens
     assert all(cache.pool is namespace["pool"] for cache in namespace["caches"])
+    assert namespace["out"].shape[0] == 2  # the prefix-sharing block's batch of two questions
+    assert namespace["prefix"].stats().hit_tokens == 0  # a first request: nothing cached before it...
+    assert len(namespace["prefix"].tree) > 0  # ...but its blocks are published for the next
+    assert Path(namespace["spill_dir"]).parent == tmp_path and Path(namespace["spill_dir"]).is_dir()
     assert len(namespace["answers"]) == 2 and all(0 < len(a) <= 32 for a in namespace["answers"])
     assert 0 < len(namespace["stream"].tokens) <= 32 and namespace["stream"].finish_reason in ("stop", "length")
-    assert Path(namespace["spill_dir"]).parent == tmp_path and Path(namespace["spill_dir"]).is_dir()

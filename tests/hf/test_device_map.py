@@ -41,7 +41,7 @@ def prompts(batch: int = 2, length: int = 15) -> dict[str, torch.Tensor]:
 def generate(model: Any, cache: Any, inputs: dict[str, torch.Tensor], new_tokens: int = 10) -> torch.Tensor:
     device = model.get_input_embeddings().weight.device
     inputs = {k: v.to(device if device.type != "meta" else CPU) for k, v in inputs.items()}
-    return model.generate(**inputs, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    return model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False)
 
 
 def mapped(device_map: dict[str, Any]) -> LlamaForCausalLM:

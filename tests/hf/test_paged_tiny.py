@@ -30,7 +30,7 @@ def prompts(batch: int = 1, length: int = 11, pad_first: int = 0) -> dict[str, t
 def run(model, cache, inputs, seed: int = 0, **kwargs):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
     kwargs.setdefault("max_new_tokens", 12)
-    return model.generate(**inputs, past_key_values=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return model.generate(**inputs, cache=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
 
 
 def attention_context(model, path: str):  # type: ignore[no-untyped-def]
@@ -86,12 +86,12 @@ def test_crop_then_continue_equals_shorter_prefill() -> None:
     model = MODELS["gqa"]
     ids = prompts(length=10)["input_ids"]
     cache = PagedCache(model, block_size=4)
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     cache.crop(-3)
     assert cache.get_seq_length() == 7
     assert len(cache.tables.rows[0]) == 2  # type: ignore[union-attr]
-    after_crop = model(ids[:, 7:], past_key_values=cache).logits
-    fresh = model(ids, past_key_values=DynamicCache()).logits[:, 7:]
+    after_crop = model(ids[:, 7:], cache=cache).logits
+    fresh = model(ids, cache=DynamicCache()).logits[:, 7:]
     torch.testing.assert_close(after_crop, fresh, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         cache.crop(2)
@@ -131,7 +131,7 @@ def test_pool_cap_raises_pool_exhausted_through_generate() -> None:
 def test_stats_count_blocks_and_bytes() -> None:
     model = MODELS["gqa"]
     cache = PagedCache(model, block_size=4)
-    model(prompts(batch=2, length=10)["input_ids"], past_key_values=cache)
+    model(prompts(batch=2, length=10)["input_ids"], cache=cache)
     stats = cache.stats()
     # 10 tokens -> 3 blocks of 4 per row; 2 rows; 2 layers x 2 heads x 16 dims x K,V x 4 bytes per token.
     bytes_per_block = 4 * 2 * 2 * 2 * 16 * 4
@@ -145,7 +145,7 @@ def test_paged_path_without_the_attention_is_refused() -> None:
     model = MODELS["gqa"]
     cache = PagedCache(model, attention="paged")
     with pytest.raises(RuntimeError, match="paged_attention"):
-        model(prompts(length=5)["input_ids"], past_key_values=cache)
+        model(prompts(length=5)["input_ids"], cache=cache)
 
 
 def test_paged_attention_context_restores_the_previous_implementation() -> None:
@@ -169,9 +169,9 @@ def test_bad_arguments_are_explained() -> None:
     with pytest.raises(TypeError, match="PreTrainedModel or PretrainedConfig"):
         PagedCache("llama")
     cache = PagedCache(model)
-    model(prompts(batch=2, length=4)["input_ids"], past_key_values=cache)
+    model(prompts(batch=2, length=4)["input_ids"], cache=cache)
     with pytest.raises(ValueError, match="batch of 3"):
-        model(prompts(batch=3, length=4)["input_ids"], past_key_values=cache)
+        model(prompts(batch=3, length=4)["input_ids"], cache=cache)
 
 
 def test_paged_view_prefill_matches_the_reference_kernel() -> None:

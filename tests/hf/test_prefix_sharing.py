@@ -37,7 +37,7 @@ def left_padded(rows: list[list[int]]) -> dict[str, torch.Tensor]:
 def generate(cache, inputs):  # type: ignore[no-untyped-def]
     return MODEL.generate(
         **inputs,
-        past_key_values=cache,
+        cache=cache,
         max_new_tokens=NEW,
         do_sample=False,
         return_dict_in_generate=True,
@@ -202,7 +202,7 @@ def test_match_refuses_misuse() -> None:
     cache = PagedCache(MODEL, prefix=prefix)
     with pytest.raises(ValueError, match="left-padded"):
         cache.match(torch.tensor([[5, 6, 7]]), torch.tensor([[1, 0, 1]]))
-    MODEL(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+    MODEL(torch.tensor([[5, 6, 7]]), cache=cache)
     with pytest.raises(ValueError, match="empty cache"):
         cache.match(torch.tensor([[5, 6, 7]]))
 

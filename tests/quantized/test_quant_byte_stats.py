@@ -48,8 +48,8 @@ def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
     cache = QuantizedCache(MODEL, bits=2, block_size=16, residual=16, group_size=8, scale_bytes=1)
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        MODEL(ids[:, :-1], past_key_values=cache)
-        MODEL(ids[:, -1:], past_key_values=cache)
+        MODEL(ids[:, :-1], cache=cache)
+        MODEL(ids[:, -1:], cache=cache)
     layout = cache._quantized_pool.sealed.layout(0)
     assert layout["key_scale"][1] == layout["value_scale"][1] == LOG_SCALE
     assert layout["key_zero"][1] == layout["value_zero"][1] == ONE_BYTE_ZERO
@@ -66,8 +66,8 @@ def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
     assert sequence_bytes(planner_geometry(MODEL), setup, 80).device == stats.bytes_used
     fp16 = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8)
     with torch.inference_mode():
-        MODEL(ids[:, :-1], past_key_values=fp16)
-        MODEL(ids[:, -1:], past_key_values=fp16)
+        MODEL(ids[:, :-1], cache=fp16)
+        MODEL(ids[:, -1:], cache=fp16)
     assert fp16.stats().sealed_bytes == 4 * 2 * 2 * (2 * 16 * 16 // 4 + 16 * 4 + 16 * 2 * 4)
 
 

@@ -100,7 +100,7 @@ def test_stats_report_the_sealed_ratio(smollm2_shaped: LlamaForCausalLM, fmt: st
     with torch.inference_mode():
         for cache in (paged, quantized):
             for start in range(0, tokens, block):  # one block per step, as generation fills them
-                smollm2_shaped(ids[:, start : start + block], past_key_values=cache)
+                smollm2_shaped(ids[:, start : start + block], cache=cache)
     stats = quantized.stats()
     assert (stats.tokens, stats.sealed_blocks, stats.full_precision_blocks) == (tokens, 4, 2)
     fp16_per_token = 2 * 3 * 4 * 64  # layers x kv heads x (K + V, 2 bytes each) x head_dim = 1,536 B

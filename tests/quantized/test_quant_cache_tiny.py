@@ -40,7 +40,7 @@ def prompts(batch: int = 1, length: int = 11, pad_first: int = 0) -> dict[str, t
 def run(model, cache, inputs, seed: int = 0, **kwargs):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
     kwargs.setdefault("max_new_tokens", 12)
-    return model.generate(**inputs, past_key_values=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return model.generate(**inputs, cache=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
 
 
 def assert_matches_fake_quant(
@@ -132,7 +132,7 @@ def test_crop_into_a_sealed_block_unseals_it() -> None:
     reference = FakeQuantCache(model.config, "int4", block_size=4)
     with torch.inference_mode():
         for c in (cache, reference):
-            model(ids, past_key_values=c)
+            model(ids, cache=c)
             c.crop(-5)
     pool = cache.pool
     assert isinstance(pool, QuantizedBlockPool)
@@ -140,8 +140,8 @@ def test_crop_into_a_sealed_block_unseals_it() -> None:
     assert [b < 0 for b in cache.tables.rows[0].block_ids] == [False, True, False]  # type: ignore[union-attr]
     assert (pool.num_used, pool.sealed.num_used) == (2, 1)
     with torch.inference_mode():
-        got = model(ids[:, 9:], past_key_values=cache).logits
-        expected = model(ids[:, 9:], past_key_values=reference).logits
+        got = model(ids[:, 9:], cache=cache).logits
+        expected = model(ids[:, 9:], cache=reference).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == 14 and pool.sealed.num_used == 2
 
@@ -150,10 +150,10 @@ def test_int8_stays_close_to_the_full_cache() -> None:
     model = MODELS["gqa"]
     ids = prompts(length=40)["input_ids"]
     with torch.inference_mode():
-        full = model(ids, past_key_values=PagedCache(model)).logits
+        full = model(ids, cache=PagedCache(model)).logits
         cache = QuantizedCache(model, bits=8, block_size=4)
-        model(ids[:, :20], past_key_values=cache)
-        quantized = model(ids[:, 20:], past_key_values=cache).logits
+        model(ids[:, :20], cache=cache)
+        quantized = model(ids[:, 20:], cache=cache).logits
     torch.testing.assert_close(quantized, full[:, 20:], atol=2e-3, rtol=0)
     assert not torch.equal(quantized, full[:, 20:])  # the sealed blocks really were quantized
 
@@ -163,8 +163,8 @@ def test_caches_can_share_one_quantized_pool() -> None:
     first = QuantizedCache(model, bits=8, block_size=4)
     second = QuantizedCache(model, bits=8, pool=first.pool)
     with torch.inference_mode():
-        model(prompts(length=10)["input_ids"], past_key_values=first)
-        model(prompts(length=13)["input_ids"], past_key_values=second)
+        model(prompts(length=10)["input_ids"], cache=first)
+        model(prompts(length=13)["input_ids"], cache=second)
     pool = first.pool
     assert isinstance(pool, QuantizedBlockPool)
     assert pool.sealed.num_used == 1 + 2 and pool.num_used == 2 + 2

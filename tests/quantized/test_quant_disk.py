@@ -62,9 +62,7 @@ def generate(cache: Any, inputs: dict[str, torch.Tensor], **kwargs: Any) -> Any:
     kwargs.setdefault("max_new_tokens", 12)
     context = paged_attention(MODEL) if cache.attention == "paged" else contextlib.nullcontext()
     with context:
-        return MODEL.generate(
-            **inputs, past_key_values=cache, return_dict_in_generate=True, output_scores=True, **kwargs
-        )
+        return MODEL.generate(**inputs, cache=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
 
 
 def assert_identical(got: Any, expected: Any) -> None:
@@ -174,10 +172,10 @@ def test_beams_share_spilled_codes_written_once(tmp_path: Path) -> None:
     cache = QuantizedDiskCache(MODEL, tmp_path, hot_tokens=4, block_size=4)
     reference = QuantizedCache(MODEL, block_size=4)
     for each in (cache, reference):
-        MODEL(ids[:, :20], past_key_values=each)
+        MODEL(ids[:, :20], cache=each)
         each.batch_repeat_interleave(3)
-    got = MODEL(ids[:, 20:].repeat(3, 1), past_key_values=cache).logits
-    assert torch.equal(got, MODEL(ids[:, 20:].repeat(3, 1), past_key_values=reference).logits)
+    got = MODEL(ids[:, 20:].repeat(3, 1), cache=cache).logits
+    assert torch.equal(got, MODEL(ids[:, 20:].repeat(3, 1), cache=reference).logits)
     # The prompt sealed blocks 1..4 (sealed ids 0..3) and freed pool ids 1..4 to the end of the free list
     # (5, 6, 7 come first). Step start: 20 tokens, (20 - 4) // 4 = 4, so sealed ids 0..2 spill once each as
     # handles 0..2, held by three rows; sealed id 3 (tokens 16..19) stays, and token 20 takes pool 5, 6, 7.
@@ -193,8 +191,8 @@ def test_beams_share_spilled_codes_written_once(tmp_path: Path) -> None:
 def test_memory_counts_full_precision_blocks_sealed_slots_and_buffers(tmp_path: Path) -> None:
     ids = prompts(length=31)["input_ids"]
     cache = QuantizedDiskCache(MODEL, tmp_path, hot_tokens=4, block_size=4, read_buffer_bytes=4096)
-    MODEL(ids[:, :30], past_key_values=cache)
-    MODEL(ids[:, 30:], past_key_values=cache)
+    MODEL(ids[:, :30], cache=cache)
+    MODEL(ids[:, 30:], cache=cache)
     stats = cache.stats()
     # Step start 30 tokens: (30 - 4) // 4 = 6, blocks 1..5 spilled; block 6 (24..27) sealed; 0 and 7 in fp.
     # Read-ahead rows: one segment of 416 bytes per spilled block (5), under the cap of 4,096 // 416 = 9.
@@ -210,16 +208,14 @@ def test_crop_into_a_spilled_block_brings_it_back_and_decodes_it(tmp_path: Path)
     cache = QuantizedDiskCache(MODEL, tmp_path, hot_tokens=4, block_size=4)
     reference = QuantizedCache(MODEL, block_size=4)
     for each in (cache, reference):
-        MODEL(ids[:, :30], past_key_values=each)
-        MODEL(ids[:, 30:31], past_key_values=each)
+        MODEL(ids[:, :30], cache=each)
+        MODEL(ids[:, 30:31], cache=each)
         each.crop(-21)  # 10 tokens left: block 2 (tokens 8..11) takes writes again
     assert cache.stats().spilled_blocks == 1  # block 1; blocks 3..5 were dropped, block 2 came back
     assert cache.tier is not None and [cache.tier.is_live(h) for h in range(5)] == [True] + [False] * 4
     row = cache.tables.rows[0].block_ids  # type: ignore[union-attr]
     assert row[:2] == [0, S] and row[2] >= 0  # decoded into a writable full-precision block
-    assert torch.equal(
-        MODEL(ids[:, 10:], past_key_values=cache).logits, MODEL(ids[:, 10:], past_key_values=reference).logits
-    )
+    assert torch.equal(MODEL(ids[:, 10:], cache=cache).logits, MODEL(ids[:, 10:], cache=reference).logits)
     cache.release()
 
 
@@ -230,8 +226,8 @@ def test_long_stream_keeps_full_precision_memory_under_the_cap(tmp_path: Path) -
     ids = torch.randint(3, 96, (1, 512), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         for start in range(0, 512, chunk):
-            got = MODEL(ids[:, start : start + chunk], past_key_values=cache).logits
-            expected = MODEL(ids[:, start : start + chunk], past_key_values=reference).logits
+            got = MODEL(ids[:, start : start + chunk], cache=cache).logits
+            expected = MODEL(ids[:, start : start + chunk], cache=reference).logits
             assert torch.equal(got, expected)
             stats = cache.stats()
             assert stats.full_precision_bytes + stats.read_buffer_bytes <= bound
@@ -247,8 +243,8 @@ def test_long_stream_keeps_full_precision_memory_under_the_cap(tmp_path: Path) -
 def spill_step(cache: QuantizedDiskCache) -> None:
     """Prefill 30 tokens, then one: at that step's start sealed blocks 1..5 are cold."""
     ids = prompts(length=40)["input_ids"]
-    MODEL(ids[:, :30], past_key_values=cache)
-    MODEL(ids[:, 30:31], past_key_values=cache)
+    MODEL(ids[:, :30], cache=cache)
+    MODEL(ids[:, 30:31], cache=cache)
 
 
 def test_write_budget_raises_before_writing_anything(tmp_path: Path) -> None:
@@ -298,7 +294,7 @@ def test_a_corrupted_block_names_block_layer_and_tokens(tmp_path: Path, prefetch
     path, offset = cache.tier.location(1, 1)
     flip_byte(path, offset + 100)  # the first part is key codes: 128 bytes per block
     with pytest.raises(SpillCorrupted, match=r"block 1 \(tokens \[8, 12\)\), layer 1") as info:
-        MODEL(prompts(length=40)["input_ids"][:, 31:32], past_key_values=cache)
+        MODEL(prompts(length=40)["input_ids"][:, 31:32], cache=cache)
     assert (info.value.block, info.value.layer, info.value.tokens) == (1, 1, (8, 12))
 
 
@@ -370,7 +366,7 @@ def test_a_spill_of_codes_writes_and_reads_the_codec_share_of_a_full_precision_s
     )
     for each in caches:
         for start in range(0, 160, 32):
-            model(ids[:, start : start + 32], past_key_values=each)
+            model(ids[:, start : start + 32], cache=each)
         assert each.prefetcher is not None  # the last layer read layer 0 ahead on the reader thread:
         each.prefetcher.close()  # wait for it, so both counts include that read (stats() alone raced it)
     raw, codes = (each.stats() for each in caches)
@@ -388,9 +384,9 @@ def test_smollm2_generates_exactly_what_quantized_cache_generates(smollm2, auste
     assert ids.shape[1] == 300
     kwargs = {"max_new_tokens": 6, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     with torch.inference_mode():
-        expected = model.generate(ids, past_key_values=QuantizedCache(model, bits=4), **kwargs)
+        expected = model.generate(ids, cache=QuantizedCache(model, bits=4), **kwargs)
         cache = QuantizedDiskCache(model, tmp_path, hot_tokens=64, bits=4)
-        got = model.generate(ids, past_key_values=cache, **kwargs)
+        got = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     assert all(torch.equal(g, e) for g, e in zip(got.logits, expected.logits, strict=True))
     stats = cache.stats()

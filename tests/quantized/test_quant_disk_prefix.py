@@ -134,7 +134,7 @@ def test_beam_search_on_a_matched_prefix_equals_quantized_cache() -> None:
 def forwards(cache: QuantizedCache, ids: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
     """The logits of feeding ids[:, start:stop] for each (start, stop), in order."""
     with torch.no_grad():
-        return [MODEL(ids[:, start:stop], past_key_values=cache).logits for start, stop in bounds]
+        return [MODEL(ids[:, start:stop], cache=cache).logits for start, stop in bounds]
 
 
 def computed_by_quantized_cache(ids: torch.Tensor, bounds: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -360,7 +360,7 @@ def test_smollm2_int8_requests_sharing_a_document_equal_quantized_cache(smollm2,
             inputs = cache.match(ids)
             reused = cache.get_seq_length()
             with torch.no_grad():
-                out = model.generate(**inputs, past_key_values=cache, **kwargs)
+                out = model.generate(**inputs, cache=cache, **kwargs)
             runs.append((out, reused, cache.stats(), [list(row.block_ids) for row in cache.tables.rows]))  # type: ignore[union-attr]
             cache.publish(out.sequences)
             cache.release()

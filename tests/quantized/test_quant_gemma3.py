@@ -33,7 +33,7 @@ BLOCK = COMPACT_BLOCK_SIZE
 
 def generate(model, inputs, cache):  # type: ignore[no-untyped-def]
     kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "return_dict_in_generate": True}
-    return model.generate(**inputs, past_key_values=cache, output_logits=True, **kwargs)
+    return model.generate(**inputs, cache=cache, output_logits=True, **kwargs)
 
 
 def kl_per_step(got, expected) -> list[float]:  # type: ignore[no-untyped-def]
@@ -95,7 +95,7 @@ def test_perplexity_with_the_cache_in_the_loop(gemma3, austen_text) -> None:  # 
         # 262k-entry output layer dominates the cost of every scored token.
         for start in range(0, 5 * BLOCK, BLOCK):
             keep = BLOCK if start == 4 * BLOCK else 1
-            logits = model(rows[:, start : start + BLOCK], past_key_values=stacked, logits_to_keep=keep).logits
+            logits = model(rows[:, start : start + BLOCK], cache=stacked, logits_to_keep=keep).logits
         score.add(logits[0], logits[1], ids[0, 4 * BLOCK + 1 :])
     # Blocks 1-4 (the last one once its step ended) of each layer group: the last step's queries, from 512, still
     # see block 0 in the sliding layers.
@@ -123,7 +123,7 @@ def test_int8_frees_the_sliding_windows(gemma3, austen_text) -> None:  # type: i
     with torch.inference_mode():
         tokens = {name: model.generate(ids, cache=cache, **options)[0, 3072:] for name, cache in caches.items()}
         stored = torch.cat([ids[0], tokens["grouped"][:-1]])[None]  # what the caches stored: 3,079 tokens
-        model(stored, past_key_values=dynamic, logits_to_keep=1)
+        model(stored, cache=dynamic, logits_to_keep=1)
     assert torch.equal(tokens["grouped"], tokens["one group"])
     assert len(caches["grouped"].groups) == 6
     ratio = kv_bytes(caches["grouped"]) / kv_bytes(dynamic)

@@ -32,7 +32,7 @@ def prompt(length: int = 27) -> dict[str, torch.Tensor]:
 def run(cache: Any, attention: str = "contiguous", new: int = 10) -> Any:
     with paged_attention(MODEL) if attention == "paged" else contextlib.nullcontext(), torch.inference_mode():
         return MODEL.generate(
-            **prompt(), past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            **prompt(), cache=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
             return_dict_in_generate=True, output_scores=True,
         )  # fmt: skip
 

@@ -80,7 +80,7 @@ def test_the_command_writes_a_map_the_cache_loads(tiny_dir: Path, tmp_path: Path
     cache = QuantizedCache.from_config(tiny_llama(), out, block_size=8)
     assert cache.quant == config
     with torch.inference_mode():
-        tiny_llama()(torch.arange(3, 40)[None], past_key_values=cache)
+        tiny_llama()(torch.arange(3, 40)[None], cache=cache)
     assert cache.get_seq_length() == 37
 
 

@@ -55,7 +55,7 @@ def shared_tree(codec: str = "int8", max_tokens: int | None = None, **options: A
 def generate(cache: Any, inputs: dict[str, torch.Tensor], **kwargs: Any) -> Any:
     kwargs.setdefault("max_new_tokens", NEW)
     return MODEL.generate(
-        **inputs, past_key_values=cache, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
+        **inputs, cache=cache, do_sample=False, return_dict_in_generate=True, output_logits=True, **kwargs
     )
 
 
@@ -92,7 +92,7 @@ def computed_alone(served: Served, codec: str, path: str = "contiguous", **kwarg
             # no_grad, not inference_mode: the sealed store grows inside this call, and tensors created
             # under inference_mode cannot be written by generate afterwards.
             with torch.no_grad():
-                MODEL(input_ids=ids[:, : served.reused], attention_mask=mask[:, : served.reused], past_key_values=cache)
+                MODEL(input_ids=ids[:, : served.reused], attention_mask=mask[:, : served.reused], cache=cache)
         cache.batch_repeat_interleave(kwargs.get("num_beams", 1))  # generate expands the inputs, not the cache
         out = generate(cache, served.inputs, **kwargs)
     return out.sequences[:, -NEW:], torch.stack(out.logits, 1)
@@ -193,11 +193,11 @@ def test_crop_into_a_matched_sealed_block_decodes_a_private_copy() -> None:
     assert shared < 0 and prefix.pool.ref_count(shared) == 2  # the tree + this row
     reference = QuantizedCache(MODEL, block_size=BLOCK)
     with torch.no_grad():
-        MODEL(ids[:, :24], past_key_values=reference)
+        MODEL(ids[:, :24], cache=reference)
         for c in (cache, reference):
             c.crop(-6)  # 18 tokens: block 4 keeps tokens 16, 17 and must take writes again
-        got = MODEL(ids[:, 18:], past_key_values=cache).logits
-        expected = MODEL(ids[:, 18:], past_key_values=reference).logits
+        got = MODEL(ids[:, 18:], cache=cache).logits
+        expected = MODEL(ids[:, 18:], cache=reference).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert prefix.pool.ref_count(shared) == 1  # the tree still caches its sealed block
     cache.release()
@@ -357,7 +357,7 @@ def test_smollm2_shared_document_gives_the_same_greedy_tokens(smollm2, austen_te
     kwargs = {"max_new_tokens": 12, "do_sample": False, "return_dict_in_generate": True}
 
     def answer(cache: QuantizedCache, inputs: dict[str, torch.Tensor]) -> Any:
-        return model.generate(**inputs, past_key_values=cache, **kwargs)
+        return model.generate(**inputs, cache=cache, **kwargs)
 
     alone = [answer(QuantizedCache(model, bits=8), dict(p)).sequences for p in prompts]
     first = QuantizedCache(model, bits=8)

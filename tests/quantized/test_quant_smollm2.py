@@ -45,7 +45,7 @@ SEALED_BLOCK = {
 
 def generate(model, prompt, cache):  # type: ignore[no-untyped-def]
     kwargs = {"max_new_tokens": 16, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
-    return model.generate(**prompt, past_key_values=cache, **kwargs)
+    return model.generate(**prompt, cache=cache, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def fill(model: LlamaForCausalLM, cache: PagedCache, chunk: int = TOKENS) -> Non
     ids = torch.randint(3, 96, (1, TOKENS), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for start in range(0, TOKENS, chunk):
-            model(ids[:, start : start + chunk], past_key_values=cache)
+            model(ids[:, start : start + chunk], cache=cache)
 
 
 @pytest.mark.parametrize(("bits", "about"), [(8, 1 / 2), (4, 1 / 4)])

@@ -20,7 +20,7 @@ def context(model, path: str):  # type: ignore[no-untyped-def]
 
 def generate(model, cache, inputs, seed: int = 0, **kwargs):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    return model.generate(**inputs, past_key_values=cache, return_dict_in_generate=True, output_logits=True, **kwargs)
+    return model.generate(**inputs, cache=cache, return_dict_in_generate=True, output_logits=True, **kwargs)
 
 
 def assert_lossless(model, inputs, path: str, block_size: int = 16, **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -53,7 +53,7 @@ def prompts(batch: int = 1, length: int = 23, pad_first: int = 0) -> dict[str, t
 def generate(cache, inputs, seed: int = 0, **kwargs):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
     kwargs.setdefault("max_new_tokens", 12)
-    return MODEL.generate(**inputs, past_key_values=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
+    return MODEL.generate(**inputs, cache=cache, return_dict_in_generate=True, output_scores=True, **kwargs)
 
 
 def assert_same_as_dynamic(cache: DiskOffloadCache, inputs, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -102,13 +102,13 @@ def test_blocks_shared_by_beams_are_written_once(tmp_path: Path) -> None:
     ids = prompts(length=21)["input_ids"]
     cache = DiskOffloadCache(MODEL, tmp_path, hot_tokens=4, block_size=4)
     reference = DynamicCache()
-    MODEL(ids[:, :20], past_key_values=cache)
-    MODEL(ids[:, :20], past_key_values=reference)
+    MODEL(ids[:, :20], cache=cache)
+    MODEL(ids[:, :20], cache=reference)
     cache.batch_repeat_interleave(3)
     reference.batch_repeat_interleave(3)
     # Step start: 20 tokens, hot window 16..19, so blocks 1, 2, 3 are cold; each is held by three rows.
-    got = MODEL(ids[:, 20:].repeat(3, 1), past_key_values=cache).logits
-    expected = MODEL(ids[:, 20:].repeat(3, 1), past_key_values=reference).logits
+    got = MODEL(ids[:, 20:].repeat(3, 1), cache=cache).logits
+    expected = MODEL(ids[:, 20:].repeat(3, 1), cache=reference).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
     assert (stats.spills, stats.bytes_written, stats.spilled_blocks) == (3, 3 * BLOCK_BYTES_4, 3)
@@ -122,16 +122,16 @@ def test_blocks_shared_by_beams_are_written_once(tmp_path: Path) -> None:
 def test_crop_frees_disk_slots_and_brings_the_new_tail_back(tmp_path: Path) -> None:
     ids = prompts(length=40)["input_ids"]
     cache = DiskOffloadCache(MODEL, tmp_path, hot_tokens=4, block_size=4)
-    MODEL(ids[:, :30], past_key_values=cache)
-    MODEL(ids[:, 30:31], past_key_values=cache)  # 30 tokens at step start: blocks 1..5 spill (handles 0..4)
+    MODEL(ids[:, :30], cache=cache)
+    MODEL(ids[:, 30:31], cache=cache)  # 30 tokens at step start: blocks 1..5 spill (handles 0..4)
     assert cache.stats().spilled_blocks == 5
     cache.crop(-21)  # 10 tokens left: blocks 3..5 leave the disk, block 2 (tokens 8..11) is the tail again
     stats = cache.stats()
     assert (stats.spilled_blocks, stats.disk_bytes, stats.resident_blocks) == (1, BLOCK_BYTES_4, 2)
     assert cache.tables is not None and cache.tables.rows[0].block_ids == [0, -1, 8]  # pool id 8: next free
     assert cache.tier is not None and [cache.tier.is_live(h) for h in range(5)] == [True] + [False] * 4
-    after_crop = MODEL(ids[:, 10:], past_key_values=cache).logits
-    fresh = MODEL(ids, past_key_values=DynamicCache()).logits[:, 10:]
+    after_crop = MODEL(ids[:, 10:], cache=cache).logits
+    fresh = MODEL(ids, cache=DynamicCache()).logits[:, 10:]
     torch.testing.assert_close(after_crop, fresh, atol=1e-5, rtol=1e-5)
 
 
@@ -144,11 +144,11 @@ def test_resident_memory_stays_bounded_over_8192_streamed_tokens(tmp_path: Path)
     ids = torch.randint(3, 96, (1, 8192), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         for start in range(0, 8192, chunk):
-            got = MODEL(ids[:, start : start + chunk], past_key_values=cache).logits
+            got = MODEL(ids[:, start : start + chunk], cache=cache).logits
             stats = cache.stats()
             assert stats.resident_bytes <= bound
             assert stats.pool_bytes_reserved + 64 * 1024 <= bound  # what is physically allocated, too
-        expected = MODEL(ids, past_key_values=reference, logits_to_keep=chunk).logits
+        expected = MODEL(ids, cache=reference, logits_to_keep=chunk).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     # The last step started at 7,936 tokens: blocks 1..487 had spilled, and 0 + 488..511 are resident.
     stats = cache.stats()
@@ -163,9 +163,9 @@ def test_resident_memory_stays_bounded_over_8192_streamed_tokens(tmp_path: Path)
 def test_read_ahead_follows_the_spill_and_reset_frees_it(tmp_path: Path) -> None:
     cache = DiskOffloadCache(MODEL, tmp_path, hot_tokens=4, block_size=4)  # the default cap, 16 MiB
     ids = prompts(length=40)["input_ids"]
-    MODEL(ids[:, :30], past_key_values=cache)
+    MODEL(ids[:, :30], cache=cache)
     assert cache.stats().read_buffer_bytes == 0  # nothing spilled yet
-    MODEL(ids[:, 30:31], past_key_values=cache)  # 30 tokens at step start: blocks 1..5 spill and come back
+    MODEL(ids[:, 30:31], cache=cache)  # 30 tokens at step start: blocks 1..5 spill and come back
     stats = cache.stats()
     # One 1,024-byte row (one layer of a block) per spilled block, beside resident blocks 0, 6 and 7: less
     # than the 31 tokens x 512 bytes DynamicCache holds.
@@ -182,8 +182,8 @@ def test_read_ahead_follows_the_spill_and_reset_frees_it(tmp_path: Path) -> None
 def spill_step(cache: DiskOffloadCache) -> torch.Tensor:
     """Prefill 30 tokens, then one token: at that step's start blocks 1..5 (5 blocks) are cold."""
     ids = prompts(length=40)["input_ids"]
-    MODEL(ids[:, :30], past_key_values=cache)
-    return MODEL(ids[:, 30:31], past_key_values=cache).logits
+    MODEL(ids[:, :30], cache=cache)
+    return MODEL(ids[:, 30:31], cache=cache).logits
 
 
 def test_write_budget_raises_before_writing_anything(tmp_path: Path) -> None:
@@ -221,14 +221,14 @@ def filling_disk(monkeypatch) -> list[int]:  # type: ignore[no-untyped-def]
 def test_disk_full_raises_and_the_half_written_block_is_never_read(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     cache = DiskOffloadCache(MODEL, tmp_path, hot_tokens=4, block_size=4)
     ids = prompts(length=40)["input_ids"]
-    MODEL(ids[:, :30], past_key_values=cache)
+    MODEL(ids[:, :30], cache=cache)
     filling_disk(monkeypatch)
     with pytest.raises(SpillSpaceExhausted, match="disk full"):
-        MODEL(ids[:, 30:31], past_key_values=cache)
+        MODEL(ids[:, 30:31], cache=cache)
     monkeypatch.undo()
     assert cache.stats().spilled_blocks == 0 and cache.get_seq_length() == 30
-    got = MODEL(ids[:, 30:], past_key_values=cache).logits  # retried: the slots are rewritten whole
-    expected = MODEL(ids, past_key_values=DynamicCache()).logits[:, 30:]
+    got = MODEL(ids[:, 30:], cache=cache).logits  # retried: the slots are rewritten whole
+    expected = MODEL(ids, cache=DynamicCache()).logits[:, 30:]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     stats = cache.stats()
     # + the 256 bytes written before the disk filled: half of the first part, layer 0's 512 bytes of K.
@@ -254,7 +254,7 @@ def test_a_corrupted_block_names_block_layer_and_tokens(tmp_path: Path, prefetch
     path, offset = cache.tier.location(1, 1)
     flip_byte(path, offset + 100)
     with pytest.raises(SpillCorrupted, match=r"block 1 \(tokens \[8, 12\)\), layer 1") as info:
-        MODEL(prompts(length=40)["input_ids"][:, 31:32], past_key_values=cache)
+        MODEL(prompts(length=40)["input_ids"][:, 31:32], cache=cache)
     assert (info.value.block, info.value.layer, info.value.tokens) == (1, 1, (8, 12))
 
 
@@ -264,7 +264,7 @@ def test_removed_directory_is_a_clear_error(tmp_path: Path) -> None:
     spill_step(cache)
     shutil.rmtree(directory)
     with pytest.raises(SpillFileLost, match="deleted"):
-        MODEL(prompts(length=40)["input_ids"][:, 31:32], past_key_values=cache)
+        MODEL(prompts(length=40)["input_ids"][:, 31:32], cache=cache)
 
 
 def test_two_caches_never_share_a_file_and_files_are_removed(tmp_path: Path) -> None:
@@ -320,9 +320,9 @@ def test_cuda_pinned_read_ahead_and_copy_stream(tmp_path: Path, batch: int) -> N
     model = tiny_llama(num_kv_heads=2).cuda()
     inputs = {k: v.cuda() for k, v in prompts(batch=batch, length=37, pad_first=5 if batch > 1 else 0).items()}
     torch.manual_seed(0)
-    expected = model.generate(**inputs, past_key_values=DynamicCache(), max_new_tokens=20, do_sample=False)
+    expected = model.generate(**inputs, cache=DynamicCache(), max_new_tokens=20, do_sample=False)
     cache = DiskOffloadCache(model, tmp_path, hot_tokens=6, block_size=4)
-    got = model.generate(**inputs, past_key_values=cache, max_new_tokens=20, do_sample=False)
+    got = model.generate(**inputs, cache=cache, max_new_tokens=20, do_sample=False)
     assert torch.equal(got, expected)
     stats = cache.stats()
     assert stats.prefetched > 0 and stats.spills > 0 and stats.read_buffer_bytes > 0

@@ -59,7 +59,7 @@ def test_shared_document_equals_paged_cache_while_private_blocks_spill(attention
             assert all(b >= 0 and b in disk_tree.tree for b in disk["held"][0][:8])
     assert disk["held"][2][:4] == disk["held"][0][:4]  # the row that hit 16 tokens shares their 4 blocks
     dynamic = MODEL.generate(**left_padded(requests[2]), max_new_tokens=NEW, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, past_key_values=DynamicCache())  # fmt: skip
+                             return_dict_in_generate=True, cache=DynamicCache())  # fmt: skip
     assert torch.equal(disk["out"].sequences[:, -NEW:], dynamic.sequences[:, -NEW:])
     torch.testing.assert_close(torch.stack(disk["out"].logits), torch.stack(dynamic.logits), atol=1e-4, rtol=1e-4)
     assert disk_tree.stats().cached_blocks == paged_tree.stats().cached_blocks
@@ -102,16 +102,16 @@ def test_spill_skips_tree_blocks_and_publish_brings_private_ones_back() -> None:
     shared = tree()
     ids = torch.tensor([tokens(26, seed=30)])
     first = DiskOffloadCache(MODEL, hot_tokens=4, prefix=shared)
-    MODEL(ids[:, :16], past_key_values=first)  # blocks 0..3; nothing is cold before the next step
+    MODEL(ids[:, :16], cache=first)  # blocks 0..3; nothing is cold before the next step
     assert first.publish(ids[:, :16]) == 4
     first.release()
     cache = DiskOffloadCache(MODEL, hot_tokens=4, prefix=shared)
     inputs = cache.match(ids[:, :25])  # 24 usable tokens; 16 are cached
     assert cache.get_seq_length() == 16 and inputs["input_ids"].shape == (1, 25)
-    MODEL(ids[:, 16:24], past_key_values=cache)  # step start at 16 tokens: cold columns 1, 2 are the tree's
+    MODEL(ids[:, 16:24], cache=cache)  # step start at 16 tokens: cold columns 1, 2 are the tree's
     assert cache.stats().spills == 0
-    got = MODEL(ids[:, 24:25], past_key_values=cache).logits  # at 24 tokens: column 4 (pool id 4) spills
-    expected = MODEL(ids[:, :25], past_key_values=DynamicCache()).logits[:, 24:]
+    got = MODEL(ids[:, 24:25], cache=cache).logits  # at 24 tokens: column 4 (pool id 4) spills
+    expected = MODEL(ids[:, :25], cache=DynamicCache()).logits[:, 24:]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     pool, rows = shared.pool, cache.tables.rows  # type: ignore[union-attr]
     assert rows[0].block_ids == [0, 1, 2, 3, -1, 5, 6]  # token 24 took id 6: 4 went to the free list's end
@@ -124,7 +124,7 @@ def test_spill_skips_tree_blocks_and_publish_brings_private_ones_back() -> None:
     assert rows[0].block_ids == [0, 1, 2, 3, 7, 5, 6] and len(shared.tree) == 6
     assert [pool.ref_count(b) for b in (7, 5, 6)] == [2, 2, 1]
     assert cache.tier is not None and not cache.tier.is_live(0) and cache.stats().disk_bytes == 0
-    MODEL(ids[:, 25:26], past_key_values=cache)  # at 25 tokens columns 1..4 are cold, all the tree's now
+    MODEL(ids[:, 25:26], cache=cache)  # at 25 tokens columns 1..4 are cold, all the tree's now
     assert cache.stats().spills == 1 and cache.stats().prefix_blocks == 6
     cache.release()
     assert pool.num_used == 6 and all(pool.ref_count(b) == 1 for b in (0, 1, 2, 3, 5, 7))
@@ -137,24 +137,24 @@ def test_tree_reclaim_never_frees_a_block_a_live_row_uses() -> None:
     document = tokens(16, seed=40)
     first = DiskOffloadCache(MODEL, hot_tokens=4, prefix=shared)
     ids_a = torch.tensor([document + tokens(8, seed=41)])
-    MODEL(ids_a, past_key_values=first)  # ids 0..5 of the 12
+    MODEL(ids_a, cache=first)  # ids 0..5 of the 12
     first.publish(ids_a)
     first.release()  # the tree holds 0..5, unlocked
     ids_b = torch.tensor([document + tokens(10, seed=42)])
     cache = DiskOffloadCache(MODEL, hot_tokens=4, prefix=shared)
     cache.match(ids_b[:, :25])  # the document's blocks 0..3, locked by this cache
-    MODEL(ids_b[:, 16:24], past_key_values=cache)  # columns 4, 5 -> ids 6, 7
+    MODEL(ids_b[:, 16:24], cache=cache)  # columns 4, 5 -> ids 6, 7
     other = PagedCache(MODEL, prefix=shared)
-    MODEL(torch.tensor([tokens(20, seed=43)]), past_key_values=other)  # 5 blocks: 8..11, and 5 evicted
+    MODEL(torch.tensor([tokens(20, seed=43)]), cache=other)  # 5 blocks: 8..11, and 5 evicted
     assert shared.stats().evictions == 1 and other.tables.rows[0].block_ids == [8, 9, 10, 11, 5]  # type: ignore[union-attr]
     third = PagedCache(MODEL, prefix=shared)
     with pytest.raises(PoolExhausted):  # the tree gives up 4, but never the document this cache holds
-        MODEL(torch.tensor([tokens(8, seed=44)]), past_key_values=third)
+        MODEL(torch.tensor([tokens(8, seed=44)]), cache=third)
     assert shared.stats().evictions == 2 and all(b in shared.tree for b in (0, 1, 2, 3))
     pool = shared.pool
     assert [pool.ref_count(b) for b in (0, 1, 2, 3, 6, 7)] == [2, 2, 2, 2, 1, 1]
-    got = MODEL(ids_b[:, 24:25], past_key_values=cache).logits  # id 6 spills; token 24 takes the freed 4
-    expected = MODEL(ids_b[:, :25], past_key_values=DynamicCache()).logits[:, 24:]
+    got = MODEL(ids_b[:, 24:25], cache=cache).logits  # id 6 spills; token 24 takes the freed 4
+    expected = MODEL(ids_b[:, :25], cache=DynamicCache()).logits[:, 24:]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert cache.tables.rows[0].block_ids == [0, 1, 2, 3, -1, 7, 4]  # type: ignore[union-attr]
     for finished in (cache, other, third):
@@ -168,12 +168,12 @@ def test_publish_that_cannot_bring_blocks_back_raises_and_changes_nothing() -> N
     shared = tree(max_blocks=8)
     ids = torch.tensor([tokens(18, seed=50)])
     cache = DiskOffloadCache(MODEL, hot_tokens=4, prefix=shared)
-    MODEL(ids[:, :16], past_key_values=cache)  # ids 0..3
-    MODEL(ids[:, 16:17], past_key_values=cache)  # columns 1, 2 spill; token 16 takes id 4
+    MODEL(ids[:, :16], cache=cache)  # ids 0..3
+    MODEL(ids[:, 16:17], cache=cache)  # columns 1, 2 spill; token 16 takes id 4
     rows = cache.tables.rows  # type: ignore[union-attr]
     assert rows[0].block_ids == [0, -1, -2, 3, 4]
     other = PagedCache(MODEL, prefix=shared)
-    MODEL(torch.tensor([tokens(20, seed=51)]), past_key_values=other)  # the last 5 free blocks
+    MODEL(torch.tensor([tokens(20, seed=51)]), cache=other)  # the last 5 free blocks
     with pytest.raises(PoolExhausted):
         cache.publish(ids[:, :17])
     assert rows[0].block_ids == [0, -1, -2, 3, 4] and len(shared.tree) == 0
@@ -182,8 +182,8 @@ def test_publish_that_cannot_bring_blocks_back_raises_and_changes_nothing() -> N
     assert cache.publish(ids[:, :17]) == 4
     assert rows[0].block_ids == [0, 5, 6, 3, 4] and len(shared.tree) == 4  # handles 0, 1 came back into 5, 6
     assert all(b in shared.tree for b in (0, 5, 6, 3)) and cache.stats().disk_bytes == 0
-    got = MODEL(ids[:, 17:18], past_key_values=cache).logits  # columns 1, 2 are the tree's now: no spill
-    expected = MODEL(ids, past_key_values=DynamicCache()).logits[:, 17:]
+    got = MODEL(ids[:, 17:18], cache=cache).logits  # columns 1, 2 are the tree's now: no spill
+    expected = MODEL(ids, cache=DynamicCache()).logits[:, 17:]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert cache.stats().spills == 2
     cache.release()
@@ -221,7 +221,7 @@ def test_smollm2_requests_sharing_a_document_equal_paged_cache(smollm2, austen_t
             inputs = cache.match(ids)
             reused = cache.get_seq_length()
             with torch.inference_mode():
-                out = model.generate(**inputs, past_key_values=cache, **kwargs)
+                out = model.generate(**inputs, cache=cache, **kwargs)
             runs.append((out, reused, cache.stats()))
             cache.publish(out.sequences)
             cache.release()

@@ -38,7 +38,7 @@ def test_greedy_2048_context_128_hot_tokens(smollm2, austen_text, tmp_path: Path
     # prefill would store them, spilling and reading back blocks as it goes. generate feeds the rest.
     reference = DynamicCache(config=model.config)
     with torch.inference_mode():
-        model(ids[:, :-1], past_key_values=reference)
+        model(ids[:, :-1], cache=reference)
     cache = DiskOffloadCache(model, tmp_path, hot_tokens=128)
     for start in range(0, 2047, 512):
         for index, layer in enumerate(reference.layers):
@@ -46,8 +46,8 @@ def test_greedy_2048_context_128_hot_tokens(smollm2, austen_text, tmp_path: Path
     # The last chunk started at 1,536 tokens: (1536 - 128) // 16 = 88, so blocks 1..87 had spilled.
     assert cache.get_seq_length() == 2047 and cache.stats().spilled_blocks == 87
     kwargs = {"max_new_tokens": 8, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
-    expected = model.generate(ids, past_key_values=reference, **kwargs)
-    got = model.generate(ids, past_key_values=cache, **kwargs)
+    expected = model.generate(ids, cache=reference, **kwargs)
+    got = model.generate(ids, cache=cache, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)
     worst = max((g - e).abs().max().item() for g, e in zip(got.logits, expected.logits, strict=True))
     assert worst <= 1e-4, f"logits differ by {worst}"
