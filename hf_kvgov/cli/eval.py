@@ -164,7 +164,14 @@ def _prepare_longbench(args: argparse.Namespace) -> Job:
 def _add_synthetic(subparsers: Any) -> None:
     parser = subparsers.add_parser("synthetic", help="passkey / needle / variable-tracking / common-words accuracy")
     _common(parser, "dynamic,int8,h2o@0.2,sink@4+252")
-    parser.add_argument("--tasks", type=_names, default=("passkey", "niah_single"), help="comma-separated tasks")
+    from hf_kvgov.evaluation.registry import synthetic_tasks  # task generators only: no model, no torch
+
+    parser.add_argument(
+        "--tasks",
+        type=_names,
+        default=("passkey", "niah_single"),
+        help=f"comma-separated tasks among {', '.join(synthetic_tasks())} (default: passkey,niah_single)",
+    )
     parser.add_argument("--lengths", type=_lengths, default=(1024,), help="prompt lengths in tokens (default: 1024)")
     parser.add_argument("--samples", type=int, default=4, help="samples per task and length (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the samples (default: %(default)s)")
