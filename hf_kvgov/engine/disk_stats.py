@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from hf_kvgov.engine.disk_prefix import tree_held
 from hf_kvgov.engine.paged_stats import CacheStats, live_entries
+from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.tiers.accounting import TierStats
 
 if TYPE_CHECKING:
@@ -29,6 +30,8 @@ class DiskCacheStats(CacheStats):
     `resident_blocks` / `resident_bytes`, as this cache needs them in memory; caches sharing a prefix
     thus each count it, and the pool's own `stats()` gives the figure with each block counted once.
     """
+
+    __repr__ = rounded_repr
 
     resident_blocks: int
     spilled_blocks: int

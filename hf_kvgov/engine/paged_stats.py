@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hf_kvgov.stats_repr import rounded_repr
+
 if TYPE_CHECKING:
     from hf_kvgov.engine.block_store import BlockStore
 
@@ -12,6 +14,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CacheStats:
     """What a paged cache holds. Shared blocks (beams, prefixes) count once in the physical figures."""
+
+    __repr__ = rounded_repr
 
     sequences: int
     tokens: int  # logical tokens: sequences x tokens per sequence

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_kvgov.engine.disk_prefix import tree_held
 from hf_kvgov.engine.paged_stats import CacheStats, live_entries
+from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
 
@@ -26,6 +27,8 @@ class QuantizedDiskCacheStats(CacheStats):
     prefix sharing, the tree's blocks this cache uses (`prefix_blocks`) count in full in its resident
     bytes, as for `DiskCacheStats`.
     """
+
+    __repr__ = rounded_repr
 
     codec: str
     full_precision_blocks: int

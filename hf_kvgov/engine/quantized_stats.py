@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from hf_kvgov.engine.paged_stats import CacheStats, live_entries
+from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
 if TYPE_CHECKING:
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class QuantizedCacheStats(CacheStats):
     """`CacheStats` whose bytes are the real bytes held: codes + scales + full-precision blocks."""
+
+    __repr__ = rounded_repr
 
     codec: str
     full_precision_blocks: int

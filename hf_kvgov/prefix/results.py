@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from hf_kvgov.stats_repr import rounded_repr
+
 
 @dataclass(frozen=True)
 class PrefixMatch:
@@ -70,6 +72,8 @@ class PrefixCacheStats:
     "queries"), ``hit_tokens`` the tokens served from the cache, so ``hit_rate`` is the fraction of
     prompt tokens whose KV did not have to be computed.
     """
+
+    __repr__ = rounded_repr
 
     block_size: int
     cached_blocks: int

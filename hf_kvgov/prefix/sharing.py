@@ -23,6 +23,7 @@ from hf_kvgov.prefix.radix_tree import RadixTree
 from hf_kvgov.prefix.remote_tier import RemoteTier
 from hf_kvgov.prefix.results import PrefixCacheStats
 from hf_kvgov.prefix.tree_ids import pool_id, tree_id
+from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.remote_stats import RemoteStats
 
@@ -38,6 +39,8 @@ def _pool_ids(tree_block_ids: Sequence[int]) -> list[int]:
 @dataclass(frozen=True)
 class SharingStats:
     """Prefix-sharing counters: the tree's, plus how much memory sharing saves right now."""
+
+    __repr__ = rounded_repr
 
     tree: PrefixCacheStats
     hit_tokens: int

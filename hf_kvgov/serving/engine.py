@@ -35,6 +35,7 @@ from hf_kvgov.serving.blocks import FullPrecisionBlocks, SealedBlockCodec
 from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
 from hf_kvgov.serving.runner import ModelRunner
 from hf_kvgov.serving.scheduler import Scheduler
+from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.geometry import KVGeometry
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
 
@@ -42,6 +43,8 @@ from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
 @dataclass(frozen=True)
 class EngineStats:
     """Where the engine stands, and its counters since it started."""
+
+    __repr__ = rounded_repr
 
     steps: int
     running: int

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
+from hf_kvgov.stats_repr import rounded_repr
+
 
 @dataclass(frozen=True)
 class RemoteStats:
@@ -19,6 +21,8 @@ class RemoteStats:
     skipped_lookups: lookups not sent while the store was marked down (it is retried after `retry_s`).
     write_errors: writer batches that failed for any reason; the writer keeps running (`writer_alive`).
     """
+
+    __repr__ = rounded_repr
 
     lookups: int = 0
     hits: int = 0

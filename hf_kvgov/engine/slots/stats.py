@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import Tensor
 
+from hf_kvgov.stats_repr import rounded_repr
+
 if TYPE_CHECKING:
     from hf_kvgov.engine.slots.recall import RecallStats
 
@@ -42,6 +44,8 @@ class EvictionStats:
         ``recall_bytes`` (with recall: pending pages, page summaries and tables, the recall buffer); what
         recall wrote to and read from disk is in ``recall``.
     """
+
+    __repr__ = rounded_repr
 
     sequences: int
     tokens_seen: int  # tokens processed per sequence (left padding included), as get_seq_length() reports
