@@ -62,9 +62,7 @@ def recommend(
     `TOP1_AGREEMENT_FLOOR` of positions at least; `options` maps a score's name to its kwargs."""
     passing = [s for s in scores if s.ppl_increase_pct <= tolerance_pct and s.top1_agreement >= TOP1_AGREEMENT_FLOOR]
     if not passing:
-        worst = ", ".join(
-            f"{s.name} {s.ppl_increase_pct:+.2f}% (top-1 {100 * s.top1_agreement:.1f}%)" for s in scores
-        )
+        worst = ", ".join(f"{s.name} {s.ppl_increase_pct:+.2f}% (top-1 {100 * s.top1_agreement:.1f}%)" for s in scores)
         return Recommendation(
             None,
             None,
