@@ -38,6 +38,7 @@ from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import LengthDistribution
 from hf_kvgov.planner.setup import CacheSetup
+from hf_kvgov.progress import nested_bar
 from hf_kvgov.registry import CacheSpec, get_cache_spec, kv_bytes
 
 
@@ -141,7 +142,7 @@ def _measured_bytes(
     """Bytes one sequence of each distinct length holds in a cache of `spec`; `ids` is long `[1, >= max]`."""
     held = {}
     distinct = sorted(set(lengths))
-    for length in tqdm(distinct, desc=f"  {spec.name}: one sequence per length", leave=False, disable=not progress):
+    for length in nested_bar(distinct, desc=f"  {spec.name}: one sequence per length", disable=not progress):
         cache = run_sequence(model, spec, ids[:, :length])
         held[length] = kv_bytes(cache)
         release(cache)
@@ -210,7 +211,7 @@ def measure_cache(
     if twin is not None and probe.pool is not None:
         method = "pool refused"
         pool = capped_pool(probe.pool, config.budget_bytes)
-        with tqdm(desc=f"  {name}: sequences written", leave=False, disable=not progress) as bar:
+        with nested_bar(desc=f"  {name}: sequences written", disable=not progress) as bar:
             fit = fill_until_refused(twin, pool, reference(), order, bar)
     else:
         method = "measured bytes"

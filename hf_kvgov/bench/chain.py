@@ -37,6 +37,7 @@ from hf_kvgov.evaluation.synthetic_run import SyntheticOptions, build_items, run
 from hf_kvgov.evaluation.texts import Document
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import fixed
+from hf_kvgov.progress import nested_bar
 from hf_kvgov.registry import kv_bytes
 
 __all__ = ["STEPS", "ChainBenchConfig", "ChainReport", "StepRow", "chain_markdown", "run_chain", "write_chain_plots"]
@@ -131,7 +132,7 @@ def _measure(ctx: Context, step: ChainStep, geometry: ModelGeometry | None, dtyp
 def _decode(ctx: Context, probes: dict[str, Probe], progress: bool) -> dict[str, float]:
     """Decode tokens/s of every probe: one step each per round, interleaved, the median step."""
     seconds: dict[str, list[float]] = {name: [] for name in probes}
-    for _ in tqdm(range(ctx.config.decode_steps), desc="decode rounds", leave=False, disable=not progress):
+    for _ in nested_bar(range(ctx.config.decode_steps), desc="decode rounds", disable=not progress):
         for name, probe in probes.items():
             seconds[name].append(probe.step(ctx.model))
     return {name: 1.0 / statistics.median(times) for name, times in seconds.items()}

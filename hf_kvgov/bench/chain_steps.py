@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import fit_in_order
@@ -27,6 +26,7 @@ from hf_kvgov.engine.paged_stats import live_entries
 from hf_kvgov.engine.parts import Disk, HeavyHitter, Paging
 from hf_kvgov.hf.eviction import eviction_attention
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.progress import nested_bar
 from hf_kvgov.registry import kv_bytes
 from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER
 
@@ -180,7 +180,7 @@ class Context:
 
     def counter(self, what: str) -> Any:
         """A progress bar of sequences allocated (silent unless `progress`)."""
-        return tqdm(desc=f"  {what}", unit="seq", leave=False, disable=not self.progress)
+        return nested_bar(desc=f"  {what}", unit="seq", disable=not self.progress)
 
     def ids(self, index: int) -> torch.Tensor:
         """Long `[1, length]`: the tokens of request `index`."""

@@ -249,6 +249,24 @@ def _run(args: argparse.Namespace) -> int:
         return 1
 
 
+def _common(parser: argparse.ArgumentParser, new_tokens: int | None) -> None:
+    parser.add_argument("--model", default=models.DEFAULT_MODEL, help="embedded name, .gguf path, directory or hub id")
+    if new_tokens is not None:
+        parser.add_argument("--new-tokens", type=int, help=f"tokens generated per request [{new_tokens}]")
+    parser.add_argument(
+        "--json",
+        help='also write the results as JSON to this path; after Ctrl-C, the rows finished so far with "partial": '
+        "true (nothing when none had finished)",
+    )
+
+
+def _measured(parser: argparse.ArgumentParser, caches: bool = True) -> None:
+    if caches:
+        parser.add_argument("--caches", default=DEFAULT_CACHES, help="registry names, comma-separated [%(default)s]")
+    parser.add_argument("--plots", metavar="DIR", help="also write PNG plots into this directory")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
@@ -256,26 +274,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "name", choices=sorted(BENCHMARKS), help="; ".join(f"{k}: {v.help}" for k, v in BENCHMARKS.items())
-    )
-    parser.add_argument("--model", default=models.DEFAULT_MODEL)
-    parser.add_argument(
-        "--new-tokens",
-        type=int,
-        help=f"tokens generated per request (prefix: {PREFIX_NEW_TOKENS}, speed: {SPEED_NEW_TOKENS})",
-    )
-    parser.add_argument(
-        "--json",
-        help='also write the results as JSON to this path; after Ctrl-C, the rows finished so far with "partial": '
-        "true (nothing when none had finished)",
-    )
-    prefix = parser.add_argument_group("prefix")
-    prefix.add_argument("--requests", type=int, default=20, help="prefix, serve: requests (questions) [%(default)s]")
-    prefix.add_argument(
-        "--document-chars", type=int, default=5000, help="prefix: characters of the shared document [%(default)s]"
-    )
-    prefix.add_argument("--block-size", type=int, default=16, help="prefix, serve: tokens per KV block [%(default)s]")
+    names = parser.add_subparsers(dest="name", metavar="NAME", required=True)
+    each = {name: names.add_parser(name, help=bench.help, description=bench.help) for name, bench in BENCHMARKS.items()}
+    for sub in each.values():
+        sub.set_defaults(func=_run, loads_model=True)
+
+    prefix = each["prefix"]
+    _common(prefix, PREFIX_NEW_TOKENS)
+    prefix.add_argument("--requests", type=int, default=20, help="questions about the document [%(default)s]")
+    prefix.add_argument("--document-chars", type=int, default=5000, help="characters of the document [%(default)s]")
+    prefix.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     prefix.add_argument(
         "--remote",
         metavar="URL",
@@ -283,33 +291,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "to start a throwaway redis-server on loopback for the run",
     )
     prefix.add_argument("--workers", type=int, default=2, help="worker processes with --remote [%(default)s]")
-    measured = parser.add_argument_group("speed and capacity")
-    measured.add_argument("--caches", default=DEFAULT_CACHES, help="registry names, comma-separated [%(default)s]")
-    measured.add_argument("--plots", metavar="DIR", help="also write PNG plots into this directory")
-    measured.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    measured.add_argument("--contexts", default="512,2048", help="speed: prompt lengths in tokens [%(default)s]")
-    measured.add_argument("--batches", default="1", help="speed: batch sizes [%(default)s]")
-    measured.add_argument("--rounds", type=int, default=3, help="speed: interleaved rounds, medians [%(default)s]")
-    measured.add_argument(
+
+    speed = each["speed"]
+    _common(speed, SPEED_NEW_TOKENS)
+    _measured(speed)
+    speed.add_argument("--contexts", default="512,2048", help="prompt lengths in tokens [%(default)s]")
+    speed.add_argument("--batches", default="1", help="batch sizes [%(default)s]")
+    speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds, medians [%(default)s]")
+
+    capacity = each["capacity"]
+    _common(capacity, None)
+    _measured(capacity)
+    capacity.add_argument(
         "--lengths",
         default="256,512,1024,2048",
-        help="capacity: sequence lengths, taken in order and cycled: '512,2048', a .csv/.json file, or "
+        help="sequence lengths, taken in order and cycled: '512,2048', a .csv/.json file, or "
         "'lognormal:median=300,max=2048,n=100' (one prefill per distinct length) [%(default)s]",
     )
-    measured.add_argument("--budget", default="1GiB", help="capacity: KV memory budget, e.g. 512MiB [%(default)s]")
-    served = parser.add_argument_group("serve (--requests, --block-size, --plots and --threads apply too)")
+    capacity.add_argument("--budget", default="1GiB", help="KV memory budget, e.g. 512MiB [%(default)s]")
+
+    served = each["serve"]
+    _common(served, SERVE_NEW_TOKENS)
+    _measured(served, caches=False)
     served.add_argument(
         "--configs",
         default="static,transformers,paged,prefix,int8",
         help="configurations, comma-separated [%(default)s]",
     )
+    served.add_argument("--requests", type=int, default=20, help="requests in the trace [%(default)s]")
     served.add_argument("--rate", default="inf", help="arrivals per second, or 'inf' for a burst [%(default)s]")
     served.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
     served.add_argument("--documents", type=int, default=4, help="documents the requests ask about [%(default)s]")
     served.add_argument("--document-tokens", type=int, default=256, help="tokens per document [%(default)s]")
     served.add_argument("--kv-budget", default="32MiB", help="the KV byte cap of every configuration [%(default)s]")
+    served.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     served.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     served.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: time to first token, seconds")
     served.add_argument("--slo-tpot", type=float, default=0.5, help="goodput: time per output token, seconds")
     served.add_argument("--seed", type=int, default=0, help="the trace's seed [%(default)s]")
-    parser.set_defaults(func=_run, loads_model=True)

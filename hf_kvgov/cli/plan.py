@@ -139,6 +139,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
     budget = budget_for_model(geometry, memory, weight_dtype, args.reserve, params)
     lengths = parse_lengths(_pick(args.lengths, scenario, "user_tokens", DEFAULT_LENGTHS))
     disk = parse_memory(args.disk, "disk capacity") if args.disk is not None else None
+    _check_counts(args)
     options = ChainOptions(
         max_len=args.max_len if args.max_len is not None else geometry.max_position_embeddings,
         block_size=args.block_size,
@@ -160,6 +161,16 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
     chain = scenario.chain if scenario is not None else parse_chain(args.chain or ",".join(DEFAULT_CHAIN))
     plan = make_plan(PlanInputs(geometry, budget, lengths, disk), chain, options)
     return plan, (check_claims(plan, scenario) if scenario is not None else [])
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """Refuse a count out of range by the option the user typed (not by the planner's field behind it)."""
+    least = {"block_size": 1, "recall_pages": 1, "recall_page_tokens": 1, "group_size": 1}
+    least |= {"h2o_recent": 0, "spill_hot": 0, "sink_blocks": 0, "residual": 0}
+    for name, minimum in least.items():
+        value = getattr(args, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least {minimum}; got {value}.")
 
 
 def _write_json(path: str, plan: Plan, claims: list[Claim]) -> None:

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from tqdm import tqdm
 
 from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.progress import nested_bar
 from hf_kvgov.quality.lockstep import StackedCache
 from hf_kvgov.registry import CacheSpec
 
@@ -71,7 +71,7 @@ def chunked_token_losses(
         for spec in specs:
             stack.enter_context(spec.attention(model))
         stack.enter_context(torch.inference_mode())
-        for start in tqdm(steps, desc=progress, unit="step", disable=progress is None, leave=False):
+        for start in nested_bar(steps, desc=progress, unit="step", disable=progress is None):
             stop = min(start + chunk_tokens, length - 1)  # the last token has nothing to predict
             logits = model(input_ids=rows[:, start:stop], cache=served, use_cache=True).logits
             losses[:, start:stop] = token_nll(logits, rows[:, start + 1 : stop + 1]).cpu()
@@ -114,7 +114,7 @@ def sliding_window_token_losses(
     # The guide's loop: windows start every `stride` tokens until one reaches the end of the text.
     begins = range(0, max(length - window, 0) + stride, stride)
     with torch.inference_mode():
-        for begin in tqdm(begins, desc=progress, unit="window", disable=progress is None, leave=False):
+        for begin in nested_bar(begins, desc=progress, unit="window", disable=progress is None):
             end = min(begin + window, length)
             logits = model(input_ids=ids[:, begin:end], use_cache=False).logits
             # Token t is predicted by the logits at t - 1; this window scores the tokens not scored yet.

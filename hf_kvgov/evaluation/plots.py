@@ -73,11 +73,26 @@ def curves(
     title: str,
     log_x: bool = False,
 ) -> Path:
-    """One line per label through its (x, y) points: loss against position, accuracy against length."""
+    """One line per label through its (x, y) points: loss against position, accuracy against length.
+
+    Lines that coincide (a lossless cache on the full cache) stay visible: each has its own line style and marker,
+    drawn thinner and half transparent, so a later one never hides an earlier one.
+    """
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for label, points in series.items():
-        axes.plot([x for x, _ in points], [y for _, y in points], marker="o" if len(points) < 20 else None, label=label)
+    styles, markers = ("-", "--", "-.", ":"), ("o", "s", "^", "v", "D", "x", "+", "*")
+    for index, (label, points) in enumerate(series.items()):
+        axes.plot(
+            [x for x, _ in points],
+            [y for _, y in points],
+            linestyle=styles[index % len(styles)],
+            marker=markers[index % len(markers)],
+            markevery=max(1, len(points) // 12),
+            markersize=4,
+            linewidth=1.2,
+            alpha=0.75,
+            label=label,
+        )
     if log_x:
         axes.set_xscale("log", base=2)
     axes.set_xlabel(xlabel)

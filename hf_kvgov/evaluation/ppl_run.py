@@ -302,7 +302,9 @@ class PerplexityReport:
         title = f"{self.model or 'model'}: perplexity vs KV held"
         scatter = plots.quality_vs_bytes(cached, directory / "ppl_vs_kv_bytes.png", "perplexity", title, baselines)
         series = {r.name: [((b.start + b.stop) / 2, b.loss) for b in r.positions] for r in self.results}
+        text = self.source or f"{len(self.documents)} document(s)"
+        curve_title = f"{self.model or 'model'} on {text}: loss vs position (chunks of {self.options.chunk_tokens})"
         curve = plots.curves(
-            series, directory / "ppl_loss_vs_position.png", "position (tokens)", "mean loss (nats)", "Loss vs position"
+            series, directory / "ppl_loss_vs_position.png", "position (tokens)", "mean loss (nats)", curve_title
         )
         return [scatter, curve]

@@ -52,6 +52,11 @@ def test_unknown_names_and_values_in_one_line(capsys: pytest.CaptureFixture[str]
     for argv, message in [
         (["fetch", "nosuch"], "Unknown embedded model 'nosuch'"),
         (["demo", "--caches", "bogus"], "Unknown cache 'bogus'; names: dynamic, paged"),
+        (["demo", "--max-new-tokens", "1"], "--max-new-tokens must be at least 2"),
+        (["bench", "prefix", "--requests", "0"], "--requests must be at least 1; got 0."),
+        (["plan", "--model", "nosuch"], "Unknown model 'nosuch'. Built-in models:"),
+        (["plan", "--model", "llama-7b", "--block-size", "0"], "--block-size must be at least 1; got 0."),
+        (["plan", "--model", "llama-7b", "--residual", "-3"], "--residual must be at least 0; got -3."),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
@@ -80,3 +85,12 @@ def test_help_loads_neither_torch_nor_transformers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_nested_progress_bars_stay_off_a_log_file() -> None:
+    """Off a terminal (here: pytest captures stderr) a nested bar is not drawn, so no cursor-up codes reach a log."""
+    from hf_kvgov.progress import nested_bar
+
+    assert not sys.stderr.isatty()
+    with nested_bar(range(3), desc="inner") as bar:
+        assert bar.disable and list(bar) == [0, 1, 2]
