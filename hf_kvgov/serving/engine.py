@@ -30,6 +30,7 @@ from hf_kvgov.hf.compat import (
     layer_kinds,
     model_dtype_and_device,
 )
+from hf_kvgov.prefix.remote_tier import RemoteTier
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.serving.blocks import FullPrecisionBlocks, SealedBlockCodec
 from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
@@ -82,6 +83,9 @@ class ServingEngine:
         codec: seal each request's full blocks into codes past its residual window: a codec name ("int8", "int4",
             "fp8", ...) or a `QuantConfig`; None keeps every block in full precision. Codes and full-precision
             blocks share the pool and its cap.
+        remote: a tier shared with other processes (`hf_kvgov.tiers.redis_tier.RedisTier`): published prefixes are
+            written there and a request's miss is looked up there, so engines on several hosts compute a shared
+            document once. Needs `prefix_sharing`; the engine closes it.
     """
 
     def __init__(
@@ -94,8 +98,11 @@ class ServingEngine:
         max_running: int = 256,
         reserve_blocks: int = 1,
         codec: str | QuantConfig | None = None,
+        remote: RemoteTier | None = None,
     ) -> None:
         config = decoder_config(model)
+        if remote is not None and not prefix_sharing:
+            raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
         layer_kinds(config)  # refuses layer types it cannot serve
         self.model = model
         self._previous_attention = attention_implementation(model.config)
@@ -113,7 +120,7 @@ class ServingEngine:
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
         self.pool = self.blocks.new_pool(geometry, block_size, max_bytes)
-        self.prefix = PrefixCache(self.pool) if prefix_sharing else None
+        self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
         self.scheduler = Scheduler(
             self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks, blocks=self.blocks
         )
@@ -261,6 +268,7 @@ class ServingEngine:
             self.cancel(request_id)
         if self.prefix is not None:
             self.prefix.clear()
+            self.prefix.close()  # and the remote tier, which writes what it still holds first
         self.model.set_attn_implementation(self._previous_attention)
         self._closed = True
 
