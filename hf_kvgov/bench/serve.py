@@ -21,10 +21,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
-from transformers.generation.streamers import BaseStreamer
 
 from hf_kvgov.bench.serve_workload import TraceConfig, TraceRequest, build_trace
-from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.bench.timing import TokenClock, machine_description
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.serving import SamplingParams, ServingEngine
@@ -82,17 +81,12 @@ class Latency:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Latency:
-        if not values:
-            return cls(float("nan"), float("nan"), float("nan"))
-        ordered = sorted(values)
-        return cls(statistics.fmean(ordered), _quantile(ordered, 0.5), _quantile(ordered, 0.99))
-
-
-def _quantile(ordered: Sequence[float], q: float) -> float:
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+        """Mean, median and 99th percentile (linear between the order statistics, as numpy's default)."""
+        if len(values) < 2:
+            only = values[0] if values else float("nan")
+            return cls(only, only, only)
+        p99 = statistics.quantiles(values, n=100, method="inclusive")[98]
+        return cls(statistics.fmean(values), statistics.median(values), p99)
 
 
 @dataclass(frozen=True)
@@ -197,19 +191,6 @@ def _run_engine(
     return served, samples, stats.preemptions, stats.recomputed_tokens, stats.prefix_hit_rate
 
 
-class _StepTimes(BaseStreamer):
-    """Records when each of generate's steps hands out its tokens (the first call is the prompt)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, bar: Any) -> tuple:
     per_token = kv_bytes_per_token(model)
     pad = model.generation_config.pad_token_id
@@ -243,7 +224,7 @@ def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, 
         new = max(r.new_tokens for r in batch)
         ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
-        timer = _StepTimes()
+        clock = TokenClock()
         admitted = time.perf_counter() - start
         out = model.generate(
             ids,
@@ -252,11 +233,11 @@ def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, 
             min_new_tokens=new,
             do_sample=False,
             cache=DynamicCache(config=model.config),
-            streamer=timer,
+            streamer=clock,
             eos_token_id=None,
             pad_token_id=pad,
         )
-        steps = [t - start for t in timer.times[1:]]
+        steps = [t - start for t in clock.token_times]
         for step, t in enumerate(steps):
             samples.append(Sample(t, len(batch), len(batch) * (width + step + 1) * per_token))
         for row, item in enumerate(batch):

@@ -18,6 +18,7 @@ done, total, unit) at its top. No plots are drawn, and when no row had finished 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -65,11 +66,21 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     return models.load_model(args.model)
 
 
-def _show(table: str, data: dict[str, Any], args: argparse.Namespace, completed: Progress | None) -> None:
-    """Print the table, write --json; ``completed``: the rows are those finished before Ctrl-C (marked so)."""
+def _show(
+    table: str,
+    data: dict[str, Any],
+    args: argparse.Namespace,
+    completed: Progress | None,
+    plots: Callable[[str], list[Path]] | None = None,
+) -> None:
+    """Print the table, write --json and (a whole run only) the plots into --plots; ``completed``: the rows are those
+    finished before Ctrl-C (marked so)."""
     print(partial_note(completed) + table)
     if args.json:
         _write_json(args.json, mark_partial(data, completed))
+    if plots is not None and args.plots and completed is None:
+        for path in plots(args.plots):
+            print(f"Wrote {path}")
 
 
 def _prefix(args: argparse.Namespace) -> Any:
@@ -91,7 +102,6 @@ def _prefix(args: argparse.Namespace) -> Any:
 
 def _prefix_remote(args: argparse.Namespace, document: str, asks: list[str], new_tokens: int) -> Any:
     import contextlib
-    import functools
 
     from hf_kvgov.bench import prefix_remote
     from hf_kvgov.tiers.local_redis import LocalRedis
@@ -129,13 +139,15 @@ def _speed(args: argparse.Namespace) -> Any:
 
 def _show_speed(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
     from hf_kvgov.bench import speed
+    from hf_kvgov.bench.plots import write_speed_plots
 
-    _show(speed.speed_markdown(report), report.to_dict(), args, completed)
-    if args.plots and completed is None:
-        from hf_kvgov.bench.plots import write_speed_plots
-
-        for path in write_speed_plots(report, args.plots):
-            print(f"Wrote {path}")
+    _show(
+        speed.speed_markdown(report),
+        report.to_dict(),
+        args,
+        completed,
+        functools.partial(write_speed_plots, report),
+    )
 
 
 def _capacity(args: argparse.Namespace) -> Any:
@@ -154,13 +166,15 @@ def _capacity(args: argparse.Namespace) -> Any:
 
 def _show_capacity(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
     from hf_kvgov.bench import capacity
+    from hf_kvgov.bench.plots import write_capacity_plots
 
-    _show(capacity.capacity_markdown(report), report.to_dict(), args, completed)
-    if args.plots and completed is None:
-        from hf_kvgov.bench.plots import write_capacity_plots
-
-        for path in write_capacity_plots(report, args.plots):
-            print(f"Wrote {path}")
+    _show(
+        capacity.capacity_markdown(report),
+        report.to_dict(),
+        args,
+        completed,
+        functools.partial(write_capacity_plots, report),
+    )
 
 
 def _serve(args: argparse.Namespace) -> Any:
@@ -200,13 +214,15 @@ def _serve(args: argparse.Namespace) -> Any:
 
 def _show_serve(report: Any, args: argparse.Namespace, completed: Progress | None) -> None:
     from hf_kvgov.bench import serve
+    from hf_kvgov.bench.plots import write_serve_plots
 
-    _show(serve.serve_markdown(report), report.to_dict(), args, completed)
-    if args.plots and completed is None:
-        from hf_kvgov.bench.plots import write_serve_plots
-
-        for path in write_serve_plots(report, args.plots):
-            print(f"Wrote {path}")
+    _show(
+        serve.serve_markdown(report),
+        report.to_dict(),
+        args,
+        completed,
+        functools.partial(write_serve_plots, report),
+    )
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from hf_kvgov.data_text import demo_text
 if TYPE_CHECKING:
     import torch
 
+    from hf_kvgov.bench.timing import TokenClock
+
 # torch, transformers and the registry are imported when the demo runs: `kvgov --help` stays instant.
 
 
@@ -90,20 +92,18 @@ def run(args: argparse.Namespace) -> int:
     reference: torch.Tensor | None = None
     started = time.perf_counter()
     for spec in tqdm(specs, desc="caches", unit="cache"):
-        output, times, cache = _generate(model, spec, inputs, args.max_new_tokens)
+        output, clock, cache = _generate(model, spec, inputs, args.max_new_tokens)
         if reference is None:
             reference = output
             estimate = (time.perf_counter() - started) * 1.5 * (len(specs) - 1)  # eviction/disk caches run slower
             tqdm.write(f"[kvgov] about {estimate:.0f} s for the other {len(specs) - 1} caches")
-        new_tokens = output.shape[1] - prompt_tokens
-        prefill, decode = times[0], times[-1] - times[0]
         rows.append(
             DemoRow(
                 spec.name,
                 kv_bytes(cache),
                 cache.get_seq_length(),
-                prefill,
-                (new_tokens - 1) / decode if decode > 0 else float("inf"),
+                clock.first_token_s,
+                1 / clock.per_output_token_s,
                 torch.equal(output, reference),
                 spec.lossless,
             )
@@ -117,30 +117,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _generate(model: Any, spec: Any, inputs: Any, max_new_tokens: int) -> tuple[torch.Tensor, list[float], Any]:
-    """(output, seconds from the start at which each new token came, the cache)."""
+def _generate(model: Any, spec: Any, inputs: Any, max_new_tokens: int) -> tuple[torch.Tensor, TokenClock, Any]:
+    """(output, the clock of its new tokens, the cache)."""
     import torch
-    from transformers.generation.streamers import BaseStreamer
 
-    class StepTimes(BaseStreamer):  # the first call hands out the prompt, each later one a new token
-        def __init__(self) -> None:
-            self.calls: list[float] = []
-
-        def put(self, value: Any) -> None:
-            self.calls.append(time.perf_counter())
-
-        def end(self) -> None:
-            pass
+    from hf_kvgov.bench.timing import TokenClock
 
     cache = spec.build(model)
-    timer = StepTimes()
+    clock = TokenClock()
     with spec.attention(model), torch.inference_mode():
-        start = time.perf_counter()
+        clock.start()
         output = model.generate(
             **inputs, cache=cache, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-            streamer=timer,
+            streamer=clock,
         )  # fmt: skip
-    return output, [t - start for t in timer.calls[1:]], cache
+    return output, clock, cache
 
 
 def render(rows: list[DemoRow], prompt_tokens: int) -> str:

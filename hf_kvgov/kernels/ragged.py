@@ -42,7 +42,8 @@ class RaggedStep:
     decode_lengths: torch.Tensor  # long [decoding]
     decode_max: int
     chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first packed token, queries, kv length, table [1, n])
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    # Masks by (first packed token of a chunk, or -1 for the decode rows; window): built by the first layer only.
+    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @classmethod
     def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
@@ -100,7 +101,7 @@ class RaggedStep:
             out[0, :decoding] = result[:, 0]
         for start, length, kv_length, table in self.chunks:
             chunk = query[:, :, start : start + length]
-            mask = _chunk_mask(length, kv_length, window, query.device)
+            mask = self._chunk_mask(start, length, kv_length, window, query.device)
             out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
         return out
 
@@ -120,23 +121,26 @@ class RaggedStep:
 
     def _decode_mask(self, window: int | None) -> torch.Tensor | None:
         """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
-        if window not in self._masks:
+        if (-1, window) not in self._masks:
             keys = torch.arange(self.decode_max, device=self.decode_lengths.device)
             lengths = self.decode_lengths[:, None]
             keep = keys[None, :] < lengths
             if window is not None:
                 keep &= keys[None, :] >= lengths - window
-            self._masks[window] = None if bool(keep.all()) else keep[:, None, None, :]
-        return self._masks[window]
+            self._masks[-1, window] = None if bool(keep.all()) else keep[:, None, None, :]
+        return self._masks[-1, window]
 
-
-def _chunk_mask(length: int, kv_length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
-    """Causal with the queries last, within a sliding window when there is one (None: plain causal)."""
-    if window is None or kv_length <= window:
-        return None
-    queries = torch.arange(kv_length - length, kv_length, device=device)[:, None]
-    keys = torch.arange(kv_length, device=device)[None, :]
-    return ((keys <= queries) & (keys > queries - window))[None, None]
+    def _chunk_mask(
+        self, start: int, length: int, kv_length: int, window: int | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """Causal with the queries last, within a sliding window when there is one (None: plain causal)."""
+        if window is None or kv_length <= window:
+            return None
+        if (start, window) not in self._masks:
+            queries = torch.arange(kv_length - length, kv_length, device=device)[:, None]
+            keys = torch.arange(kv_length, device=device)[None, :]
+            self._masks[start, window] = ((keys <= queries) & (keys > queries - window))[None, None]
+        return self._masks[start, window]
 
 
 @dataclass

@@ -104,7 +104,7 @@ class SealedBlockCodec(FullPrecisionBlocks):
         return pool.max_bytes if pool.max_bytes is not None else super().bytes_cap(pool)
 
     def publishable(self, request: Request, block_size: int) -> int:
-        return max(request.sealed_blocks, self.quant.sink_blocks) * block_size if request.sealed_blocks else 0
+        return request.sealed_blocks * block_size  # past the sinks once anything is sealed, 0 before
 
     def describe(self) -> str:
         return self.quant.describe()
