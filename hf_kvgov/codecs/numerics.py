@@ -28,6 +28,12 @@ ZERO_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.float32, ONE_BYTE_Z
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
+class StatisticsOutOfRange(ValueError):
+    """A block's scales or zero points do not fit the codec's statistics dtype (one byte, or an fp16 overflow).
+
+    A store that seals blocks catches it and keeps that block in full precision (`QuantizedBlockPool.seal`)."""
+
+
 _CPU = torch.device("cpu")
 
 
@@ -55,7 +61,7 @@ def stat_to_float(stat: Tensor) -> Tensor:
 def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The smallest ``dtype`` value >= each element of float32 ``x`` (same shape, dtype ``dtype``).
 
-    For `LOG_SCALE` the result holds the codes of those values. Raises ValueError where ``x`` lies above
+    For `LOG_SCALE` the result holds the codes of those values. Raises `StatisticsOutOfRange` where ``x`` lies above
     the largest one-byte value (a float dtype overflows to inf instead, which `require_finite_stats` catches).
     """
     if dtype in (LOG_SCALE, ONE_BYTE_ZERO):
@@ -70,7 +76,8 @@ def round_up(x: Tensor, dtype: torch.dtype) -> Tensor:
 def round_down(x: Tensor, dtype: torch.dtype) -> Tensor:
     """The largest ``dtype`` value <= each element of float32 ``x`` (same shape, dtype ``dtype``).
 
-    Raises ValueError where ``x`` lies below the smallest one-byte value (e4m3's -448).
+    Raises `StatisticsOutOfRange` where ``x`` lies outside a one-byte grid (e4m3's +-448): above it, the zero
+    would clamp to 448 and the scale stretch over the gap.
     """
     if dtype in (LOG_SCALE, ONE_BYTE_ZERO):
         return _on_grid(x, dtype, up=False)
@@ -87,9 +94,11 @@ def _on_grid(x: Tensor, dtype: torch.dtype, up: bool) -> Tensor:
     flat = x.reshape(-1).contiguous()
     index = torch.searchsorted(grid, flat, right=not up) - (0 if up else 1)
     outside = (index < 0) | (index >= grid.numel())
+    if not up:  # a zero point above the grid would clamp to its top and stretch the scale over the gap: refused
+        outside |= flat > grid[-1]
     if bool(outside.any()):
         what = "scale" if dtype == LOG_SCALE else "zero point"
-        raise ValueError(
+        raise StatisticsOutOfRange(
             f"A {what} of {float(flat[outside][0]):.4g} lies outside the one-byte range "
             f"[{float(grid[0]):.4g}, {float(grid[-1]):.4g}]; build the codec with scale_dtype=torch.float16."
         )
@@ -130,7 +139,7 @@ def require_finite_stats(stats: tuple[Tensor, ...], what: str, codec: str, dtype
     """Raise ValueError if a scale or zero point overflowed its storage dtype."""
     # float8 has no isfinite kernel; its NaNs survive the widening (an e4m3 zero is clamped, so has none).
     if not all(bool(torch.isfinite(s if s.dtype.itemsize > 1 else s.float()).all()) for s in stats):
-        raise ValueError(
+        raise StatisticsOutOfRange(
             f"The {what} passed to the {codec} codec span a range that {dtype} scales cannot hold (their "
             "magnitude exceeds its largest finite value); build the codec with scale_dtype=torch.float32."
         )

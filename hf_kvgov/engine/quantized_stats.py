@@ -27,6 +27,7 @@ class QuantizedCacheStats(CacheStats):
     sealed_bytes: int
     unquantized_bytes: int  # what a PagedCache would hold for the same blocks
     compression: float  # unquantized_bytes / bytes_used
+    overflow_blocks: int  # blocks the pool kept in full precision: their statistics did not fit the format
 
 
 def quantized_cache_stats(cache: BlockStore, base: CacheStats, codec: str) -> QuantizedCacheStats:
@@ -54,4 +55,5 @@ def quantized_cache_stats(cache: BlockStore, base: CacheStats, codec: str) -> Qu
         sealed_bytes=sealed_bytes,
         unquantized_bytes=base.bytes_used,
         compression=base.bytes_used / used if used else 1.0,
+        overflow_blocks=pool.overflow_blocks if pool else 0,
     )

@@ -40,6 +40,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from hf_kvgov.codecs.numerics import StatisticsOutOfRange
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.layer_groups import LayerGroup
@@ -84,6 +85,7 @@ class QuantizedPoolStats(PoolStats):
     sealed: SealedStats
     bytes_held: int  # bytes_reserved + sealed.bytes_reserved: every byte of the pool's tensors
     max_bytes: int | None  # the cap on bytes_held; None without a byte cap (max_tokens bounds full precision only)
+    overflow_blocks: int  # blocks `seal` kept in full precision: their statistics did not fit the format
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class QuantizedBlockPool(BlockPool):
             formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
         )
         self.max_bytes = max_bytes  # None: no byte cap (max_tokens, if given, caps the full-precision blocks)
+        self.overflow_blocks = 0  # blocks kept in full precision because their statistics overflowed (`seal`)
         if max_bytes is not None and max_bytes < self.sealed.bytes_per_block:
             raise ValueError(
                 f"max_bytes={max_bytes} is smaller than one sealed block ({self.sealed.bytes_per_block} bytes at "
@@ -286,6 +289,11 @@ class QuantizedBlockPool(BlockPool):
         block still referenced elsewhere afterwards keeps its memory; the others return to the free list.
         Under a byte cap the sealed blocks may take the bytes of those freed at the end of the tensors
         (module docstring); `PoolExhausted` leaves every block as it was.
+
+        A block whose statistics do not fit its format (one-byte statistics past e4m3's +-448, an fp16 scale
+        overflow) stays in full precision, the widest statistics there are: its own id comes back, its
+        references unmoved, and `stats().overflow_blocks` counts it. The store holds one layout per layer that
+        kernels read in place, so a block cannot carry wider statistics than its neighbours there.
         """
         ids = [int(i) for i in block_ids]
         if not ids:
@@ -294,40 +302,44 @@ class QuantizedBlockPool(BlockPool):
             if any(is_sealed(i) for i in ids):
                 raise ValueError(f"Cannot seal blocks that are already sealed (negative ids) in {ids}.")
             self._checked_live(ids, "free")
-            unique = list(dict.fromkeys(ids))
-            room = None if self.max_bytes is None else self._room(True, len(unique), ids)
-            if room is not None and room.give_back:
-                # The store grows into full-precision blocks at the end, which this seal may be freeing:
-                # encode them before their references go.
-                pieces = self._encoded(unique)
-                BlockPool.decref(self, ids)
+            # Encoded before any reference moves: the store may grow into blocks this seal frees at the end.
+            unique, pieces = self._encoded(list(dict.fromkeys(ids)))
+            fits = set(unique)
+            moving = [i for i in ids if i in fits]
+            room = None if self.max_bytes is None else self._room(True, len(unique), moving)
+            BlockPool.decref(self, moving)
+            if room is not None:
                 self._apply(True, room)
-                slots = self.sealed.allocate(len(unique))
-                self._write_encoded(slots, pieces)
-            else:
-                if room is not None:
-                    self._apply(True, room)
-                slots = self.sealed.allocate(len(unique))
-                try:
-                    self._encode(unique, slots)
-                except Exception:
-                    self.sealed.decref(slots)
-                    raise
-                BlockPool.decref(self, ids)
+            slots = self.sealed.allocate(len(unique))
+            self._write_encoded(slots, pieces)
             sealed_of = dict(zip(unique, slots, strict=True))
             # allocate gave each sealed block one reference; every further occurrence adds one.
-            self.sealed.incref(sealed_of[i] for i in _repeats(ids))
-            return [sealed_ref(sealed_of[i]) for i in ids]
+            self.sealed.incref(sealed_of[i] for i in _repeats(moving))
+            return [sealed_ref(sealed_of[i]) if i in fits else i for i in ids]
 
-    def _encode(self, full_ids: list[int], slots: list[int]) -> None:
-        sources = index_per_layer(full_ids, self.geometry)
-        targets = index_per_layer(slots, self.geometry)
-        for layer in self._heads:  # one tensor per position holds whichever group's layer owns the block
-            source = sources[layer]
-            self.sealed.write(layer, targets[layer], self.keys[layer][source], self.values[layer][source])
+    def _encoded(self, full_ids: list[int]) -> tuple[list[int], dict[int, dict[str, Tensor]]]:
+        """(the ids whose statistics fit their formats in every layer, their pieces per position's layer), not yet
+        stored anywhere; the others are counted in `overflow_blocks`."""
+        try:
+            return full_ids, self._encode_layers(full_ids)
+        except StatisticsOutOfRange:
+            pass  # rare: find the blocks at fault one by one
+        fitting, pieces = [], []
+        for block in full_ids:
+            try:
+                pieces.append(self._encode_layers([block]))
+                fitting.append(block)
+            except StatisticsOutOfRange:
+                self.overflow_blocks += 1
+        if not pieces:
+            return [], {}
+        joined = {
+            layer: {name: torch.cat([p[layer][name] for p in pieces]) for name in pieces[0][layer]}
+            for layer in pieces[0]
+        }
+        return fitting, joined
 
-    def _encoded(self, full_ids: list[int]) -> dict[int, dict[str, Tensor]]:
-        """The pieces of full-precision blocks, per position's layer, not yet stored anywhere."""
+    def _encode_layers(self, full_ids: list[int]) -> dict[int, dict[str, Tensor]]:
         sources = index_per_layer(full_ids, self.geometry)
         formats = self.sealed.formats
         return {
@@ -336,6 +348,8 @@ class QuantizedBlockPool(BlockPool):
         }
 
     def _write_encoded(self, slots: list[int], pieces: dict[int, dict[str, Tensor]]) -> None:
+        if not slots:
+            return
         targets = index_per_layer(slots, self.geometry)
         for layer, encoded in pieces.items():
             self.sealed.write_pieces(layer, targets[layer], encoded)
@@ -423,4 +437,5 @@ class QuantizedBlockPool(BlockPool):
                 sealed=sealed,
                 bytes_held=full.bytes_reserved + sealed.bytes_reserved,
                 max_bytes=self.max_bytes,
+                overflow_blocks=self.overflow_blocks,
             )

@@ -217,15 +217,6 @@ class SealedBlockStore:
 
     # ------------------------------------------------------------------ data
 
-    def write(self, layer: int, sealed_ids: Tensor, keys: Tensor, values: Tensor) -> None:
-        """Encode `keys`, `values` `[n, block_size, H, D]` into sealed ids long `[n]` of one layer.
-
-        All three are on the layer's device (`devices[layer]`).
-        """
-        for name, piece in self.formats[layer].encode(keys, values).items():
-            # Item assignment rather than index_copy_: the latter has no CPU kernel for float8 codes.
-            self.pieces[layer][name][sealed_ids] = piece
-
     def layout(self, layer: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Layer `layer`'s pieces of one block: name -> (shape without the leading block dim, dtype)."""
         return dict(self._layouts[layer])

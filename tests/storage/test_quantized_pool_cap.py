@@ -114,6 +114,7 @@ def test_max_bytes_bounds_full_precision_and_sealed_blocks_together() -> None:
         sealed=SealedStats(capacity_blocks=3, used_blocks=3, bytes_per_block=40, bytes_used=120, bytes_reserved=120),
         bytes_held=312,
         max_bytes=320,
+        overflow_blocks=0,
     )
 
 
