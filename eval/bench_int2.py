@@ -34,6 +34,8 @@ from hf_kvgov.quality import score_in_lockstep
 TOKENS = 2048
 CHUNK = 16
 
+# What a setting does not name is the bare format's (not `bits=2`'s KIVI defaults): each row varies from there.
+BARE: dict[str, Any] = {"residual": 0, "group_size": None, "scale_bytes": 2}
 SETTINGS: dict[str, dict[str, Any]] = {
     "int2 b16": {"bits": 2},
     "int2 b64": {"bits": 2, "block_size": 64},
@@ -59,7 +61,7 @@ def run_model(
     model, tokenizer = load_model(name, dtype=dtype)
     ids = tokenizer(TEXT.read_text(encoding="utf-8")[TEXT_START:], return_tensors="pt")["input_ids"][:, :TOKENS]
     built: dict[str, QuantizedCache] = {}
-    builders = {s: (lambda s=s: built.setdefault(s, QuantizedCache(model, **settings[s]))) for s in settings}
+    builders = {s: (lambda s=s: built.setdefault(s, QuantizedCache(model, **(BARE | settings[s])))) for s in settings}
     result = score_in_lockstep(model, ids, builders, CHUNK, 16, max_rows=len(settings), progress=name)
     fp16 = fp16_bytes_per_token(model)
     element = model.dtype.itemsize

@@ -83,8 +83,11 @@ CANDIDATES: dict[str, tuple[str, Builder]] = {
     # scales and zeros), and the same with fp16 statistics (16- and 32-token blocks).
     "hf-quanto-int2": ("int2", lambda m: HFQuantizedCache("quanto", m.config, nbits=2)),
     "kvgov-int2": ("int2", lambda m: int2_kivi(m)),
-    "kvgov-int2-fp16": ("int2", lambda m: QuantizedCache(m, bits=2, residual=32, group_size=32)),
-    "kvgov-int2-b32-fp16": ("int2", lambda m: QuantizedCache(m, bits=2, block_size=32, residual=32, group_size=32)),
+    "kvgov-int2-fp16": ("int2", lambda m: QuantizedCache(m, bits=2, residual=32, group_size=32, scale_bytes=2)),
+    "kvgov-int2-b32-fp16": (
+        "int2",
+        lambda m: QuantizedCache(m, bits=2, block_size=32, residual=32, group_size=32, scale_bytes=2),
+    ),
 }
 
 

@@ -32,7 +32,13 @@ from transformers import DynamicCache
 
 from hf_kvgov.chain.build import GovernedCache
 from hf_kvgov.engine.parts import ChainParts, Disk, Evict, HeavyHitter, Paging, Sink
-from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.engine.quant_config import (
+    INT2_BLOCK_SIZE,
+    INT2_RESIDUAL,
+    INT2_VALUE_GROUP,
+    QuantConfig,
+    format_defaults,
+)
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction import SLOT_CODECS, eviction_attention
@@ -318,25 +324,12 @@ def _parse_quantized(family: str, argument: str) -> CacheSpec:
     )
 
 
-# int2 needs KIVI's full-precision window and value groups: without them SmolLM2 loses 15.75% perplexity at
-# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). One-byte statistics (a logarithmic scale
-# and an e4m3 zero: `hf_kvgov.codecs.numerics`) cost SmolLM2 +7.32% there, Gemma-3-270M +6.45%, and take
-# SmolLM2 from 0.243x to 0.198x of float16 K + V in a 16-bit model: the only setting measured within +10% at
-# under 0.2x (eval/RESULTS.md, int2 settings). Keys beyond e4m3's +-448 need fp16 statistics
-# (`QuantizedCache(model, bits=2, ...)`).
-INT2_RESIDUAL = 32
-INT2_VALUE_GROUP = 32
-INT2_BLOCK_SIZE = 16
-INT2_SCALE_BYTES = 1
-
-
 def int2_kivi(model: Any = None) -> QuantConfig:
-    """int2 as KIVI runs it: the newest tokens in full precision, values in groups of 32 channels (one group
-    per head when `model`'s head_dim is not a multiple of 32); scales and zeros in one byte each."""
-    group: int | None = INT2_VALUE_GROUP
-    if model is not None and kv_heads_and_head_dim(decoder_config(model))[1] % INT2_VALUE_GROUP:
-        group = None
-    return QuantConfig(bits=2, residual=INT2_RESIDUAL, group_size=group, scale_bytes=INT2_SCALE_BYTES)
+    """int2 as KIVI runs it (`format_defaults`): the newest tokens in full precision, values in groups of 32
+    channels (one group per head when `model`'s head_dim is not a multiple of 32); scales and zeros in one byte
+    each. Without a model, groups of 32."""
+    head_dim = INT2_VALUE_GROUP if model is None else kv_heads_and_head_dim(decoder_config(model))[1]
+    return QuantConfig(bits=2, **format_defaults(2, head_dim))
 
 
 def _int2_spec(name: str, description: str, block_size: int) -> CacheSpec:

@@ -30,6 +30,28 @@ from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 # nothing sealed.
 COMPACT_BLOCK_SIZE = 128
 
+# int2 needs KIVI's full-precision window and value groups: without them SmolLM2 loses 15.75% perplexity at
+# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). One-byte statistics (a logarithmic scale
+# and an e4m3 zero: `hf_kvgov.codecs.numerics`) cost SmolLM2 +7.32% there, Gemma-3-270M +6.45%, and take
+# SmolLM2 from 0.243x to 0.198x of float16 K + V in a 16-bit model: the only setting measured within +10% at
+# under 0.2x (eval/RESULTS.md, int2 settings), so it is what `bits=2` means unless told otherwise. A block
+# whose keys lie past e4m3's +-448 stays in full precision (`QuantizedBlockPool.seal`).
+INT2_RESIDUAL = 32
+INT2_VALUE_GROUP = 32
+INT2_BLOCK_SIZE = 16
+INT2_SCALE_BYTES = 1
+
+
+def format_defaults(bits: int, head_dim: int) -> dict[str, Any]:
+    """The settings a quantized cache fills in where it is not given them: int2 as KIVI runs it (the newest 32
+    tokens in full precision, values in groups of 32 channels where head_dim allows, one-byte statistics); every
+    other format seals all full blocks with one fp16 scale per token and head."""
+    if bits == 2:
+        group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
+        return {"residual": INT2_RESIDUAL, "group_size": group, "scale_bytes": INT2_SCALE_BYTES}
+    return {"residual": 0, "group_size": None, "scale_bytes": 2}
+
+
 # (fmt, bits) -> codec name. "fp8" is e4m3: one more mantissa bit than e5m2, and K/V never need e5m2's range
 # once every group has its own scale.
 CODEC_NAMES: dict[tuple[str, int], str] = {
@@ -105,6 +127,25 @@ class QuantConfig:
         self.codec()  # validates group_size
         for layer, _ in codecs:
             self.layer_codec(layer)
+
+    @classmethod
+    def filled(
+        cls,
+        head_dim: int,
+        residual: int | None,
+        group_size: int | str | None,
+        scale_bytes: int | None,
+        **fields: Any,
+    ) -> QuantConfig:
+        """The configuration with `format_defaults` where a setting is None (``group_size``: "auto"), for a model of
+        this head_dim; the other ``fields`` as given."""
+        defaults = format_defaults(fields.get("bits", 8), head_dim)
+        return cls(
+            residual=defaults["residual"] if residual is None else residual,
+            group_size=defaults["group_size"] if isinstance(group_size, str) else group_size,
+            scale_bytes=defaults["scale_bytes"] if scale_bytes is None else scale_bytes,
+            **fields,
+        )
 
     @property
     def codec_name(self) -> str:

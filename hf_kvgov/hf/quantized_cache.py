@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hf_kvgov.engine.paged_view import QuantizedView
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.quantized_stats import QuantizedCacheStats
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -37,7 +38,10 @@ class QuantizedCache(PagedCache):
     Args:
         model_or_config: the model (its dtype and device are used) or its config.
         bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes: see
-            `QuantConfig` (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
+            `QuantConfig`. ``residual``, ``group_size`` and ``scale_bytes`` left out take the format's measured
+            defaults (`QuantConfig.filled`): for ``bits=2``, KIVI's (the newest 32 tokens in full precision, value
+            groups of 32 channels where head_dim allows, one-byte statistics), else 0, one scale per token and
+            head, fp16 statistics. (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
             `QuantConfig.load` reads the map ``kvgov check-quant --recommend`` writes,
             ``QuantizedCache.from_config`` builds from it).
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (`max_tokens` bounds full-precision
@@ -53,12 +57,12 @@ class QuantizedCache(PagedCache):
         bits: int = 8,
         fmt: str = "int",
         block_size: int | None = None,
-        residual: int = 0,
+        residual: int | None = None,
         sink_blocks: int = 1,
         full_precision_layers: Iterable[int] = (),
-        group_size: int | None = None,
+        group_size: int | Literal["auto"] | None = "auto",
         layer_formats: Mapping[int, str] | Iterable[tuple[int, str]] = (),
-        scale_bytes: int = 2,
+        scale_bytes: int | None = None,
         max_tokens: int | None = None,
         max_bytes: int | None = None,
         pool: BlockPool | None = None,
@@ -66,9 +70,11 @@ class QuantizedCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        quant = QuantConfig(
-            bits, fmt, residual, sink_blocks, tuple(full_precision_layers), group_size, layer_formats, scale_bytes
-        )
+        quant = QuantConfig.filled(
+            kv_heads_and_head_dim(decoder_config(model_or_config))[1], residual, group_size, scale_bytes, bits=bits,
+            fmt=fmt, sink_blocks=sink_blocks, full_precision_layers=tuple(full_precision_layers),
+            layer_formats=layer_formats,
+        )  # fmt: skip
         super().__init__(
             model_or_config, block_size, max_tokens, max_bytes, pool, attention, prefix, namespace, codec=quant
         )

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.quantized_disk_stats import QuantizedDiskCacheStats
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -58,12 +59,12 @@ class QuantizedDiskCache(QuantizedCache):
         bits: int = 8,
         fmt: str = "int",
         block_size: int | None = None,
-        residual: int = 0,
+        residual: int | None = None,
         sink_blocks: int = 1,
         full_precision_layers: Iterable[int] = (),
-        group_size: int | None = None,
+        group_size: int | Literal["auto"] | None = "auto",
         layer_formats: Mapping[int, str] | Iterable[tuple[int, str]] = (),
-        scale_bytes: int = 2,
+        scale_bytes: int | None = None,
         read_buffer_bytes: int | None = None,
         prefetch: bool = True,
         on_full: str = "raise",
@@ -82,8 +83,11 @@ class QuantizedDiskCache(QuantizedCache):
             on_full,
             extent_blocks,
         )
-        layers = tuple(full_precision_layers)
-        quant = QuantConfig(bits, fmt, residual, sink_blocks, layers, group_size, layer_formats, scale_bytes)
+        quant = QuantConfig.filled(
+            kv_heads_and_head_dim(decoder_config(model_or_config))[1], residual, group_size, scale_bytes, bits=bits,
+            fmt=fmt, sink_blocks=sink_blocks, full_precision_layers=tuple(full_precision_layers),
+            layer_formats=layer_formats,
+        )  # fmt: skip
         # The store's own constructor: QuantizedCache's takes no disk link.
         PagedCache.__init__(
             self,

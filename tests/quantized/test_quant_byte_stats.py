@@ -14,6 +14,7 @@ import pytest
 import torch
 from quant_fake_reference import FakeQuantCache
 from test_quant_cache_tiny import FORMATS, prompts, run
+from transformers import DynamicCache
 
 from hf_kvgov import GovernedCache, HeavyHitterCache, paged_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
@@ -21,7 +22,9 @@ from hf_kvgov.chain import Disk, Paging
 from hf_kvgov.codecs.numerics import LOG_SCALE, ONE_BYTE_ZERO
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.planner import sequence_bytes
+from hf_kvgov.registry import get_cache_spec
 from tests.conftest import tiny_llama
 
 MODEL = tiny_llama()  # 2 layers, 2 KV heads, head_dim 16, float32
@@ -33,7 +36,7 @@ def test_greedy_matches_fake_quantization_with_one_byte_statistics(codec: str, p
     bits, fmt = FORMATS[codec]
     inputs = prompts(length=13)
     expected = run(MODEL, FakeQuantCache(MODEL.config, codec, block_size=4, scale_dtype=LOG_SCALE), inputs)
-    cache = QuantizedCache(MODEL, bits=bits, fmt=fmt, block_size=4, scale_bytes=1, attention=path)  # type: ignore[arg-type]
+    cache = QuantizedCache(MODEL, bits=bits, fmt=fmt, block_size=4, residual=0, scale_bytes=1, attention=path)  # type: ignore[arg-type]
     with paged_attention(MODEL) if path == "paged" else torch.no_grad():
         got = run(MODEL, cache, inputs)
     assert torch.equal(got.sequences, expected.sequences)
@@ -64,7 +67,7 @@ def test_sealed_pieces_are_bytes_and_cost_what_the_planner_counts() -> None:
     setup = planner_setup(cache, "fp32")
     assert setup is not None and (setup.scale_bytes, setup.residual) == (1, 16)
     assert sequence_bytes(planner_geometry(MODEL), setup, 80).device == stats.bytes_used
-    fp16 = QuantizedCache(MODEL, bits=2, block_size=16, group_size=8)
+    fp16 = QuantizedCache(MODEL, bits=2, block_size=16, residual=0, group_size=8, scale_bytes=2)
     with torch.inference_mode():
         MODEL(ids[:, :-1], cache=fp16)
         MODEL(ids[:, -1:], cache=fp16)
@@ -94,7 +97,7 @@ def test_configuration_is_validated_saved_and_kept_apart() -> None:
     assert QuantConfig(**config.to_json() | {"layer_formats": {}}) == config
     assert json.loads(json.dumps(config.to_json()))["scale_bytes"] == 1
     one = QuantizedCache(MODEL, bits=2, scale_bytes=1)
-    two = QuantizedCache(MODEL, bits=2)
+    two = QuantizedCache(MODEL, bits=2, scale_bytes=2)
     assert one.sharing_namespace != two.sharing_namespace  # sealed blocks of the two never mix in a tree
     assert two.sharing_namespace.endswith("sealed:int2:g=None:fp=[]:sink=1")  # the fp16 namespace is unchanged
 
@@ -102,3 +105,50 @@ def test_configuration_is_validated_saved_and_kept_apart() -> None:
 def test_eviction_slots_refuse_one_byte_statistics() -> None:
     with pytest.raises(ValueError, match=r"cannot honour QuantConfig\(scale_bytes=1\): its slots keep float16"):
         HeavyHitterCache(MODEL, budget=8, recent=4, codec=QuantConfig(bits=2, scale_bytes=1))
+
+
+def test_keys_past_one_byte_statistics_keep_their_blocks_in_full_precision_mid_generate() -> None:
+    """Key channels planted at 10,000x (queries divided alike, so logits are unchanged) lie far outside e4m3's
+    +-448 in every block: each block stays in full precision instead of raising, is counted, and the cache then
+    holds exactly what DynamicCache holds, so its scores equal DynamicCache's."""
+    model = tiny_llama(seed=3)
+    half, group = 8, model.config.num_attention_heads // model.config.num_key_value_heads
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for kv_head in range(model.config.num_key_value_heads):
+                for channel in (3, 3 + half):  # a RoPE pair: scaling both alike commutes with the rotation
+                    layer.self_attn.k_proj.weight[kv_head * 16 + channel] *= 1e4
+                    for q_head in range(kv_head * group, (kv_head + 1) * group):
+                        layer.self_attn.q_proj.weight[q_head * 16 + channel] /= 1e4
+    inputs = prompts(length=21)
+    expected = run(model, DynamicCache(config=model.config), inputs)
+    cache = QuantizedCache(model, bits=2, block_size=4, residual=0)  # one-byte statistics: int2's default
+    got = run(model, cache, inputs)
+    stats = cache.stats()
+    # 21 + 11 cached tokens fill 8 blocks of 4: the sink block 0 stays anyway, blocks 1-7 overflowed.
+    assert (stats.overflow_blocks, stats.sealed_blocks, stats.full_precision_blocks) == (7, 0, 8)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # Unplanted, the same blocks seal: the fallback is per block, not a cache gone to full precision.
+    plain = QuantizedCache(MODEL, bits=2, block_size=4, residual=0)
+    run(MODEL, plain, inputs)
+    assert plain.stats().overflow_blocks == 0 and plain.stats().sealed_blocks == 7
+
+
+def test_bits_2_as_users_type_it_gets_the_measured_int2_settings() -> None:
+    """`QuantizedCache(model, bits=2)` is the `int2` name's configuration (KIVI's window and value groups, one-byte
+    statistics: RESULTS.md, int2 settings); each setting given still wins, and other formats keep theirs."""
+    smollm2_like = tiny_llama()
+    smollm2_like.config.head_dim = 64  # only the geometry is read: value groups of 32 channels
+    for model, group in ((smollm2_like, 32), (MODEL, None)):  # head_dim 16: one value group per head
+        quant = QuantizedCache(model, bits=2).quant
+        assert (quant.residual, quant.group_size, quant.scale_bytes) == (32, group, 1)
+        assert quant == get_cache_spec("int2").build(model).quant
+    given = QuantizedCache(MODEL, bits=2, residual=0, group_size=None, scale_bytes=2).quant
+    assert (given.residual, given.group_size, given.scale_bytes) == (0, None, 2)
+    for bits, fmt in ((8, "int"), (4, "int"), (8, "fp8")):
+        quant = QuantizedCache(MODEL, bits=bits, fmt=fmt).quant
+        assert (quant.residual, quant.group_size, quant.scale_bytes) == (0, None, 2)
+    disk = QuantizedDiskCache(smollm2_like, bits=2).quant
+    assert disk == QuantizedCache(smollm2_like, bits=2).quant

@@ -49,7 +49,8 @@ def assert_matches_fake_quant(
     bits, fmt = FORMATS[codec]
     reference_options = {k: v for k, v in options.items() if k != "group_size"}
     expected = run(model, FakeQuantCache(model.config, codec, **reference_options), inputs, **kwargs)
-    cache = QuantizedCache(model, bits=bits, fmt=fmt, attention=path, **options)  # type: ignore[arg-type]
+    generic = {"residual": 0, "scale_bytes": 2}  # the reference's settings, not int2's KIVI defaults
+    cache = QuantizedCache(model, bits=bits, fmt=fmt, attention=path, **(generic | options))  # type: ignore[arg-type]
     with paged_attention(model) if path == "paged" else contextlib.nullcontext():
         got = run(model, cache, inputs, **kwargs)
     assert torch.equal(got.sequences, expected.sequences)

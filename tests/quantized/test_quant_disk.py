@@ -43,7 +43,12 @@ SEGMENT = {
     "fp8": 368,
     "int2": 224,
 }  # bytes per (block, layer) at block size 4, from the docstring
-CODECS = {"int8": {"bits": 8}, "int4": {"bits": 4}, "fp8": {"bits": 8, "fmt": "fp8"}, "int2": {"bits": 2}}
+CODECS = {
+    "int8": {"bits": 8},
+    "int4": {"bits": 4},
+    "fp8": {"bits": 8, "fmt": "fp8"},
+    "int2": {"bits": 2, "residual": 0, "scale_bytes": 2},  # the bare format, not bits=2's KIVI defaults
+}
 S = -(1 << 62)  # the table entry of spilled handle 0; handle h is S - h
 pytestmark = pytest.mark.usefixtures("one_thread")
 

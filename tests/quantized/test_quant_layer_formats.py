@@ -59,7 +59,7 @@ def test_bytes_are_each_layers_codec_bytes() -> None:
     run(mixed)
     per_layer = {}
     for name in ("int2", "int8"):
-        uniform = QuantizedCache(MODEL, bits={"int2": 2, "int8": 8}[name], block_size=4)
+        uniform = QuantizedCache(MODEL, bits={"int2": 2, "int8": 8}[name], block_size=4, residual=0, scale_bytes=2)
         run(uniform)
         per_layer[name] = uniform.stats().sealed_bytes / 2  # both layers hold the same blocks
     stats = mixed.stats()
