@@ -90,6 +90,7 @@ class BlockStore:
             max_bytes = spill.pool_bytes
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.windows = tuple(windows)  # each layer's sliding window, None for full attention
         if codec is not None:
             codec.check_model(num_layers, num_kv_heads, head_dim, block_size)
         self.attention: AttentionPath = attention

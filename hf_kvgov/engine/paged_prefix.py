@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_kvgov.engine import prefix_groups
-from hf_kvgov.engine.prefix_layout import RowLayout, layouts, middle_padded, publishable_tokens, real_tokens
+from hf_kvgov.engine.prefix_layout import (
+    RowLayout,
+    layouts,
+    middle_padded,
+    padding_inside_a_window,
+    publishable_tokens,
+    real_tokens,
+)
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.block_table import BlockTable, BlockTables
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
@@ -57,6 +64,19 @@ def match(
         cache.prefix_locks.extend(block for hit in hits for block in hit)
         hit_blocks = [len(hit) for hit in hits]
     plan = layouts(rows, [count * prefix.block_size for count in hit_blocks])
+    reason = padding_inside_a_window(plan, cache.windows) if any(hit_blocks) else None
+    if reason is not None:
+        assert cache.pool is not None
+        if prefix.grouped is not None:
+            held = [block for _, tables in grouped_hits for table in tables for block in table if block is not None]
+        else:
+            held = [block for hit in hits for block in hit]
+        cache.pool.decref(held)  # no table holds them yet
+        release_prefix_locks(cache)
+        raise ValueError(
+            f"match() cannot serve this batch exactly: {reason}. Match rows of one length together, or each row "
+            "alone, or serve the requests with hf_kvgov.serving.ServingEngine, whose rows carry no padding."
+        )
     if not any(hit_blocks):
         cache.row_layouts = plan if attention_mask is None else _left_padded(rows, input_ids.shape[1])
         return {"input_ids": input_ids, "attention_mask": _ones_like(input_ids, attention_mask)}

@@ -67,6 +67,29 @@ def layouts(rows: list[list[int]], cached: list[int]) -> list[RowLayout]:
     return result
 
 
+def padding_inside_a_window(rows: list[RowLayout], windows: tuple[int | None, ...]) -> str | None:
+    """Why this layout is not exact on a sliding-window model, or None when it is.
+
+    transformers' sliding-window mask counts slots, not positions: padding between a row's cached prefix and its
+    new tokens takes places in their window that real tokens held when the row ran alone, now or once decoding
+    has gone far enough past the prompt. Left padding before every real token is harmless, as everywhere.
+    """
+    sliding = [(layer, window) for layer, window in enumerate(windows) if window is not None]
+    if not sliding:
+        return None
+    width = max(row.cached for row in rows) + max(len(row.tokens) - row.cached for row in rows)
+    for index, row in enumerate(rows):
+        gap = width - len(row.tokens)
+        if row.cached and gap:
+            layer, window = min(sliding, key=lambda pair: pair[1])
+            return (
+                f"row {index} reuses {row.cached} cached tokens, and its {gap} padding slots would sit between them "
+                f"and its new tokens, inside layer {layer}'s {window}-token sliding window (transformers' mask "
+                "counts slots, not positions), so its tokens would differ from the row run alone"
+            )
+    return None
+
+
 def publishable_tokens(sequence: torch.Tensor, stored: int, first_pad: int | None) -> list[int]:
     """The tokens of one row whose slot equals their position: safe to key a prefix block on."""
     end = stored if first_pad is None else min(stored, first_pad)

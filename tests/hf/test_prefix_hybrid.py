@@ -20,7 +20,9 @@ from hf_kvgov import (
     paged_attention,
     prefix_tree,
 )
+from tests.conftest import tiny_llama
 from tests.hf.test_paged_hybrid import BLOCK, MODELS
+from tests.prefix_requests import left_padded
 
 GENERATOR = torch.Generator().manual_seed(5)
 DOCUMENT = torch.randint(3, 96, (1, 64), generator=GENERATOR)  # 8 blocks of 8 tokens, well past the 24-token window
@@ -193,3 +195,45 @@ def test_quantized_caches_share_codes_over_layer_groups(name: str, kind: type) -
     # The tree holds codes: its only full-precision blocks are each group's sink (block 0), all else is sealed.
     assert tree.pool.num_used == len(tree.pool.groups)
     tree.check_invariants()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_batch_that_would_pad_inside_a_window_is_refused_and_one_that_does_not_is_exact(name: str) -> None:
+    """transformers' sliding mask counts slots: padding between a row's hit and its new tokens would take places in
+    its window. Such a batch is refused with the reason, holding nothing; rows whose only padding comes before every
+    real token are served, each as if alone."""
+    model = MODELS[name]
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    held = tree.pool.num_used
+    short_hit = torch.cat([DOCUMENT[:, :32], QUESTIONS[2]], dim=1)[0].tolist()  # hits 32 tokens, 38 long
+    for rows in ([prompt(1)[0].tolist(), short_hit], [short_hit, QUESTIONS[0][0].tolist() + [7] * 40]):
+        cache = PagedCache(model, prefix=tree)
+        padded = left_padded(rows)
+        with pytest.raises(ValueError, match=r"row \d reuses \d+ cached tokens, and its \d+ padding slots .* sliding"):
+            cache.match(padded["input_ids"], padded["attention_mask"])
+        assert tree.pool.num_used == held and cache.prefix_locks == []  # every reference and lock given back
+        tree.check_invariants()
+    rows = [prompt(1)[0].tolist(), QUESTIONS[0][0].tolist()]  # the hit row is the longest: no gap after its hit
+    cache = PagedCache(model, prefix=tree)
+    padded = left_padded(rows)
+    inputs = cache.match(padded["input_ids"], padded["attention_mask"])
+    assert cache.get_seq_length() == 64
+    out = model.generate(**inputs, cache=cache, **OPTIONS)
+    for row, tokens in zip(out, rows, strict=True):
+        assert row[-8:].tolist() == without_sharing(model, torch.tensor([tokens]))[0, -8:].tolist()
+    cache.release()
+
+
+def test_unequal_hits_on_full_attention_stay_served() -> None:
+    model = tiny_llama()
+    tree = prefix_tree(model, pool=Paging(block_size=BLOCK))
+    request(model, PagedCache(model, prefix=tree), prompt(0))
+    rows = [prompt(1)[0].tolist(), torch.cat([DOCUMENT[:, :32], QUESTIONS[2]], dim=1)[0].tolist()]
+    cache = PagedCache(model, prefix=tree)
+    padded = left_padded(rows)
+    inputs = cache.match(padded["input_ids"], padded["attention_mask"])
+    assert [row.cached for row in cache.row_layouts or []] == [64, 32]
+    out = model.generate(**inputs, cache=cache, **OPTIONS)
+    for row, tokens in zip(out, rows, strict=True):
+        assert row[-8:].tolist() == without_sharing(model, torch.tensor([tokens]))[0, -8:].tolist()
