@@ -218,15 +218,7 @@ class BlockSealer:
     # ------------------------------------------------------------------ prefix sharing and accounting
 
     def namespace(self, base: str) -> str:
-        """`base` plus how this cache seals blocks: caches that seal differently (codec, value groups, statistics'
-        bytes, layers in full precision, sink blocks) never share a block, nor does a full-precision cache."""
-        q = self.quant
-        layers = ",".join(map(str, q.full_precision_layers))
-        own = ",".join(f"{layer}={name}" for layer, name in q.layer_formats)
-        stats = f":s={q.scale_bytes}" if q.scale_bytes != 2 else ""  # the fp16 default keeps its old namespace
-        return f"{base}\x00sealed:{q.codec_name}:g={q.group_size}{stats}:fp=[{layers}]:sink={q.sink_blocks}" + (
-            f":layers=[{own}]" if own else ""
-        )
+        return self.quant.namespace(base)
 
     def stats(self, cache: BlockStore, base: CacheStats) -> QuantizedCacheStats:
         return quantized_cache_stats(cache, base, self.quant.codec_name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,23 @@ class QuantConfig:
             **fields,
         )
 
+    @classmethod
+    def of_formats(cls, formats: Sequence[SealedFormat]) -> QuantConfig:
+        """The configuration whose layers seal as ``formats`` do (a pool's, `QuantizedBlockPool.sealed.formats`):
+        the most common codec the default, the other codecs per layer, raw layers in full precision. What a pool
+        cannot say (the residual window, sink blocks) keeps its default."""
+        coded = {layer: f.codec for layer, f in enumerate(formats) if isinstance(f, CodecFormat)}
+        full = tuple(layer for layer in range(len(formats)) if layer not in coded)
+        if not coded:
+            return cls(full_precision_layers=full)
+        names = [codec.name for codec in coded.values()]
+        default = max(dict.fromkeys(names), key=names.count)
+        fmt, bits = next(key for key, name in CODEC_NAMES.items() if name == default)
+        first = next(codec for codec in coded.values() if codec.name == default)
+        scale_bytes = next(n for n, dtype in SCALE_DTYPE_BY_BYTES.items() if dtype == first.scale_dtype)
+        others = {layer: codec.name for layer, codec in coded.items() if codec.name != default}
+        return cls(bits, fmt, 0, 1, full, first.group_size, others, scale_bytes)
+
     @property
     def codec_name(self) -> str:
         return CODEC_NAMES[(self.fmt, self.bits)]
@@ -218,6 +235,15 @@ class QuantConfig:
             if name != FULL_PRECISION and name not in formats:
                 formats[name] = CodecFormat(self.layer_codec(layer))
         return [formats.get(self.layer_format(layer), raw) for layer in range(num_layers)]
+
+    def namespace(self, base: str) -> str:
+        """`base` plus how blocks are sealed: caches that seal differently (codec, value groups, statistics' bytes,
+        layers in full precision, sink blocks) never share a block in a prefix tree, nor does a full-precision one."""
+        layers = ",".join(map(str, self.full_precision_layers))
+        own = ",".join(f"{layer}={name}" for layer, name in self.layer_formats)
+        stats = f":s={self.scale_bytes}" if self.scale_bytes != 2 else ""  # the fp16 default keeps its old namespace
+        sealing = f"sealed:{self.codec_name}:g={self.group_size}{stats}:fp=[{layers}]:sink={self.sink_blocks}"
+        return f"{base}\x00{sealing}" + (f":layers=[{own}]" if own else "")
 
     def describe(self) -> str:
         """One line for reports, e.g. "int4, layers 0, 1 in full precision"."""

@@ -342,6 +342,10 @@ class BlockPool:
 
     # ------------------------------------------------------------------ data
 
+    def gather_blocks(self, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of blocks long `[n]` of one layer: keys, values `[n, block_size, H, D]` in the pool's dtype."""
+        return self.keys[layer][block_ids], self.values[layer][block_ids]
+
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store tokens into slots of one layer.
 

@@ -420,6 +420,15 @@ class QuantizedBlockPool(BlockPool):
 
     # ------------------------------------------------------------------ data
 
+    def gather_blocks(self, layer: int, block_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """As `BlockPool.gather_blocks`, block-table entries of either kind: sealed ones decoded."""
+        sealed = block_ids < 0
+        keys, values = super().gather_blocks(layer, block_ids.clamp(min=0))  # sealed rows overwritten below
+        if bool(sealed.any()):
+            decoded_k, decoded_v = self.read_sealed(layer, block_ids[sealed], self.geometry.dtype)
+            keys[sealed], values[sealed] = decoded_k, decoded_v
+        return keys, values
+
     def read_sealed(self, layer: int, block_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Decoded keys, values `[n, block_size, H, D]` of sealed block-table entries long `[n]` (all < 0)."""
         return self.sealed.read(layer, -1 - block_ids, dtype)

@@ -166,6 +166,45 @@ def test_the_issue_chain_builds_and_generates(tmp_path: Any) -> None:
     assert cache.shared is not None and cache.shared.tokens == [DOCUMENT]
 
 
+def test_the_briefs_chain_reads_a_tree_of_codes_as_its_codes_decode(tmp_path: Any) -> None:
+    """Prefix sharing, then int8, then heavy hitters, then disk, as the README builds it: the tree's blocks stay
+    codes (the sink block in full precision) and each layer attends exactly what they decode to."""
+    model = tiny_llama()
+    document = tokens(48, seed=2)  # three 16-token blocks: the sink, then two sealed when published
+    tree = prefix_tree(model, pool=Paging(16), codec="int8")
+    publisher = GovernedCache(model, pool=Paging(16), prefix=tree, codec="int8")
+    prompt = torch.cat((document, tokens(5, seed=99)), dim=1)
+    out = model.generate(**publisher.match(prompt), cache=publisher, max_new_tokens=2, do_sample=False)
+    publisher.publish(out)
+    publisher.release()
+    codes_held = tree.pool.sealed.num_used
+    assert codes_held == 2
+    cache = GovernedCache(
+        model, pool=Paging(16), prefix=tree, codec="int8", policy=HeavyHitter(0.2), spill=Disk(path=str(tmp_path))
+    )
+    assert isinstance(cache, HeavyHitterCache)
+    own = tokens(40, seed=7)
+    run(model, cache, torch.cat((document, own), dim=1))
+    assert cache.shared is not None and cache.shared.tokens == [48]
+    entries = cache.shared.hits[0][0]
+    assert entries[0] >= 0 and all(entry < 0 for entry in entries[1:])  # read from the codes, not copies
+    assert tree.pool.sealed.num_used == codes_held and tree.pool.num_used == 1  # nothing decoded into the pool
+    for layer in range(model.config.num_hidden_layers):
+        slots = cache.shared.slots(layer)
+        keys, values = tree.pool.gather_blocks(layer, torch.tensor(entries))
+        sealed_keys, _ = tree.pool.read_sealed(layer, torch.tensor(entries[1:]), torch.float32)
+        torch.testing.assert_close(keys[1:], sealed_keys, rtol=0, atol=0)
+        torch.testing.assert_close(slots.keys[0], keys.reshape(48, 2, 16).transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(slots.values[0], values.reshape(48, 2, 16).transpose(0, 1), rtol=0, atol=0)
+    recall = cache.recall_stats()
+    assert recall is not None and recall.pages_written > 0  # its own evicted tokens went to disk
+    cache.release()
+    # With room for its own tokens, a request over the codes stays within int8's noise of the full cache.
+    roomy = HeavyHitterCache(model, budget=100, prefix=tree)
+    full = run(model, DynamicCache(config=model.config), torch.cat((document, own), dim=1))
+    assert largest_gap(run(model, roomy, torch.cat((document, own), dim=1)), full) < 0.05
+
+
 @pytest.mark.parametrize("beams", [1, 2])
 def test_on_a_hybrid_model_a_request_with_room_equals_the_full_cache(beams: int) -> None:
     model = tiny_gemma3()  # layers: sliding (window 8), full, sliding
@@ -201,8 +240,6 @@ def test_trees_an_eviction_cache_cannot_read_are_refused() -> None:
     with pytest.raises(ValueError, match=r"layer groups keep windows \[8, None, 8\].*have \[4, None, 4\]"):
         HeavyHitterCache(tiny_gemma3(window=4), prefix=prefix_tree(tiny_gemma3(), pool=Paging(BLOCK)))
     model = tiny_llama()
-    with pytest.raises(ValueError, match="sealed blocks as codes"):
-        HeavyHitterCache(model, prefix=prefix_tree(model, pool=Paging(BLOCK), codec="int8"))
     with pytest.raises(ValueError, match=r"holds 2 layers x 2 KV heads x 16.*2 x 1 x 16"):
         HeavyHitterCache(tiny_llama(num_kv_heads=1), prefix=prefix_tree(model, pool=Paging(BLOCK)))
     with pytest.raises(ChainRefused, match="attention sinks"):

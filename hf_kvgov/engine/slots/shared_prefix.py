@@ -4,7 +4,7 @@ Blocks a request takes from a prefix tree (`match`) are attended in full at ever
 shared, so their cost is paid once for every request that reads them, and they are not counted in the request's
 bytes. The policy's budget governs the request's own tokens after the prefix. Eviction caches only read the tree; a
 block cache on it publishes the document (`PagedCache(model, prefix=tree)`), since what a policy keeps is no
-longer the prefix as computed. Rows are laid out as in `hf_kvgov.engine.prefix_layout`, so positions are each
+longer the prefix as computed; a tree of codes is read as they decode, each step. Rows are laid out as in `hf_kvgov.engine.prefix_layout`, so positions are each
 row's own; the tree's blocks stay locked until `release()` or `reset()`, and beams share them without new
 references. With layer groups (`match_groups`) a sliding layer reads its group's blocks from the one holding the
 first token the next query sees, since earlier ones are in no query's window; the window mask keeps later queries
@@ -21,9 +21,11 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.engine.prefix_layout import layouts, middle_padded, real_tokens
+from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.slots.recall import RecalledSlots
 from hf_kvgov.prefix.grouped_blocks import Blocks
 from hf_kvgov.prefix.sharing import PrefixCache
+from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,15 @@ class SharedPrefix:
         undo the sharing.
         """
         pool = self.prefix.pool
-        keys, values = pool.keys[layer], pool.values[layer]
+        keys = pool.keys[layer]
         size, longest, group = pool.block_size, self.longest, pool.group_of(layer)
         rows_k, rows_v, valid = [], [], []
         for row in self.rows:
             gather = self._gather(row, group, keys.device)
             tokens = gather.index.shape[0] * size
-            k = keys[gather.index].reshape(tokens, *keys.shape[2:])  # [tokens, hk, d]
-            v = values[gather.index].reshape(tokens, *values.shape[2:])
+            blocks_k, blocks_v = pool.gather_blocks(layer, gather.index)  # a sealed tree's codes decoded here
+            k = blocks_k.reshape(tokens, *keys.shape[2:])  # [tokens, hk, d]
+            v = blocks_v.reshape(tokens, *keys.shape[2:])
             if not gather.complete:
                 # A block the hit lacks is read as zeros, not as whatever the pool's block 0 holds: masked slots
                 # still multiply their values, and a stale non-finite value would poison the output.
@@ -130,15 +133,8 @@ class SharedPrefix:
 
 def check_prefix(prefix: Any, owner: str) -> PrefixCache:
     """``prefix`` if an eviction cache can read it, else an error naming why."""
-    from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
-
     if not isinstance(prefix, PrefixCache):
         raise TypeError(f"{owner}: prefix must be a PrefixCache (hf_kvgov.prefix_tree(model)); got {prefix!r}.")
-    if isinstance(prefix.pool, QuantizedBlockPool):
-        raise ValueError(
-            f"{owner}: this prefix tree keeps sealed blocks as codes; an eviction cache attends the shared "
-            "prefix as computed, so give it a tree over a full-precision pool (prefix_tree(model) without codec)."
-        )
     return prefix
 
 
@@ -172,7 +168,16 @@ def match_empty(
         raise ValueError(f"{name}.match needs a prefix cache: build it with prefix=prefix_tree(model).")
     if cache.get_seq_length() or cache.shared_prefix_tokens:
         raise ValueError(f"{name}.match needs an empty cache; call it before generate, or reset() first.")
-    return match_rows(prefix, input_ids, attention_mask, cache.namespace, pad_token_id)
+    return match_rows(prefix, input_ids, attention_mask, codes_namespace(prefix, cache.namespace), pad_token_id)
+
+
+def codes_namespace(prefix: PrefixCache, namespace: str) -> str:
+    """Where a tree's blocks are published: a tree of codes keys them by how they were sealed (`QuantConfig.namespace`,
+    as the block caches that publish them do), which its pool's formats tell."""
+    pool = prefix.pool
+    if not isinstance(pool, QuantizedBlockPool):
+        return namespace
+    return QuantConfig.of_formats(pool.sealed.formats).namespace(namespace)
 
 
 def match_rows(
