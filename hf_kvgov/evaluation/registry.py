@@ -16,7 +16,7 @@ from typing import Any
 from hf_kvgov.evaluation.longbench.metrics import Metric
 from hf_kvgov.evaluation.longbench.scoring import metric_for
 from hf_kvgov.evaluation.synthetic.common_words import generate_common_words
-from hf_kvgov.evaluation.synthetic.niah import PASSKEY_WORDING, NiahConfig, generate_niah
+from hf_kvgov.evaluation.synthetic.niah import PASSKEY_WORDING, NiahConfig, generate_niah, generate_varied_needle
 from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, string_match_all
 from hf_kvgov.evaluation.synthetic.variable_tracking import VariableTrackingConfig, generate_variable_tracking
 from hf_kvgov.evaluation.tokenizer import SupportsEncode
@@ -57,6 +57,9 @@ def register_synthetic_task(task: SyntheticTask, *, replace: bool = False) -> No
 for _task in (
     SyntheticTask("passkey", _niah(wording=PASSKEY_WORDING), string_match_all, "one pass key in filler"),
     SyntheticTask("niah_single", _niah(), string_match_all, "one word key, one 7-digit number"),
+    SyntheticTask(
+        "needles", generate_varied_needle, string_match_all, "one 5-8 digit code, wording and depth varied per sample"
+    ),
     SyntheticTask("niah_single_uuid", _niah(value_kind="uuids"), string_match_all, "one key, one UUID"),
     SyntheticTask("niah_multikey", _niah(num_keys=4), string_match_all, "four keys, one asked"),
     SyntheticTask(

@@ -28,6 +28,7 @@ from hf_kvgov.evaluation.synthetic import (
     string_match_part,
 )
 from hf_kvgov.evaluation.synthetic.haystack import fit_to_length
+from hf_kvgov.evaluation.synthetic.niah import VARIED_WORDINGS
 
 ALL_TASKS = sorted(synthetic_tasks())
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -42,6 +43,7 @@ def test_registry_lists_the_ruler_tasks() -> None:
     expected = sorted(
         [
             "passkey",
+            "needles",
             "niah_single",
             "niah_single_uuid",
             "niah_multikey",
@@ -115,6 +117,20 @@ def test_passkey_prompt(filler: str, whitespace_tokenizer: object) -> None:
     (value,) = sample.answers
     assert f"The pass key is {value}. Remember it. {value} is the pass key." in sample.prompt
     assert sample.prompt.endswith("What is the pass key?")
+
+
+def test_needles_vary_wording_digits_and_depth_and_plant_one_answer(filler: str, whitespace_tokenizer: object) -> None:
+    task = get_synthetic_task("needles")
+    samples = [task.make(filler, whitespace_tokenizer, 1500, seed) for seed in range(40)]  # type: ignore[arg-type]
+    wordings = {tuple(sample.answer_prefix.split()[:2]) for sample in samples}  # "The pass", "The access", ...
+    assert len(wordings) == len(VARIED_WORDINGS) == 5  # every wording drawn
+    assert {len(sample.answers[0]) for sample in samples} == {5, 6, 7, 8}
+    depths = [sample.depths[0] for sample in samples]
+    assert min(depths) < 0.2 and max(depths) > 0.8 and len(set(depths)) > 30
+    for sample in samples:
+        (code,) = sample.answers
+        assert code.isdigit() and sample.prompt.count(code) == (2 if "pass key" in sample.prompt else 1)
+        assert code not in filler
 
 
 def test_multikey_asks_one_key_among_distractors(filler: str, whitespace_tokenizer: object) -> None:

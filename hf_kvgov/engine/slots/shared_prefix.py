@@ -4,11 +4,11 @@ Blocks a request takes from a prefix tree (`match`) are attended in full at ever
 shared, so their cost is paid once for every request that reads them, and they are not counted in the request's
 bytes. The policy's budget governs the request's own tokens after the prefix. Eviction caches only read the tree; a
 block cache on it publishes the document (`PagedCache(model, prefix=tree)`), since what a policy keeps is no
-longer the prefix as computed; a tree of codes is read as they decode, each step. Rows are laid out as in `hf_kvgov.engine.prefix_layout`, so positions are each
-row's own; the tree's blocks stay locked until `release()` or `reset()`, and beams share them without new
-references. With layer groups (`match_groups`) a sliding layer reads its group's blocks from the one holding the
-first token the next query sees, since earlier ones are in no query's window; the window mask keeps later queries
-off prefix tokens that leave it.
+longer the prefix as computed; a tree of codes is read as they decode, each step. Rows are laid out as in
+`hf_kvgov.engine.prefix_layout`, so positions are each row's own; the tree's blocks stay locked until `release()`
+or `reset()`, and beams share them without new references. With layer groups (`match_groups`) a sliding layer
+reads its group's blocks from the one holding the first token the next query sees, since earlier ones are in no
+query's window; the window mask keeps later queries off prefix tokens that leave it.
 """
 
 from __future__ import annotations

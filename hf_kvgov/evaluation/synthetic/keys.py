@@ -1,4 +1,4 @@
-"""Random needle keys and values: 7-digit numbers, UUIDs, or hyphenated word pairs from the filler."""
+"""Random needle keys and values: 7-digit numbers, 5-8 digit codes, UUIDs, or hyphenated word pairs from the filler."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ Draw = Callable[[random.Random, Sequence[str]], str]
 def random_number(rng: random.Random, vocab: Sequence[str]) -> str:
     """A 7-digit decimal number, as in RULER."""
     return str(rng.randint(10**6, 10**7 - 1))
+
+
+def random_code(rng: random.Random, vocab: Sequence[str]) -> str:
+    """A decimal code of 5 to 8 digits (its length drawn too), so no setting is fitted to one length."""
+    digits = rng.randint(5, 8)
+    return str(rng.randint(10 ** (digits - 1), 10**digits - 1))
 
 
 def random_uuid(rng: random.Random, vocab: Sequence[str]) -> str:
@@ -44,6 +50,7 @@ class ItemKind:
 ITEM_KINDS: Mapping[str, ItemKind] = MappingProxyType(
     {
         "numbers": ItemKind("numbers", "number", random_number),
+        "codes": ItemKind("codes", "code", random_code),
         "uuids": ItemKind("uuids", "uuid", random_uuid),
         "words": ItemKind("words", "word", random_word_pair),
     }

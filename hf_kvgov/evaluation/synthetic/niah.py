@@ -8,6 +8,7 @@ which only some are asked (multi-key, the others are distractors), several value
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -61,6 +62,37 @@ PASSKEY_WORDING = NiahWording(
     ),
     prefix_one=" The pass key is",
     prefix_many=" The pass keys are",
+)
+
+
+# Other ways to plant and ask for one value, none of them the wording a setting was tuned on: the `needles`
+# task draws one per sample (with the value's digits and the depth), so a score is not one template's.
+VARIED_WORDINGS: tuple[NiahWording, ...] = (
+    PASSKEY_WORDING,
+    NiahWording(
+        needle="The access code for the {key} vault is {value}.",
+        template_one="Read the following notes carefully.\n{context}\nWhat is the access code for the {query} vault?",
+        template_many="Read the following notes carefully.\n{context}\nWhat are the access codes for {query}?",
+        prefix_one=" The access code for the {query} vault is",
+        prefix_many=" The access codes for {query} are",
+    ),
+    NiahWording(
+        needle="Please remember that {value} is the number {key} wrote on the back of the letter.",
+        template_one="{context}\nAnswer from the text above: which number did {query} write on the letter?",
+        template_many="{context}\nAnswer from the text above: which numbers did {query} write on the letter?",
+        prefix_one=" The number {query} wrote on the back of the letter was",
+        prefix_many=" The numbers {query} wrote on the back of the letter were",
+    ),
+    NiahWording(
+        needle="(Note for later: the locker of {key} opens with the combination {value}.)",
+        template_one="Somewhere in this story is a note about a locker.\n{context}\nWhich combination opens the "
+        "locker of {query}?",
+        template_many="Somewhere in this story are notes about lockers.\n{context}\nWhich combinations open the "
+        "lockers of {query}?",
+        prefix_one=" The locker of {query} opens with the combination",
+        prefix_many=" The lockers of {query} open with the combinations",
+    ),
+    RULER_WORDING,
 )
 
 
@@ -201,3 +233,16 @@ def generate_niah(
         seed=seed,
         depths=tuple(depths),
     )
+
+
+def generate_varied_needle(
+    filler: str, tokenizer: SupportsEncode, target_length: int, seed: int, task: str = "needles"
+) -> SyntheticSample:
+    """One needle whose wording (`VARIED_WORDINGS`), code length (5-8 digits), key and depth (uniform in
+    [0.02, 0.98], not RULER's grid) the seed draws; otherwise as `generate_niah`."""
+    check_seed(seed)
+    rng = random.Random(seed)
+    wording = rng.choice(VARIED_WORDINGS)
+    config = NiahConfig(value_kind="codes", depths=(round(rng.uniform(0.02, 0.98), 3),), wording=wording)
+    sample = generate_niah(filler, tokenizer, target_length, rng.randrange(2**31), config, task)
+    return dataclasses.replace(sample, seed=seed)  # the seed that reproduces it is this task's
