@@ -49,6 +49,7 @@ from hf_kvgov.policies.pyramid import Pyramid
 RECALL_SUFFIX = "recall"
 PYRAMID_SUFFIX = "pyramid"
 ADAPTIVE_SUFFIX = "ada"
+SPANS_SUFFIX = "spans"  # recall brings each chosen page's neighbours with it (`Recall.neighbours`)
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 ChainOf = Callable[[Any], ChainParts]  # model -> the chain a name stands for (a few depend on its geometry)
@@ -227,7 +228,7 @@ def _stored_as(codec: str | None) -> str:
     return f"; kept slots stored as {codec} codes with scales per slot (keys and values)"
 
 
-SUFFIXES = (RECALL_SUFFIX, PYRAMID_SUFFIX, ADAPTIVE_SUFFIX)
+SUFFIXES = (RECALL_SUFFIX, SPANS_SUFFIX, PYRAMID_SUFFIX, ADAPTIVE_SUFFIX)
 
 
 def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str, Any]]:
@@ -237,10 +238,14 @@ def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str,
     for suffix in suffixes:
         if suffix not in SUFFIXES or suffixes.count(suffix) > 1:
             accepted = f"the suffixes after '+' are {', '.join(map(repr, SUFFIXES))}, each at most once"
-            examples = ", ".join(f"{family}@0.2+{known}" for known in SUFFIXES)
+            examples = ", ".join(f"{family}@0.2+{'recall+' * (known == SPANS_SUFFIX)}{known}" for known in SUFFIXES)
             raise _bad_argument(name, suffix, f"{accepted} ({examples})")
+    if SPANS_SUFFIX in suffixes and RECALL_SUFFIX not in suffixes:
+        needs = f"'+spans' widens recall, so it needs '+recall' ({family}@0.2+recall+spans)"
+        raise _bad_argument(name, SPANS_SUFFIX, needs)
     text, codec = _slot_codec(name, head)
-    options: dict[str, Any] = {"codec": codec, "spill": Disk() if RECALL_SUFFIX in suffixes else None}
+    spill = Disk(recall_neighbours=1 if SPANS_SUFFIX in suffixes else 0) if RECALL_SUFFIX in suffixes else None
+    options: dict[str, Any] = {"codec": codec, "spill": spill}
     if PYRAMID_SUFFIX in suffixes:
         options["allocation"] = Pyramid()
     if ADAPTIVE_SUFFIX in suffixes:
@@ -264,6 +269,8 @@ def _options_described(options: dict[str, Any]) -> str:
             f"; evicted tokens spill to {recall.page_tokens}-token disk pages, the {recall.pages} pages a query "
             f"scores highest are recalled per (sequence, layer, KV head) at each step into {recall.buffer_words}"
         )
+        if recall.neighbours:
+            text += f", a chosen page's {recall.neighbours} neighbour(s) on each side coming with it"
     if "allocation" in options:
         text += "; the budget split over the evicting layers as a pyramid (PyramidKV: more below, same total)"
     if "heads" in options:

@@ -37,6 +37,7 @@ DEFAULT_SUMMARY = "centroid"
 # Where recalled pages are held between reads: one buffer per layer, or one buffer every layer takes in turn.
 BUFFERS = ("layer", "shared")
 DEFAULT_BUFFER = "shared"
+DEFAULT_NEIGHBOURS = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,10 @@ class Recall:
             about the same passage reads it once, and ``pages`` pages per sequence, layer and KV head stay
             resident: ``layers`` times the memory). The pages attended are the same either way; at equal
             memory the shared buffer leaves more slots to the policy (`eval/RESULTS.md`).
+        neighbours: pages on each side of a chosen page (in the order they were written, which for the tokens one
+            step evicts is position order) that come back with it, within the ``pages`` attended: each page is
+            ranked by the best score within ``neighbours`` of it, so a passage split over a page boundary returns
+            whole. 0 ranks every page alone.
     """
 
     path: str | None = None
@@ -69,13 +74,14 @@ class Recall:
     max_write_bytes: int | None = None
     summary: str = DEFAULT_SUMMARY
     buffer: str = DEFAULT_BUFFER
+    neighbours: int = DEFAULT_NEIGHBOURS
 
     def __post_init__(self) -> None:
         if self.summary not in SUMMARY_ROWS:
             raise ValueError(f"Recall: summary must be one of {', '.join(SUMMARY_ROWS)}; got {self.summary!r}.")
         if self.buffer not in BUFFERS:
             raise ValueError(f"Recall: buffer must be one of {', '.join(BUFFERS)}; got {self.buffer!r}.")
-        for name, minimum in (("pages", 0), ("page_tokens", 1)):
+        for name, minimum in (("pages", 0), ("page_tokens", 1), ("neighbours", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"Recall: {name} must be an int >= {minimum}; got {value!r}.")

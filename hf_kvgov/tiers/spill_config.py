@@ -13,6 +13,7 @@ from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.recall_pages import (
     BUFFERS,
     DEFAULT_BUFFER,
+    DEFAULT_NEIGHBOURS,
     DEFAULT_PAGE_TOKENS,
     DEFAULT_RECALL_PAGES,
     DEFAULT_SUMMARY,
@@ -33,7 +34,8 @@ class DiskCacheConfig:
     (`hf_kvgov.engine.slots.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
     recalled per (sequence, layer, KV head) at each step, a page holds ``page_tokens`` tokens and
     ``recall_summary`` ranks them (`Recall.summary`: "centroid" or "bounds") and ``recall_buffer`` says where
-    recalled pages are held (`Recall.buffer`: "layer" or "shared"); the block
+    recalled pages are held (`Recall.buffer`: "layer" or "shared"), ``recall_neighbours`` the pages on each side of
+    a chosen one that come with it (`Recall.neighbours`); the block
     fields (``hot_tokens``, ``max_resident_bytes``, ``read_buffer_bytes``, ``prefetch``, ``on_full``,
     ``extent_blocks``) have no meaning there and must stay at their defaults.
     """
@@ -50,6 +52,7 @@ class DiskCacheConfig:
     page_tokens: int = DEFAULT_PAGE_TOKENS
     recall_summary: str = DEFAULT_SUMMARY
     recall_buffer: str = DEFAULT_BUFFER
+    recall_neighbours: int = DEFAULT_NEIGHBOURS
 
     def __post_init__(self) -> None:
         if self.path is not None and Path(self.path).exists() and not Path(self.path).is_dir():
@@ -58,6 +61,7 @@ class DiskCacheConfig:
         _check_int("extent_blocks", self.extent_blocks, minimum=1)
         _check_int("recall_pages", self.recall_pages, minimum=0)
         _check_int("page_tokens", self.page_tokens, minimum=1)
+        _check_int("recall_neighbours", self.recall_neighbours, minimum=0)
         for name in ("max_resident_bytes", "max_write_bytes", "read_buffer_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1 if name != "read_buffer_bytes" else 0)
@@ -76,7 +80,7 @@ class DiskCacheConfig:
     def recall(self) -> Recall:
         """The recall tier an eviction chain builds from this spill part."""
         pages, tokens, summary, buffer = self.recall_pages, self.page_tokens, self.recall_summary, self.recall_buffer
-        return Recall(self.path, pages, tokens, self.max_write_bytes, summary, buffer)
+        return Recall(self.path, pages, tokens, self.max_write_bytes, summary, buffer, self.recall_neighbours)
 
     @classmethod
     def of_recall(cls, recall: Recall) -> DiskCacheConfig:
@@ -84,6 +88,7 @@ class DiskCacheConfig:
         return cls(
             path=recall.path, max_write_bytes=recall.max_write_bytes, recall_pages=recall.pages,
             page_tokens=recall.page_tokens, recall_summary=recall.summary, recall_buffer=recall.buffer,
+            recall_neighbours=recall.neighbours,
         )  # fmt: skip
 
     def block_fields_changed(self) -> list[str]:

@@ -93,8 +93,8 @@ def test_policy_names_take_a_codec_and_recall() -> None:
     cache = get_cache_spec("snapkv@128:int8+recall").build(MODEL)
     assert cache.budget == 128 and cache.codec_name == "int8" and cache.recall is not None
     assert get_cache_spec("tova@128").build(MODEL).recall is None
-    accepted = "the suffixes after '\\+' are 'recall', 'pyramid', 'ada', each at most once"
-    examples = "snapkv@0.2\\+recall, snapkv@0.2\\+pyramid, snapkv@0.2\\+ada"
+    accepted = "the suffixes after '\\+' are 'recall', 'spans', 'pyramid', 'ada', each at most once"
+    examples = "snapkv@0.2\\+recall, snapkv@0.2\\+recall\\+spans, snapkv@0.2\\+pyramid, snapkv@0.2\\+ada"
     with pytest.raises(ValueError, match=f"{accepted} \\({examples}\\); got 'x'"):
         get_cache_spec("snapkv@0.2+x")
     with pytest.raises(ValueError, match=f"{accepted} .*; got 'pyramid'"):

@@ -20,6 +20,8 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, Recall, eviction_attention
 from hf_kvgov.chain import ChainRefused, Disk, HeavyHitter, Sink
 from hf_kvgov.chain.build import GovernedCache
+from hf_kvgov.engine.slots.recall import LayerRecall, RecallCounters
+from hf_kvgov.engine.slots.recall_buffer import RecallBuffer
 from hf_kvgov.errors import SpillCorrupted, SpillFileLost, SpillSpaceExhausted
 from hf_kvgov.planner.accounting import recall_bytes
 from hf_kvgov.planner.setup import CacheSetup
@@ -59,12 +61,12 @@ def largest_logit_gap(first: Any, second: Any) -> float:
 # ------------------------------------------------------------------ exact against the full cache
 
 
-@pytest.mark.parametrize("summary", ["bounds", "centroid"])
+@pytest.mark.parametrize(("summary", "neighbours"), [("bounds", 0), ("centroid", 0), ("centroid", 1)])
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3 (sliding layers)"])
-def test_recalling_every_page_equals_the_full_cache(make: Any, summary: str) -> None:
+def test_recalling_every_page_equals_the_full_cache(make: Any, summary: str, neighbours: int) -> None:
     model = make()
     full = generate(model, DynamicCache(config=model.config))
-    every_page = Recall(pages=EVERY_PAGE.pages, page_tokens=PAGE, summary=summary)
+    every_page = Recall(pages=EVERY_PAGE.pages, page_tokens=PAGE, summary=summary, neighbours=neighbours)
     cache = HeavyHitterCache(model, budget=BUDGET, recent=2, recall=every_page)
     recalled = generate(model, cache)
     alone = generate(model, HeavyHitterCache(model, budget=BUDGET, recent=2))
@@ -73,6 +75,30 @@ def test_recalling_every_page_equals_the_full_cache(make: Any, summary: str) -> 
     assert largest_logit_gap(alone, full) > 1e-2  # the budget truly evicts: without recall the logits move
     stats = cache.recall_stats()
     assert stats is not None and stats.pages_written > 0 and stats.pages_read > 0
+
+
+def recalled_pages(neighbours: int, tmp_path: Path) -> list[int]:
+    """Six pages of four evicted tokens in one (row, KV head), page p's keys all ``scale[p]`` along channel 0; the
+    pages recalled (by their first position / 4) for a query along channel 0, three pages attended."""
+    scale = [0.1, 0.2, 5.0, 0.3, 0.2, 4.0]
+    recall = Recall(path=str(tmp_path), pages=3, page_tokens=4, neighbours=neighbours)
+    layer = LayerRecall(recall.tier(4, torch.float32), 0, recall, RecallCounters(), RecallBuffer())
+    keys = torch.zeros(1, 1, 24, 4)
+    keys[0, 0, :, 0] = torch.tensor(scale).repeat_interleave(4)
+    positions = torch.arange(24).reshape(1, 1, 24)
+    layer.spill(keys, torch.randn(1, 1, 24, 4), positions, torch.ones(1, 1, 24, dtype=torch.bool))
+    query = torch.tensor([1.0, 0.0, 0.0, 0.0]).reshape(1, 1, 1, 4)
+    slots = layer.recalled(query, torch.tensor([24]), None)
+    assert slots is not None
+    chosen = slots.positions[0, 0][slots.valid[0, 0]]  # the pending page is empty: all 24 were written
+    pages = sorted({int(p) // 4 for p in chosen})
+    layer.tier.close()
+    return pages
+
+
+def test_neighbours_bring_back_the_pages_beside_the_best_one(tmp_path: Path) -> None:
+    assert recalled_pages(0, tmp_path / "alone") == [2, 3, 5]  # the three best scores
+    assert recalled_pages(1, tmp_path / "spans") == [1, 2, 3]  # the best page and both its neighbours
 
 
 def test_a_query_aware_policy_with_recall_equals_the_full_cache() -> None:
@@ -293,8 +319,14 @@ def test_the_registry_names_h2o_with_recall() -> None:
     description = get_cache_spec("h2o@0.2:int8+recall").description
     assert "the 8 pages a query scores highest are recalled" in description
     assert "into one buffer the layers share" in description
-    with pytest.raises(ValueError, match="the suffixes after '\\+' are 'recall', 'pyramid', 'ada', each at most once"):
+    with pytest.raises(ValueError, match="suffixes after '\\+' are 'recall', 'spans', 'pyramid', 'ada', each at most"):
         get_cache_spec("h2o@0.2+spill")
+    spans = get_cache_spec("h2o@0.2+recall+spans").build_for(model, PROMPT)
+    assert spans.recall == Recall(neighbours=1)
+    described = get_cache_spec("h2o@0.2+recall+spans").description
+    assert "a chosen page's 1 neighbour(s) on each side coming with it" in described
+    with pytest.raises(ValueError, match="'\\+spans' widens recall, so it needs '\\+recall'"):
+        get_cache_spec("h2o@0.2+spans")
 
 
 @pytest.mark.parametrize(("summary", "buffer"), [("bounds", "layer"), ("centroid", "layer"), ("centroid", "shared")])

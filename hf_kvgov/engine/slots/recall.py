@@ -98,6 +98,7 @@ class LayerRecall:
         self.buffer = buffer
         self.layer = layer
         self.pages = recall.pages
+        self.neighbours = recall.neighbours
         self.summary = recall.summary
         self.summary_rows = SUMMARY_ROWS[recall.summary]
         self.counters = counters
@@ -238,7 +239,11 @@ class LayerRecall:
             scores = page_centroid_scores(query, summary[..., 0, :], written)
         else:
             scores = page_upper_bounds(query, summary[..., 0, :], summary[..., 1, :], written)
-        best, index = scores.topk(min(self.pages, table), dim=-1)  # [b, hk, k]
+        count = min(self.pages, table)
+        if self.neighbours:
+            best, index = self._with_neighbours(scores, written, count)
+        else:
+            best, index = scores.topk(count, dim=-1)  # [b, hk, k]
         chosen = self.handles.gather(-1, index.cpu())
         chosen = chosen.masked_fill(~torch.isfinite(best).cpu(), -1)
         keys, values, positions = self._fetch(chosen)
@@ -252,6 +257,17 @@ class LayerRecall:
             positions.to(device).reshape(flat),
             valid.reshape(flat),
         )
+
+    def _with_neighbours(self, scores: Tensor, written: Tensor, count: int) -> tuple[Tensor, Tensor]:
+        """The ``count`` pages ranked by the best score within ``neighbours`` of each (a chosen page's neighbours
+        come along); among equal ranks a page's own score decides, so a seed precedes its neighbours."""
+        reach, table = 2 * self.neighbours + 1, scores.shape[-1]
+        pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, table), reach, stride=1, padding=self.neighbours)
+        pooled = torch.where(written, pooled.reshape(scores.shape), -torch.inf)
+        by_own = scores.argsort(dim=-1, descending=True, stable=True)
+        by_rank = pooled.gather(-1, by_own).argsort(dim=-1, descending=True, stable=True)
+        index = by_own.gather(-1, by_rank)[..., :count]
+        return pooled.gather(-1, index), index
 
     def _fetch(self, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Keys, values ``[b, hk, k, page_tokens, d]`` and positions of the ``chosen`` handles (-1: none):
