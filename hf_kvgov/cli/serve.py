@@ -10,6 +10,7 @@ Examples::
 
     kvgov serve                                          # SmolLM2 on http://127.0.0.1:8000/v1
     kvgov serve --kv-budget 2GiB --codec int8 --port 8080
+    kvgov serve --redis redis://127.0.0.1:6379/0       # servers on one Redis share the prefixes they computed
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
 """
@@ -44,6 +45,12 @@ def _run(args: argparse.Namespace) -> int:
             "max_batched_tokens": args.max_batched_tokens,
             "codec": args.codec,
         }
+        if args.redis is not None:
+            if args.no_prefix_sharing:
+                raise ValueError("--redis shares prefixes between servers, so it cannot go with --no-prefix-sharing.")
+            if not args.redis.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError(f"--redis takes a redis://, rediss:// or unix:// URL; got {args.redis!r}.")
+            engine_args["redis_url"] = args.redis
         from hf_kvgov.engine.parts import codec_config
         from hf_kvgov.serving.server import run_server, server_model_id
 
@@ -71,5 +78,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
+    parser.add_argument(
+        "--redis", metavar="URL", help="share published prefixes with other servers through Redis (redis://host:port/0)"
+    )
     parser.add_argument("--log-level", default="info", help="the server's log level [%(default)s]")
     parser.set_defaults(func=_run, loads_model=True)

@@ -23,8 +23,8 @@ from hf_kvgov.serving.transformers_api import install
 class GovernedModelLoader(model_manager.ModelLoader):
     """transformers' model loader, plus the governed engine on every model it loads.
 
-    The server builds its loader itself, so `run_server` sets the class's `engine_args` (`ServingEngine`'s) first;
-    each loader keeps a copy, which travels with it to the model's process.
+    The server builds its loader itself, so `run_server` sets the class's `engine_args` (`install`'s) first; each
+    loader keeps a copy, which travels with it to the model's process.
     """
 
     engine_args: ClassVar[dict[str, Any]] = {}

@@ -53,14 +53,20 @@ def install(model: Any, **engine_args: Any) -> None:
     """Make `model`'s continuous batching (`generate_batch`, the context manager) run on a `ServingEngine`.
 
     `engine_args` are `ServingEngine`'s (max_bytes, block_size, prefix_sharing, max_batched_tokens, ...); each
-    manager the model creates builds its engine with them.
+    manager the model creates builds its engine with them. For Redis, ``redis_url="redis://host:port/0"`` instead of
+    ``remote=``: each engine opens a `RedisTier` of its own on it (an engine closes its tier when it stops).
     """
+    if "remote" in engine_args:
+        raise ValueError(
+            "install() builds an engine for each batching manager, and an engine closes its tier when it stops, so "
+            "it takes redis_url='redis://host:port/0' (a RedisTier per engine) instead of remote=."
+        )
     if GenerationOutput is None or not hasattr(model, "generate_batch"):
         raise RuntimeError(
             f"transformers {TRANSFORMERS_VERSION} has no continuous batching API to install into (it needs "
             "transformers >= 5.0 and a model with generate_batch)."
         )
-    ServingEngine(model, **engine_args).close()  # refuses a bad argument now, not at the first generate_batch
+    _engine(model, {k: v for k, v in engine_args.items() if k != "redis_url"}).close()  # bad arguments refused now
     setattr(model, _INSTALLED, dict(engine_args))
     model.init_continuous_batching = types.MethodType(_init_governed_batching, model)
 
@@ -78,6 +84,17 @@ def _init_governed_batching(
     """What `install` puts in place of `model.init_continuous_batching` (its signature)."""
     config = generation_config if generation_config is not None else model.generation_config
     return GovernedBatchingManager(model, config, **getattr(model, _INSTALLED))
+
+
+def _engine(model: Any, engine_args: dict[str, Any]) -> ServingEngine:
+    """A `ServingEngine` with `engine_args`, ``redis_url`` opened as a `RedisTier` of its own."""
+    args = dict(engine_args)
+    redis_url = args.pop("redis_url", None)
+    if redis_url is not None:
+        from hf_kvgov.tiers.redis_tier import RedisTier
+
+        args["remote"] = RedisTier(redis_url, model)
+    return ServingEngine(model, **args)
 
 
 class GovernedBatchingManager:
@@ -110,7 +127,7 @@ class GovernedBatchingManager:
 
     def start(self) -> None:
         if self._loop is None:
-            self._engine = ServingEngine(self.model, **self._engine_args)
+            self._engine = _engine(self.model, self._engine_args)
             self._loop = EngineLoop(self._engine, listener=self._on_event)
 
     def is_running(self) -> bool:

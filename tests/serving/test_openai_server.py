@@ -18,8 +18,11 @@ from typing import Any
 
 import openai
 import pytest
+import redis as redis_client
 import torch
 from transformers import DynamicCache
+
+from hf_kvgov.tiers.local_redis import LocalRedis
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
@@ -35,10 +38,15 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2: Any) -> Iterator[tuple[str, Path]]:
+    """`kvgov serve` without prefix sharing (so a cancelled request leaves nothing held)."""
+    yield from _serve(tmp_path_factory, ["--no-prefix-sharing"])
+
+
+def _serve(tmp_path_factory: pytest.TempPathFactory, options: list[str]) -> Iterator[tuple[str, Path]]:
     """`kvgov serve` in its own process group (the server spawns the model's process), stopped after the tests."""
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    command = [sys.executable, "-m", "hf_kvgov.cli.main", "serve", "--port", str(port), "--no-prefix-sharing"]
+    command = [sys.executable, "-m", "hf_kvgov.cli.main", "serve", "--port", str(port), *options]
     command += ["--kv-budget", "64MiB", "--block-size", "16"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -99,3 +107,28 @@ def test_a_closed_stream_is_cancelled_and_frees_its_blocks(server: tuple[str, Pa
         time.sleep(0.5)
     assert found, f"no cancellation in the server's log:\n{log.read_text()[-2000:]}"
     assert found[-1][1] == "0"  # no prefix sharing: nothing else holds a block
+
+
+def test_a_server_on_redis_publishes_the_prefixes_it_computed(
+    tmp_path_factory: pytest.TempPathFactory, smollm2: Any
+) -> None:
+    """`kvgov serve --redis URL`: the model's engine shares what it publishes through a real redis-server, so
+    another server on the same Redis would compute none of it (tests/serving/test_engine_remote.py shows that)."""
+    redis = LocalRedis().start()
+    served = _serve(tmp_path_factory, ["--redis", redis.url])
+    try:
+        url, _ = next(served)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        prompt = " ".join([PROMPT] * 8)  # about 60 tokens: three full blocks to publish
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+        assert answer.choices[0].text == _greedy_alone(smollm2, prompt, 8)
+        store = redis_client.Redis.from_url(redis.url)
+        deadline = time.monotonic() + 30
+        while not store.keys(b"kvgov:*") and time.monotonic() < deadline:  # the tier writes from its own thread
+            time.sleep(0.5)
+        assert len(store.keys(b"kvgov:*")) >= 3
+        store.close()
+    finally:
+        served.close()  # stops the server, whose engine closes its tier
+        redis.stop()
