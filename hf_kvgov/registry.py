@@ -333,8 +333,8 @@ def _parse_quantized(family: str, argument: str) -> CacheSpec:
 
 def int2_kivi(model: Any = None) -> QuantConfig:
     """int2 as KIVI runs it (`format_defaults`): the newest tokens in full precision, values in groups of 32
-    channels (one group per head when `model`'s head_dim is not a multiple of 32); scales and zeros in one byte
-    each. Without a model, groups of 32."""
+    channels (one group per head when `model`'s head_dim is not a multiple of 32), fp16 scales and zeros. Without
+    a model, groups of 32."""
     head_dim = INT2_VALUE_GROUP if model is None else kv_heads_and_head_dim(decoder_config(model))[1]
     return QuantConfig(bits=2, **format_defaults(2, head_dim))
 
@@ -350,7 +350,7 @@ def _parse_int2(argument: str) -> CacheSpec:
     block_size = _count(f"int2@{argument}", argument, "the block size in tokens")
     description = (
         f"QuantizedCache int2 (KIVI), {block_size}-token blocks, the newest {INT2_RESIDUAL} tokens in full "
-        f"precision, value groups of {INT2_VALUE_GROUP} channels, one-byte scales and zeros"
+        f"precision, value groups of {INT2_VALUE_GROUP} channels, fp16 scales and zeros"
     )
     return _int2_spec(f"int2@{argument}", description, block_size)
 
@@ -452,7 +452,7 @@ register_cache(
     _int2_spec(
         "int2",
         "QuantizedCache int2 (KIVI), four codes per byte: keys per channel over 16-token blocks, values per token "
-        "in groups of 32 channels, one-byte scales and zeros, the newest 32 tokens and the sink block in full "
+        "in groups of 32 channels, fp16 scales and zeros, the newest 32 tokens and the sink block in full "
         "precision",
         INT2_BLOCK_SIZE,
     )

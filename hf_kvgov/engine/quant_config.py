@@ -31,21 +31,21 @@ from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 COMPACT_BLOCK_SIZE = 128
 
 # int2 needs KIVI's full-precision window and value groups: without them SmolLM2 loses 15.75% perplexity at
-# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). One-byte statistics (a logarithmic scale
-# and an e4m3 zero: `hf_kvgov.codecs.numerics`) cost SmolLM2 +7.32% there, Gemma-3-270M +6.45%, and take
-# SmolLM2 from 0.243x to 0.198x of float16 K + V in a 16-bit model: the only setting measured within +10% at
-# under 0.2x (eval/RESULTS.md, int2 settings), so it is what `bits=2` means unless told otherwise. A block
-# whose keys lie past e4m3's +-448 stays in full precision (`QuantizedBlockPool.seal`).
+# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). On two novels no setting was chosen on (Emma,
+# Mansfield Park; eval/RESULTS.md, int2 defaults on unseen text) fp16 statistics cost SmolLM2 +5.1% / +6.5% and
+# Gemma-3-270M +4.3% / +6.3%, while one-byte statistics (a logarithmic scale and an e4m3 zero, `scale_bytes=1`:
+# 0.198x of float16 K + V instead of 0.243x on SmolLM2) cost +8.0% / +11.4% and +7.3% / +10.6%, and a wider
+# window does not make up for them at equal bytes. So `bits=2` means fp16 statistics; one byte stays an option.
 INT2_RESIDUAL = 32
 INT2_VALUE_GROUP = 32
 INT2_BLOCK_SIZE = 16
-INT2_SCALE_BYTES = 1
+INT2_SCALE_BYTES = 2
 
 
 def format_defaults(bits: int, head_dim: int) -> dict[str, Any]:
     """The settings a quantized cache fills in where it is not given them: int2 as KIVI runs it (the newest 32
-    tokens in full precision, values in groups of 32 channels where head_dim allows, one-byte statistics); every
-    other format seals all full blocks with one fp16 scale per token and head."""
+    tokens in full precision, values in groups of 32 channels where head_dim allows); every format seals its full
+    blocks with fp16 statistics, the others with one scale per token and head."""
     if bits == 2:
         group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
         return {"residual": INT2_RESIDUAL, "group_size": group, "scale_bytes": INT2_SCALE_BYTES}

@@ -23,10 +23,10 @@ def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
 
 def test_int2_runs_as_kivi_does() -> None:
     cache = get_cache_spec("int2@32").build(MODEL)  # head_dim 16: one value group per head
-    assert (cache.quant.bits, cache.quant.residual, cache.quant.group_size, cache.quant.scale_bytes) == (2, 32, None, 1)
+    assert (cache.quant.bits, cache.quant.residual, cache.quant.group_size, cache.quant.scale_bytes) == (2, 32, None, 2)
     assert cache.parts.pool is not None and cache.parts.pool.block_size == 32
     preset = get_cache_spec("int2").build(MODEL)  # the setting within +10% under 0.2x of float16 (RESULTS.md)
-    assert preset.parts.pool is not None and preset.parts.pool.block_size == 16 and preset.quant.scale_bytes == 1
+    assert preset.parts.pool is not None and preset.parts.pool.block_size == 16 and preset.quant.scale_bytes == 2
     smollm2_like = tiny_llama()
     smollm2_like.config.head_dim = 64  # only the geometry is read: value groups of 32 channels
     assert get_cache_spec("int2").build(smollm2_like).quant.group_size == 32

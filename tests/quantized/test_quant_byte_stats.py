@@ -122,7 +122,7 @@ def test_keys_past_one_byte_statistics_keep_their_blocks_in_full_precision_mid_g
                         layer.self_attn.q_proj.weight[q_head * 16 + channel] /= 1e4
     inputs = prompts(length=21)
     expected = run(model, DynamicCache(config=model.config), inputs)
-    cache = QuantizedCache(model, bits=2, block_size=4, residual=0)  # one-byte statistics: int2's default
+    cache = QuantizedCache(model, bits=2, block_size=4, residual=0, scale_bytes=1)
     got = run(model, cache, inputs)
     stats = cache.stats()
     # 21 + 11 cached tokens fill 8 blocks of 4: the sink block 0 stays anyway, blocks 1-7 overflowed.
@@ -131,22 +131,22 @@ def test_keys_past_one_byte_statistics_keep_their_blocks_in_full_precision_mid_g
     for a, b in zip(got.scores, expected.scores, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     # Unplanted, the same blocks seal: the fallback is per block, not a cache gone to full precision.
-    plain = QuantizedCache(MODEL, bits=2, block_size=4, residual=0)
+    plain = QuantizedCache(MODEL, bits=2, block_size=4, residual=0, scale_bytes=1)
     run(MODEL, plain, inputs)
     assert plain.stats().overflow_blocks == 0 and plain.stats().sealed_blocks == 7
 
 
 def test_bits_2_as_users_type_it_gets_the_measured_int2_settings() -> None:
-    """`QuantizedCache(model, bits=2)` is the `int2` name's configuration (KIVI's window and value groups, one-byte
-    statistics: RESULTS.md, int2 settings); each setting given still wins, and other formats keep theirs."""
+    """`QuantizedCache(model, bits=2)` is the `int2` name's configuration (KIVI's window and value groups, fp16
+    statistics: RESULTS.md, int2 defaults on unseen text); each setting given still wins, other formats keep theirs."""
     smollm2_like = tiny_llama()
     smollm2_like.config.head_dim = 64  # only the geometry is read: value groups of 32 channels
     for model, group in ((smollm2_like, 32), (MODEL, None)):  # head_dim 16: one value group per head
         quant = QuantizedCache(model, bits=2).quant
-        assert (quant.residual, quant.group_size, quant.scale_bytes) == (32, group, 1)
+        assert (quant.residual, quant.group_size, quant.scale_bytes) == (32, group, 2)
         assert quant == get_cache_spec("int2").build(model).quant
-    given = QuantizedCache(MODEL, bits=2, residual=0, group_size=None, scale_bytes=2).quant
-    assert (given.residual, given.group_size, given.scale_bytes) == (0, None, 2)
+    given = QuantizedCache(MODEL, bits=2, residual=0, group_size=None, scale_bytes=1).quant
+    assert (given.residual, given.group_size, given.scale_bytes) == (0, None, 1)
     for bits, fmt in ((8, "int"), (4, "int"), (8, "fp8")):
         quant = QuantizedCache(MODEL, bits=bits, fmt=fmt).quant
         assert (quant.residual, quant.group_size, quant.scale_bytes) == (0, None, 2)
