@@ -105,8 +105,8 @@ def capped_pool(like: BlockPool, budget_bytes: int) -> BlockPool:
 
 @capped_pool.register
 def _capped_quantized(like: QuantizedBlockPool, budget_bytes: int) -> BlockPool:
-    # Its cap bounds the full-precision blocks only, and they are few once sealed: grown on demand, not
-    # pre-allocated; `pool_bytes_used` is what a fill holds against the budget.
+    # Its cap bounds full-precision blocks and codes together, which it shares between them as they grow: grown on
+    # demand, not pre-allocated; `pool_bytes_used` is what a fill holds against the budget.
     _check_free(like, budget_bytes)
     return QuantizedBlockPool(
         like.geometry, like.sealed.formats, block_size=like.block_size, max_bytes=budget_bytes, groups=like.groups

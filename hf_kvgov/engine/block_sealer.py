@@ -12,6 +12,7 @@ layer's reads append them after the sealed store's, so every attention path deco
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,6 +73,15 @@ class BlockSealer:
     def new_pool(self, geometry: KVGeometry, groups: tuple[LayerGroup, ...], **pool_args: int | None) -> BlockPool:
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)
         return QuantizedBlockPool(geometry, formats, groups=groups, **pool_args)  # type: ignore[arg-type]
+
+    def sealed_block_bytes(self, geometry: KVGeometry, heads: Sequence[int], block_size: int) -> int:
+        """Bytes of one sealed block of the pool this configuration creates: one layer of each position (`heads`)."""
+        formats = self.quant.formats(geometry.num_layers, geometry.dtype)
+        return sum(
+            int(torch.Size(shape).numel()) * dtype.itemsize
+            for head in heads
+            for shape, dtype in formats[head].layout(block_size, geometry.num_kv_heads, geometry.head_dim).values()
+        )
 
     def check_pool(self, pool: BlockPool, num_layers: int) -> None:
         """Refuse a pool (given, or a prefix tree's) that cannot hold this configuration's sealed blocks."""

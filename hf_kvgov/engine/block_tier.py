@@ -73,7 +73,7 @@ class BlockTier:
 
     Args:
         disk: the tier's settings.
-        sealed: the codec of a cache that spills sealed blocks (its cap counts full-precision blocks only).
+        sealed: the codec of a cache that spills sealed blocks (its cap counts their codes as well).
     """
 
     def __init__(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
@@ -92,19 +92,25 @@ class BlockTier:
         pool_bytes, block_size = self.disk.pool_bytes, cache.pool_args["block_size"]
         if pool_bytes is None or block_size is None:
             return
-        blocks, kept = disk_prefix.resident_need(block_size, self.disk, self.sealed)
-        # A block holds one position of every group; a sliding group keeps at most its window, the tail and a step.
-        bytes_per_block = cache.block_bytes(geometry)
-        per_group = [
-            blocks if g.window is None else min(blocks, math.ceil(g.window / block_size) + 2) for g in cache.groups
-        ]
-        needed = sum(per_group) * bytes_per_block
+        blocks, coded, kept = disk_prefix.resident_need(block_size, self.disk, self.sealed)
+
+        def per_group(count: int) -> int:  # a sliding group keeps at most its window, the tail and a step
+            windows = [g.window for g in cache.groups]
+            return sum(count if w is None else min(count, math.ceil(w / block_size) + 2) for w in windows)
+
+        # A block holds one position of every group.
+        full, sealed = per_group(blocks), per_group(coded)
+        needed = full * cache.block_bytes(geometry)
+        if sealed:
+            assert cache.sealer is not None
+            needed += sealed * cache.sealer.sealed_block_bytes(geometry, cache.layout.heads, block_size)
         if pool_bytes < needed:
+            counted = f"{full} blocks" + (f" and {sealed} sealed blocks" if sealed else "")
             raise ValueError(
-                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for full-precision "
-                f"blocks after up to {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {blocks} blocks = "
-                f"{needed} bytes at this geometry. Raise max_resident_bytes, or lower "
-                f"{'residual' if self.sealed is not None else 'hot_tokens'} or read_buffer_bytes."
+                f"max_resident_bytes={self.disk.max_resident_bytes} leaves {pool_bytes} bytes for the pool "
+                f"after up to {self.disk.buffer_bytes} of read-ahead buffers, but {kept} need {counted} = {needed} "
+                f"bytes at this geometry. Raise max_resident_bytes, or lower "
+                f"{'residual, hot_tokens' if self.sealed is not None else 'hot_tokens'} or read_buffer_bytes."
             )
 
     def attach(self, cache: BlockStore, pool: BlockPool, spilled: SpillFormat) -> None:

@@ -11,7 +11,7 @@ Tree-held blocks are locked by this cache until released, so the tree can neithe
 are hot in aggregate (every matching request reads them). A publish first brings the row's spilled private blocks
 back (all, or `PoolExhausted` and nothing changed), so the tree only references resident blocks; publishing just
 the resident leading run would stop at block 0, as a document spills during its first request's own decode. With a
-codec they come back as codes into the sealed store, which grows: the pool cap bounds full-precision blocks only.
+codec they come back as codes into the sealed store, under the same cap as the full-precision blocks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def shared_pool_block_size(
     pool = prefix.pool
     _check_pool_kind(pool, sealed)
     # A per-cache cap or another block size with a tree is refused by the chain's rules (`hf_kvgov.engine.rules`).
-    needed, kept = resident_need(pool.block_size, disk, sealed)
+    needed, _, kept = resident_need(pool.block_size, disk, sealed)
     if pool.max_blocks is not None and pool.max_blocks < needed:
         raise ValueError(
             f"The prefix tree's pool holds at most {pool.max_blocks} blocks, but one sequence keeps {kept} in "
@@ -86,16 +86,21 @@ def _check_pool_kind(pool: BlockPool, sealed: QuantConfig | None) -> None:
         )
 
 
-def resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, str]:
-    """(pool blocks one sequence keeps in memory, what they are), counted against the pool's cap."""
+def resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, int, str]:
+    """(full-precision blocks, sealed blocks, what they are) one sequence keeps in memory, against the pool's cap."""
+    hot = math.ceil(disk.hot_tokens / block_size)
     if sealed is None:
-        needed = 1 + math.ceil(disk.hot_tokens / block_size) + 2  # first block + hot window + tail + one step
-        return needed, f"the first block, a {disk.hot_tokens}-token hot window and one decode step"
-    # The cap counts full-precision blocks only: the hot window is sealed, in the store.
+        needed = 1 + hot + 2  # first block + hot window + tail + one step
+        return needed, 0, f"the first block, a {disk.hot_tokens}-token hot window and one decode step"
+    # With a codec the hot window is codes, in the sealed store, which the cap counts too.
     needed = sealed.sink_blocks + math.ceil(sealed.residual / block_size) + 2  # + tail + one step
-    return needed, (
-        f"{sealed.sink_blocks} sink block(s), a {sealed.residual}-token residual window and one decode step "
-        "in full precision"
+    return (
+        needed,
+        hot,
+        (
+            f"{sealed.sink_blocks} sink block(s), a {sealed.residual}-token residual window and one decode step "
+            f"in full precision, and a {disk.hot_tokens}-token hot window in codes"
+        ),
     )
 
 

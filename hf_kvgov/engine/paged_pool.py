@@ -33,16 +33,8 @@ def create_pool(cache: BlockStore, dtype: torch.dtype, device: torch.device) -> 
 
 def _new_pool(cache: BlockStore, geometry: KVGeometry) -> BlockPool:
     """Sealing blocks with a codec link, else plain."""
-    if cache.sealer is not None:
-        args = dict(cache.pool_args)
-        if cache.spill_link is not None and args["max_bytes"] is not None:
-            # A disk tier's max_resident_bytes budgets the full-precision blocks, the sealed codes of its hot window
-            # on top (`QuantizedDiskCache`); a quantized pool's max_bytes would count both, so cap in tokens.
-            blocks = args["max_bytes"] // cache.block_bytes(geometry)
-            block_size = args["block_size"]
-            assert block_size is not None
-            args["max_tokens"], args["max_bytes"] = blocks * block_size, None
-        return cache.sealer.new_pool(geometry, cache.groups, **args)
+    if cache.sealer is not None:  # its max_bytes counts the codes too (a disk tier's max_resident_bytes included)
+        return cache.sealer.new_pool(geometry, cache.groups, **cache.pool_args)
     return BlockPool(geometry, groups=cache.groups, **cache.pool_args)  # type: ignore[arg-type]
 
 

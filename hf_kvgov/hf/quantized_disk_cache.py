@@ -38,12 +38,13 @@ class QuantizedDiskCache(QuantizedCache):
     Args:
         model_or_config: as for `QuantizedCache`.
         path, hot_tokens, max_resident_bytes, max_write_bytes, read_buffer_bytes, prefetch, on_full,
-            extent_blocks: the disk tier, as for `DiskOffloadCache` (see the module docstring for the cap).
+            extent_blocks: the disk tier, as for `DiskOffloadCache`: ``max_resident_bytes`` bounds every
+            byte in memory, the full-precision blocks, the hot window's codes and the read-ahead buffers.
         bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes,
             attention: as for `QuantizedCache`.
         block_size: tokens per block (None: the prefix tree's, else 16).
         prefix: a `PrefixCache` over a `QuantizedBlockPool` of this configuration (`prefix_tree(model,
-            codec=...)`); enables `match` and `publish`. Its pool's cap bounds the full-precision blocks
+            codec=...)`); enables `match` and `publish`. Its pool's cap bounds blocks and codes
             (max_resident_bytes is refused).
         namespace: prefix-sharing namespace, as for `QuantizedCache` (which shares blocks with this cache).
     """

@@ -224,8 +224,10 @@ def test_crop_into_a_spilled_block_brings_it_back_and_decodes_it(tmp_path: Path)
     cache.release()
 
 
-def test_long_stream_keeps_full_precision_memory_under_the_cap(tmp_path: Path) -> None:
-    bound, chunk, hot = 48 * 1024, 64, 32
+def test_long_stream_keeps_every_byte_under_the_cap(tmp_path: Path) -> None:
+    """max_resident_bytes bounds the pool's tensors, codes included, plus the read-ahead buffers: a step of 64 tokens
+    holds 18 full-precision blocks of 2,048 bytes and up to 24 sealed ones of 832 while it seals them (56 KiB)."""
+    bound, chunk, hot = 80 * 1024, 64, 32
     cache = QuantizedDiskCache(MODEL, tmp_path, hot, bound, block_size=4, read_buffer_bytes=8 * 1024)
     reference = QuantizedCache(MODEL, block_size=4)
     ids = torch.randint(3, 96, (1, 512), generator=torch.Generator().manual_seed(3))
@@ -235,7 +237,7 @@ def test_long_stream_keeps_full_precision_memory_under_the_cap(tmp_path: Path) -
             expected = MODEL(ids[:, start : start + chunk], cache=reference).logits
             assert torch.equal(got, expected)
             stats = cache.stats()
-            assert stats.full_precision_bytes + stats.read_buffer_bytes <= bound
+            assert cache.pool is not None and cache.pool.bytes_held() + stats.read_buffer_bytes <= bound
             assert stats.sealed_blocks <= hot // 4 + chunk // 4  # the hot window plus the step's own blocks
     # Last step start: 448 tokens, (448 - 32) // 4 = 104, so blocks 1..103 are on disk.
     assert (stats.spills, stats.spilled_blocks) == (103, 103)
@@ -320,8 +322,9 @@ def test_reset_keeps_the_file_and_release_removes_it(tmp_path: Path) -> None:
 def test_bad_arguments_are_explained(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="on_full must be one of"):
         QuantizedDiskCache(MODEL, tmp_path, on_full="drop")
-    # Sink + 8 / 4 residual blocks + tail + one step = 5 blocks of 4 x 512 bytes; 3 / 4 of 8,000 is less.
-    with pytest.raises(ValueError, match="5 blocks = 10240 bytes"):
+    # Sink + 8 / 4 residual blocks + tail + one step = 5 full-precision blocks of 4 x 512 bytes, and the 512-token
+    # hot window's 128 sealed blocks of 832 bytes: 116,736; 3 / 4 of 8,000 is less.
+    with pytest.raises(ValueError, match="need 116736 bytes"):
         QuantizedDiskCache(MODEL, tmp_path, block_size=4, residual=8, max_resident_bytes=8000)
 
 

@@ -36,9 +36,15 @@ def test_disk_offload_cache_needs_the_first_block_the_hot_window_and_one_step(tm
                      read_buffer_bytes=0).release()  # fmt: skip
 
 
-def test_quantized_disk_cache_needs_its_full_precision_blocks_only(tmp_path: Path) -> None:
-    # The hot window is sealed codes, outside the cap: sink + 8-token residual (2 blocks) + tail + one step = 5
+def test_quantized_disk_cache_needs_its_full_precision_blocks_and_the_hot_windows_codes(tmp_path: Path) -> None:
+    # sink + 8-token residual (2 blocks) + tail + one step = 5 full-precision blocks, and the 64-token hot window's
+    # 16 sealed blocks (int8: 2 layers x 2 heads x (2 x 4 x 16 codes + 16 key scales and zeros x 2 bytes + 4 value
+    # scales and zeros x 2 bytes) = 832 bytes each): the cap counts every byte in memory.
+    sealed = 2 * 2 * (2 * 4 * 16 + 2 * 16 * 2 + 2 * 4 * 2)
+    needed = 5 * BLOCK_BYTES + 16 * sealed
     kwargs = {"hot_tokens": 64, "block_size": 4, "residual": 8, "read_buffer_bytes": 0}
-    with pytest.raises(ValueError, match=f"need 5 blocks = {5 * BLOCK_BYTES} bytes .* lower residual"):
-        QuantizedDiskCache(MODEL, tmp_path, max_resident_bytes=5 * BLOCK_BYTES - 1, **kwargs)  # type: ignore[arg-type]
-    QuantizedDiskCache(MODEL, tmp_path, max_resident_bytes=5 * BLOCK_BYTES, **kwargs).release()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"need 5 blocks and 16 sealed blocks = {needed} bytes .* lower residual"):
+        QuantizedDiskCache(MODEL, tmp_path, max_resident_bytes=needed - 1, **kwargs)  # type: ignore[arg-type]
+    cache = QuantizedDiskCache(MODEL, tmp_path, max_resident_bytes=needed, **kwargs)  # type: ignore[arg-type]
+    assert cache.pool is not None and cache.pool.max_bytes == needed  # one cap for blocks and codes
+    cache.release()
