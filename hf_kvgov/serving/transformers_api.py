@@ -86,6 +86,30 @@ def _init_governed_batching(
     return GovernedBatchingManager(model, config, **getattr(model, _INSTALLED))
 
 
+class _EngineState:
+    """The engine as transformers' server reads a batch processor: ``cache.compute_free_capacity()`` (the share of
+    the byte cap, or without one of the pool's memory, not in use) and ``scheduler.active_requests`` /
+    ``waiting_requests``."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self._engine = engine
+        self.cache = self
+        self.scheduler = self
+
+    def compute_free_capacity(self) -> float:
+        stats = self._engine.stats()
+        room = stats.kv_bytes_cap if stats.kv_bytes_cap is not None else stats.kv_bytes_held
+        return 1.0 - stats.kv_bytes_used / room if room else 1.0
+
+    @property
+    def active_requests(self) -> list[Any]:
+        return list(self._engine.scheduler.running)
+
+    @property
+    def waiting_requests(self) -> list[Any]:
+        return list(self._engine.scheduler.waiting)
+
+
 def _engine(model: Any, engine_args: dict[str, Any]) -> ServingEngine:
     """A `ServingEngine` with `engine_args`, ``redis_url`` opened as a `RedisTier` of its own."""
     args = dict(engine_args)
@@ -102,7 +126,6 @@ class GovernedBatchingManager:
     or one request's as they stream), cancel, start and stop the background loop."""
 
     warmed_up = True  # nothing to capture: no CUDA graphs
-    batch_processor = None  # transformers' own batch processor: there is none (the server's stats line skips it)
     logit_processor = _SamplingKeys()
 
     def __init__(self, model: Any, generation_config: Any, **engine_args: Any) -> None:
@@ -132,6 +155,12 @@ class GovernedBatchingManager:
 
     def is_running(self) -> bool:
         return self._loop is not None
+
+    @property
+    def batch_processor(self) -> _EngineState | None:
+        """What transformers' server reads of its batch processor for its stats line (requests running and waiting,
+        how full the KV pool is), from the engine; None before it starts, as the server expects."""
+        return None if self._engine is None else _EngineState(self._engine)
 
     @property
     def engine(self) -> ServingEngine | None:

@@ -3,6 +3,9 @@ cancel), unchanged, running on the governed engine after `install`."""
 
 from __future__ import annotations
 
+import time
+import types
+
 import pytest
 import torch
 
@@ -51,6 +54,28 @@ def test_context_manager_streams_and_cancels(model, prompts) -> None:  # type: i
         assert engine is not None and engine.pool.num_used == len(engine.prefix.tree)  # only the tree's blocks
     finished = model.generate_batch([prompts[1]], max_new_tokens=10)
     assert finished["req_0"].generated_tokens == reference
+
+
+def test_the_servers_stats_line_reads_the_engine(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """transformers' server logs requests running and waiting and how full the KV cache is, from its batch processor;
+    its own `state` reads the engine's figures (it printed no KV usage at all before)."""
+    from transformers.cli.serving.utils import CBGenerateRunner
+
+    with model.continuous_batching_context_manager() as manager:
+        assert CBGenerateRunner.state(types.SimpleNamespace(manager=manager)) == (0, 0, ", KV cache: 0.0% used")
+        request_id = manager.add_request(prompts[1], max_new_tokens=400)
+        deadline = time.monotonic() + 30
+        while (state := CBGenerateRunner.state(types.SimpleNamespace(manager=manager)))[0] == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.01)
+        engine = manager.engine
+        assert engine is not None
+        running, waiting, line = state
+        stats = engine.stats()
+        assert (running, waiting) == (1, 0) and stats.kv_bytes_used > 0
+        used = float(line.removeprefix(", KV cache: ").removesuffix("% used"))
+        assert 0 < used <= 100  # the share of the pool's memory in use (no cap given)
+        manager.cancel_request(request_id)
 
 
 def test_refusals_name_what_is_wrong(prompts) -> None:  # type: ignore[no-untyped-def]
