@@ -3,10 +3,12 @@
 The configurations (`SERVE_CONFIGS`): static batching with `DynamicCache` (requests that have arrived are batched,
 padded, while their padded KV fits the cap, and the next batch waits for the whole batch to end); transformers'
 continuous batching with its own paged cache (`num_blocks` from the cap); hf_kvgov's `ServingEngine`, without and
-with prefix sharing, and with int8 codes too. Each request's tokens are timed as they come (a streamer for static
+with prefix sharing, with int8 codes too, and with preempted requests swapped to disk instead of computed again.
+Each request's tokens are timed as they come (a streamer for static
 batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed, request and output
 throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), goodput under an SLO; plus governance figures
-sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens, prefix hit rate, queue time).
+sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens, swapped blocks, prefix hit
+rate, queue time).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfi
 
 from hf_kvgov.bench.serve_workload import TraceConfig, TraceRequest, build_trace
 from hf_kvgov.bench.timing import TokenClock, machine_description
+from hf_kvgov.engine.parts import Disk
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.serving import SamplingParams, ServingEngine
@@ -34,6 +37,7 @@ SERVE_CONFIGS = {
     "paged": "hf_kvgov ServingEngine, paged blocks",
     "prefix": "hf_kvgov ServingEngine, paged blocks + prefix sharing",
     "int8": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes",
+    "swap": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes, preempted requests swapped to disk",
 }
 
 
@@ -110,6 +114,7 @@ class ServeRow:
     preemptions: int | None  # None: the configuration does not say (transformers' own manager)
     recomputed_tokens: int | None
     prefix_hit_rate: float | None
+    swapped_blocks: int | None  # blocks preemptions wrote to disk (None: the configuration does not swap)
     samples: tuple[Sample, ...]
     ttfts: tuple[float, ...]
     outputs: tuple[tuple[int, ...], ...]  # each request's tokens, in trace order
@@ -142,7 +147,13 @@ def kv_bytes_per_token(model: Any) -> int:
 
 
 def _run_engine(
-    model: Any, trace: Sequence[TraceRequest], config: ServeConfig, prefix: bool, codec: str | None, bar: Any
+    model: Any,
+    trace: Sequence[TraceRequest],
+    config: ServeConfig,
+    prefix: bool,
+    codec: str | None,
+    bar: Any,
+    swap: bool = False,
 ) -> tuple:
     engine = ServingEngine(
         model,
@@ -151,6 +162,7 @@ def _run_engine(
         prefix_sharing=prefix,
         max_batched_tokens=config.max_batched_tokens,
         codec=codec,
+        spill=Disk() if swap else None,  # a private temporary directory, deleted when the engine closes
     )
     served = [Served(r.arrival) for r in trace]
     requests: dict[int, Any] = {}
@@ -188,7 +200,8 @@ def _run_engine(
         record.admitted = None if request.admitted_at is None else request.admitted_at - start
         record.token_times = [t - start for t in request.token_times]
         record.tokens = list(request.output)
-    return served, samples, stats.preemptions, stats.recomputed_tokens, stats.prefix_hit_rate
+    swapped = stats.swapped_blocks if swap else None
+    return served, samples, stats.preemptions, stats.recomputed_tokens, stats.prefix_hit_rate, swapped
 
 
 def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, bar: Any) -> tuple:
@@ -246,7 +259,7 @@ def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, 
             record.token_times = steps[: item.new_tokens]
             record.tokens = out[row, width : width + item.new_tokens].tolist()
         bar.update(len(batch))
-    return served, samples, 0, 0, 0.0
+    return served, samples, 0, 0, 0.0, None
 
 
 def _run_transformers(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, bar: Any) -> tuple:
@@ -293,7 +306,7 @@ def _run_transformers(model: Any, trace: Sequence[TraceRequest], config: ServeCo
                 bar.update()
     finally:
         manager.stop(block=True)
-    return served, samples, None, None, None  # what its cache did is not exposed
+    return served, samples, None, None, None, None  # what its cache did is not exposed
 
 
 # ------------------------------------------------------------------ metrics
@@ -302,7 +315,7 @@ def _run_transformers(model: Any, trace: Sequence[TraceRequest], config: ServeCo
 def summarize(
     name: str, served: Sequence[Served], samples: Sequence[Sample], extra: tuple, config: ServeConfig
 ) -> ServeRow:
-    preemptions, recomputed, hit_rate = extra
+    preemptions, recomputed, hit_rate, swapped = extra
     done = [s for s in served if s.failed is None and s.token_times]
     ttft = [s.token_times[0] - s.arrival for s in done]
     tpot = [(s.token_times[-1] - s.token_times[0]) / (len(s.token_times) - 1) for s in done if len(s.token_times) > 1]
@@ -337,6 +350,7 @@ def summarize(
         preemptions=preemptions,
         recomputed_tokens=recomputed,
         prefix_hit_rate=hit_rate,
+        swapped_blocks=swapped,
         samples=tuple(samples),
         ttfts=tuple(ttft),
         outputs=tuple(tuple(s.tokens) for s in served),
@@ -355,6 +369,7 @@ def run_serve(
         "paged": lambda bar: _run_engine(model, trace, config, False, None, bar),
         "prefix": lambda bar: _run_engine(model, trace, config, True, None, bar),
         "int8": lambda bar: _run_engine(model, trace, config, True, "int8", bar),
+        "swap": lambda bar: _run_engine(model, trace, config, True, "int8", bar, swap=True),
     }
 
     def report() -> ServeReport:
@@ -378,8 +393,9 @@ def serve_markdown(report: ServeReport) -> str:
     )
     lines = [
         "| config | done | failed | req/s | out tok/s | TTFT p50 / p99 s | TPOT p50 / p99 s | ITL p99 s | E2E p50 s "
-        "| queue mean s | goodput req/s | running max / mean | KV MiB max | preempted | recomputed | prefix hits |",
-        "| --- |" + " ---: |" * 15,
+        "| queue mean s | goodput req/s | running max / mean | KV MiB max | preempted | recomputed | swapped blocks "
+        "| prefix hits |",
+        "| --- |" + " ---: |" * 16,
     ]
     for r in report.rows:
         lines.append(
@@ -387,7 +403,7 @@ def serve_markdown(report: ServeReport) -> str:
             f"| {r.ttft.p50:.2f} / {r.ttft.p99:.2f} | {r.tpot.p50:.3f} / {r.tpot.p99:.3f} | {r.itl.p99:.3f} "
             f"| {r.e2e.p50:.2f} | {r.queue.mean:.2f} | {r.goodput:.2f} | {r.running_max} / {r.running_mean:.1f} "
             f"| {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} | {_or_na(r.recomputed_tokens)} "
-            f"| {_or_na(r.prefix_hit_rate, '{:.0%}')} |"
+            f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -11,6 +11,7 @@ Examples::
     kvgov serve                                          # SmolLM2 on http://127.0.0.1:8000/v1
     kvgov serve --kv-budget 2GiB --codec int8 --port 8080
     kvgov serve --redis redis://127.0.0.1:6379/0       # servers on one Redis share the prefixes they computed
+    kvgov serve --kv-budget 1GiB --swap-dir /mnt/ssd    # a full pool swaps requests to the SSD, not recomputes
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
 """
@@ -45,6 +46,10 @@ def _run(args: argparse.Namespace) -> int:
             "max_batched_tokens": args.max_batched_tokens,
             "codec": args.codec,
         }
+        if args.swap_dir is not None:
+            from hf_kvgov.engine.parts import Disk
+
+            engine_args["spill"] = Disk(path=args.swap_dir)  # refuses a path that is not a directory, here
         if args.redis is not None:
             if args.no_prefix_sharing:
                 raise ValueError("--redis shares prefixes between servers, so it cannot go with --no-prefix-sharing.")
@@ -78,6 +83,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
+    parser.add_argument(
+        "--swap-dir",
+        metavar="DIR",
+        help="swap preempted requests' KV to a file in DIR and back, instead of computing them again",
+    )
     parser.add_argument(
         "--redis", metavar="URL", help="share published prefixes with other servers through Redis (redis://host:port/0)"
     )

@@ -36,9 +36,11 @@ from hf_kvgov.serving.blocks import FullPrecisionBlocks, SealedBlockCodec
 from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
 from hf_kvgov.serving.runner import ModelRunner
 from hf_kvgov.serving.scheduler import Scheduler
+from hf_kvgov.serving.swap import SwapSpace
 from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.geometry import KVGeometry
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
+from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class EngineStats:
     kv_bytes_peak: int  # the most in use at a step's start
     kv_bytes_held: int  # bytes of the pool's tensors, free blocks included
     kv_bytes_cap: int | None
+    swapped_blocks: int = 0  # blocks preemptions wrote to the disk tier (spill=)
+    swap_fallbacks: int = 0  # preemptions computed again instead: the disk refused, or a block came back damaged
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -86,6 +90,9 @@ class ServingEngine:
         remote: a tier shared with other processes (`hf_kvgov.tiers.redis_tier.RedisTier`): published prefixes are
             written there and a request's miss is looked up there, so engines on several hosts compute a shared
             document once. Needs `prefix_sharing`; the engine closes it.
+        spill: `Disk(path)`: a preempted request's blocks are swapped to a disk tier there and read back when it
+            re-enters, instead of being computed again (`hf_kvgov.serving.swap`; ``path`` and ``max_write_bytes``
+            apply). None: preemption recomputes.
     """
 
     def __init__(
@@ -99,8 +106,11 @@ class ServingEngine:
         reserve_blocks: int = 1,
         codec: str | QuantConfig | None = None,
         remote: RemoteTier | None = None,
+        spill: DiskCacheConfig | None = None,
     ) -> None:
         config = decoder_config(model)
+        if spill is not None and not isinstance(spill, DiskCacheConfig):
+            raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
         layer_kinds(config)  # refuses layer types it cannot serve
@@ -121,8 +131,9 @@ class ServingEngine:
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
         self.pool = self.blocks.new_pool(geometry, block_size, max_bytes)
         self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
+        self.swap = None if spill is None else SwapSpace(self.pool, spill)
         self.scheduler = Scheduler(
-            self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks, blocks=self.blocks
+            self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks, blocks=self.blocks, swap=self.swap
         )
         register()
         model.set_attn_implementation(RAGGED_ATTENTION_NAME)
@@ -258,6 +269,8 @@ class ServingEngine:
             kv_bytes_peak=self._peak_bytes,
             kv_bytes_held=self.blocks.bytes_held(self.pool),
             kv_bytes_cap=self.blocks.bytes_cap(self.pool),
+            swapped_blocks=0 if self.swap is None else self.swap.counters.blocks_out,
+            swap_fallbacks=0 if self.swap is None else self.swap.counters.fallbacks,
         )
 
     def close(self) -> None:
@@ -269,6 +282,8 @@ class ServingEngine:
         if self.prefix is not None:
             self.prefix.clear()
             self.prefix.close()  # and the remote tier, which writes what it still holds first
+        if self.swap is not None:
+            self.swap.close()  # deletes the swap files
         self.model.set_attn_implementation(self._previous_attention)
         self._closed = True
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_kvgov.serving.swap import Swapped
 from hf_kvgov.storage.block_table import BlockTable
 
 
@@ -74,7 +75,7 @@ class TokenEvent:
 @dataclass(eq=False)
 class Request:
     """One request inside the engine. `tokens` is the prompt and what it generated; `computed` of them have
-    their K/V in the pool (a preempted request loses them and computes them again)."""
+    their K/V in the pool (a preempted request loses them and computes them again, unless they were swapped out)."""
 
     request_id: int
     prompt: list[int]
@@ -94,6 +95,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     preemptions: int = 0
     prefix_hit_tokens: int = 0
+    swapped: Swapped | None = None  # where its blocks wait on disk while it is preempted (an engine with spill=)
 
     @property
     def tokens(self) -> list[int]:

@@ -8,8 +8,9 @@ the codes those blocks become; the prefix tree's unlocked blocks count as free: 
 demand); a request whose prefix another
 is still prefilling waits for it, so the prefix is computed once. A decode step that finds the
 pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
-tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed). The caller
-never sees `PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
+tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed), or, with a
+swap space (`hf_kvgov.serving.swap`), its blocks are written to disk and read back. The caller never sees
+`PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.errors import PoolExhausted, SpillCorrupted
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.serving.blocks import FullPrecisionBlocks
 from hf_kvgov.serving.request import Request, RequestState
+from hf_kvgov.serving.swap import SwapSpace
 from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import BlockPool
 
@@ -60,6 +62,7 @@ class Scheduler:
         max_running: requests running at once at most.
         reserve_blocks: blocks kept free per running request when admitting another.
         blocks: how blocks are stored (full precision, or sealed by a codec after each step).
+        swap: where preempted requests' blocks wait on disk (None: they are computed again).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Scheduler:
         max_running: int,
         reserve_blocks: int = 1,
         blocks: FullPrecisionBlocks | None = None,
+        swap: SwapSpace | None = None,
     ) -> None:
         for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -82,6 +86,7 @@ class Scheduler:
         self.max_running = max_running
         self.reserve_blocks = reserve_blocks
         self.blocks = blocks or FullPrecisionBlocks()
+        self.swap = swap
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -151,6 +156,8 @@ class Scheduler:
 
     def _admit(self, request: Request) -> bool:
         """Give `request` a table holding its prefix hit and blocks for the rest of its tokens, if they fit."""
+        if request.swapped is not None:
+            return self._swap_in(request)
         tokens = request.tokens
         hit: list[int] = []
         if self.prefix is not None:  # at least one token is left to compute: its logits are sampled
@@ -162,9 +169,7 @@ class Scheduler:
         except PoolExhausted:
             self._drop(table, hit)
             return False
-        if self.running and self.free_blocks() < self.blocks.growth_blocks(
-            self.reserve_blocks * len(self.running), self.pool
-        ):
+        if not self._leaves_a_reserve():
             self._drop(table, hit)
             return False
         if request.preemptions:
@@ -178,6 +183,43 @@ class Scheduler:
         if request.admitted_at is None:
             request.admitted_at = time.perf_counter()
         return True
+
+    def _leaves_a_reserve(self) -> bool:
+        """Whether `reserve_blocks` per running request are still free for their decode growth."""
+        if not self.running:
+            return True
+        return self.free_blocks() >= self.blocks.growth_blocks(self.reserve_blocks * len(self.running), self.pool)
+
+    def _swap_in(self, request: Request) -> bool:
+        """Read a swapped-out request's blocks back and give it room for its pending tokens, if they fit; it goes on
+        where it stopped. A damaged block sends it to be computed again from its tokens."""
+        assert self.swap is not None and request.swapped is not None
+        try:
+            block_ids = self.swap.swap_in(request.swapped)
+        except SpillCorrupted:
+            self._forget_swap(request)
+            request.computed = request.published = request.sealed_blocks = 0
+            return self._admit(request)
+        if block_ids is None:
+            return False
+        table = BlockTable(self.pool, block_ids)
+        try:
+            table.prepare_write(request.computed, request.num_tokens)
+        except PoolExhausted:
+            table.release()
+            return False
+        if not self._leaves_a_reserve():
+            table.release()
+            return False
+        self._forget_swap(request)
+        self.swap.counters.blocks_in += len(block_ids)
+        request.table, request.state = table, RequestState.RUNNING
+        return True
+
+    def _forget_swap(self, request: Request) -> None:
+        if self.swap is not None and request.swapped is not None:
+            self.swap.discard(request.swapped)
+        request.swapped = None
 
     def _drop(self, table: BlockTable, locks: list[int]) -> None:
         table.release()
@@ -213,9 +255,18 @@ class Scheduler:
         request.published = full
 
     def preempt(self, request: Request) -> None:
-        """Take the request's blocks back and queue it first; its tokens are computed again when it re-enters."""
+        """Take the request's blocks back and queue it first; its blocks wait on disk (with a swap space that takes
+        them), else its tokens are computed again when it re-enters."""
         self.running.remove(request)
-        self._release(request)
+        swapped = None
+        if self.swap is not None and request.table is not None:
+            swapped = self.swap.swap_out(request.table.block_ids)
+        if swapped is None:
+            self._release(request)
+        else:
+            assert request.table is not None
+            self._drop(request.table, request.locks)  # its blocks are on disk; the tree keeps what it published
+            request.table, request.locks, request.swapped = None, [], swapped
         request.state = RequestState.WAITING
         request.preemptions += 1
         self.counters.preemptions += 1
@@ -232,6 +283,7 @@ class Scheduler:
         request.state = state
 
     def _release(self, request: Request) -> None:
+        self._forget_swap(request)
         if request.table is not None:
             self._drop(request.table, request.locks)
         request.table, request.locks, request.computed, request.published = None, [], 0, 0

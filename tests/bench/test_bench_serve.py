@@ -54,7 +54,7 @@ def test_metrics_from_known_times() -> None:
     ]
     samples = [Sample(1.0, 1, 100), Sample(2.0, 2, 300)]
     config = ServeConfig(slo_ttft_s=2.0, slo_tpot_s=0.6)
-    row = summarize("x", served, samples, (1, 7, 0.25), config)
+    row = summarize("x", served, samples, (1, 7, 0.25, 3), config)
     assert (row.completed, row.failed, row.duration_s) == (2, 1, 5.0)
     assert row.output_throughput == pytest.approx(5 / 5.0) and row.request_throughput == pytest.approx(2 / 5.0)
     assert row.ttft.mean == pytest.approx(2.0) and row.ttft.p50 == pytest.approx(2.0)  # 1.0 and 3.0
@@ -63,7 +63,7 @@ def test_metrics_from_known_times() -> None:
     assert row.e2e.mean == pytest.approx(3.0) and row.queue.mean == pytest.approx(0.25)
     assert row.goodput == pytest.approx(1 / 5.0)  # only the first meets both SLOs
     assert (row.running_max, row.running_mean, row.kv_bytes_max) == (2, 1.5, 300)
-    assert (row.preemptions, row.recomputed_tokens, row.prefix_hit_rate) == (1, 7, 0.25)
+    assert (row.preemptions, row.recomputed_tokens, row.prefix_hit_rate, row.swapped_blocks) == (1, 7, 0.25, 3)
 
 
 def test_every_configuration_serves_the_burst_without_failures(tiny: tuple[Any, Any]) -> None:
@@ -94,13 +94,15 @@ def test_a_cap_that_forces_preemption_fails_nothing(tiny: tuple[Any, Any]) -> No
     model, tokenizer = tiny
     trace = TraceConfig(requests=6, documents=3, document_tokens=8, min_new_tokens=40, max_new_tokens=48)
     config = ServeConfig(
-        configs=("paged",), trace=trace, kv_bytes=40 * 4 * BYTES_PER_TOKEN, block_size=4, max_batched_tokens=64
+        configs=("paged", "swap"), trace=trace, kv_bytes=40 * 4 * BYTES_PER_TOKEN, block_size=4, max_batched_tokens=64
     )
-    (row,) = run_serve(model, tokenizer, config, "tiny", progress=False).rows
+    row, swapping = run_serve(model, tokenizer, config, "tiny", progress=False).rows
     lengths = sorted((len(r.prompt), len(r.prompt) + r.new_tokens) for r in build_trace(tokenizer, trace))
     assert lengths[-1][1] <= 40 * 4 < lengths[0][1] + lengths[1][1]  # each fits alone, no two to the end
     assert (row.completed, row.failed) == (6, 0)
-    assert row.preemptions > 0 and row.recomputed_tokens > 0
+    assert row.preemptions > 0 and row.recomputed_tokens > 0 and row.swapped_blocks is None
+    assert (swapping.completed, swapping.failed) == (6, 0)  # swapped to disk instead of computed again:
+    assert swapping.preemptions and swapping.swapped_blocks and swapping.recomputed_tokens == 0
 
 
 def test_command_line_writes_json_table_and_plots(

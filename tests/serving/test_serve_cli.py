@@ -13,6 +13,7 @@ from hf_kvgov.cli.main import main
         (["--codec", "int3"], "Unknown codec 'int3'"),
         (["--kv-budget", "lots"], "KV byte cap"),
         (["--model", "/nowhere/model.gguf"], "No GGUF file at '/nowhere/model.gguf'"),
+        (["--swap-dir", __file__], "path must be a directory for the spill file"),
         (["--redis", "localhost:6379"], "--redis takes a redis://, rediss:// or unix:// URL; got 'localhost:6379'"),
         (["--redis", "redis://127.0.0.1:1/0", "--no-prefix-sharing"], "cannot go with --no-prefix-sharing"),
     ],
