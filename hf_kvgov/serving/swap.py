@@ -102,6 +102,14 @@ class SwapSpace:
             if handles:
                 self._kinds[sealed].tier.decref(handles)
 
+    def locations(self, swapped: Swapped) -> list[tuple[str, int]]:
+        """(file, byte offset) of the first layer of each swapped block, for tools that inspect the files."""
+        return [
+            self._kinds[sealed].tier.location(handle, 0)
+            for sealed, (_, handles) in swapped.parts.items()
+            for handle in handles
+        ]
+
     def close(self) -> None:
         for kind in self._kinds.values():
             kind.tier.close()

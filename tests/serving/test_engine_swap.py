@@ -74,11 +74,9 @@ def test_a_block_damaged_on_disk_is_caught_and_computed_again(tmp_path: Path) ->
                     outputs[event.request_id].append(event.token)
             swapped = [r for r in engine.scheduler.waiting if r.swapped is not None]
             if swapped and not damaged:  # every block of the first swapped-out request, damaged in place
-                assert engine.swap is not None
-                for is_sealed, (_, handles) in swapped[0].swapped.parts.items():  # type: ignore[union-attr]
-                    tier = engine.swap._kinds[is_sealed].tier
-                    for handle in handles:
-                        flip_byte(*tier.location(handle, 0))
+                assert engine.swap is not None and swapped[0].swapped is not None
+                for path, offset in engine.swap.locations(swapped[0].swapped):
+                    flip_byte(path, offset)
                 damaged = True
         assert damaged and [outputs[i] for i in ids] == reference
         stats = engine.stats()
