@@ -324,7 +324,7 @@ def test_bad_arguments_are_explained(tmp_path: Path) -> None:
         QuantizedDiskCache(MODEL, tmp_path, on_full="drop")
     # Sink + 8 / 4 residual blocks + tail + one step = 5 full-precision blocks of 4 x 512 bytes, and the 512-token
     # hot window's 128 sealed blocks of 832 bytes: 116,736; 3 / 4 of 8,000 is less.
-    with pytest.raises(ValueError, match="need 116736 bytes"):
+    with pytest.raises(ValueError, match="need 5 blocks and 128 sealed blocks = 116736 bytes"):
         QuantizedDiskCache(MODEL, tmp_path, block_size=4, residual=8, max_resident_bytes=8000)
 
 
