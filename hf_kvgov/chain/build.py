@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hf_kvgov.engine.parts import ChainParts, DiskCacheConfig, Evict, HeavyHitter, Layer, Paging, Policy, Sink
+from hf_kvgov.engine.parts import (
+    ChainParts,
+    DiskCacheConfig,
+    Evict,
+    HeavyHitter,
+    Layer,
+    Paging,
+    Policy,
+    Sink,
+    codec_config,
+)
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.rules import layout_for
-from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
@@ -38,7 +48,9 @@ def GovernedCache(
         model_or_config: the model the cache serves (or its config, for block-storing caches).
         pool: `Paging(block_size, max_tokens | max_bytes)` to create a pool, or an existing `BlockPool`.
         prefix: a `PrefixCache` shared across requests (its pool is used); namespace: its tenant salt.
-        codec: "int8", "int4", "int2", "fp8" (e4m3), "fp8_e5m2", or a `QuantConfig`.
+        codec: "int8", "int4", "int2", "fp8" (e4m3), "fp8_e5m2", or a `QuantConfig`. A name means what
+            `QuantizedCache(model, bits=...)` does for sealed blocks (int2: KIVI's window and value groups,
+            `QuantConfig.filled`); an eviction policy's slots take the bare format.
         policy: an eviction policy, `HeavyHitter(budget, ...)`, `Sink(n_sink, window, ...)` or `Evict(...)`.
         spill: a disk tier, `Disk(path, hot_tokens, max_resident_bytes, max_write_bytes, ...)`.
         layers: per-layer overrides, ``{layer: Layer(full_precision=True)}`` or ``Layer(budget=...)``.
@@ -47,6 +59,11 @@ def GovernedCache(
     Returns the preset the parts name (`PagedCache`, `QuantizedCache`, ..., `HeavyHitterCache`), a
     `GovernedCacheBase`.
     """
+    if isinstance(codec, str) and policy is None:  # sealed blocks: the format's measured settings
+        named = codec_config(codec)
+        assert named is not None
+        head_dim = kv_heads_and_head_dim(decoder_config(model_or_config))[1]
+        codec = QuantConfig.filled(head_dim, None, "auto", None, bits=named.bits, fmt=named.fmt)
     parts = ChainParts.of(
         pool=pool,
         prefix=prefix,

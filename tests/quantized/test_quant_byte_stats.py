@@ -152,3 +152,6 @@ def test_bits_2_as_users_type_it_gets_the_measured_int2_settings() -> None:
         assert (quant.residual, quant.group_size, quant.scale_bytes) == (0, None, 2)
     disk = QuantizedDiskCache(smollm2_like, bits=2).quant
     assert disk == QuantizedCache(smollm2_like, bits=2).quant
+    chained = GovernedCache(smollm2_like, codec="int2")  # a codec by name in the chain means the same
+    assert isinstance(chained, QuantizedCache) and chained.quant == disk
+    assert GovernedCache(MODEL, codec="int8").quant == QuantizedCache(MODEL).quant  # the others as before
