@@ -77,11 +77,7 @@ class BlockSealer:
     def sealed_block_bytes(self, geometry: KVGeometry, heads: Sequence[int], block_size: int) -> int:
         """Bytes of one sealed block of the pool this configuration creates: one layer of each position (`heads`)."""
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)
-        return sum(
-            int(torch.Size(shape).numel()) * dtype.itemsize
-            for head in heads
-            for shape, dtype in formats[head].layout(block_size, geometry.num_kv_heads, geometry.head_dim).values()
-        )
+        return sum(formats[head].block_bytes(block_size, geometry.num_kv_heads, geometry.head_dim) for head in heads)
 
     def check_pool(self, pool: BlockPool, num_layers: int) -> None:
         """Refuse a pool (given, or a prefix tree's) that cannot hold this configuration's sealed blocks."""

@@ -25,6 +25,11 @@ from hf_kvgov.codecs.grouping import GroupAxis
 PieceLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
+def piece_bytes(layout: PieceLayout) -> tuple[int, ...]:
+    """Bytes of each piece of one block, in the layout's order."""
+    return tuple(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in layout.values())
+
+
 class SealedFormat(ABC):
     """Stateless description of how one layer of a sealed block is stored."""
 
@@ -36,6 +41,10 @@ class SealedFormat(ABC):
     @abstractmethod
     def layout(self, block_size: int, num_kv_heads: int, head_dim: int) -> PieceLayout:
         """The pieces one block needs, each as (shape without the leading block dim, dtype)."""
+
+    def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one block of one layer in this format: every piece."""
+        return sum(piece_bytes(self.layout(block_size, num_kv_heads, head_dim)))
 
     @abstractmethod
     def encode(self, keys: Tensor, values: Tensor) -> dict[str, Tensor]:

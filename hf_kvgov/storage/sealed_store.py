@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.storage.layer_groups import GroupLayout, single_group
-from hf_kvgov.storage.sealed_formats import SealedFormat
+from hf_kvgov.storage.sealed_formats import SealedFormat, piece_bytes
 
 DEFAULT_SEALED_GROWTH = 64
 
@@ -95,11 +95,7 @@ class SealedBlockStore:
         self.pieces: list[dict[str, Tensor]] = [per_position[position] for position in self.group_layout.position]
         self._ref: list[int] = []
         self._free: deque[int] = deque()
-        self.bytes_per_block = sum(
-            int(torch.Size(shape).numel()) * dtype.itemsize
-            for head in self._heads
-            for shape, dtype in self._layouts[head].values()
-        )
+        self.bytes_per_block = sum(sum(piece_bytes(self._layouts[head])) for head in self._heads)
 
     # ------------------------------------------------------------------ metadata
 

@@ -19,6 +19,7 @@ import torch
 
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed, sealed_id_of
+from hf_kvgov.storage.sealed_formats import piece_bytes
 from hf_kvgov.tiers.disk_tier import DiskTier, SegmentSource, TierLayout
 from hf_kvgov.tiers.kv_segments import SpilledLayout, byte_view
 from hf_kvgov.tiers.moves import TierBlocks
@@ -33,8 +34,7 @@ def sealed_tier_layout(pool: QuantizedBlockPool, extent_slots: int) -> TierLayou
 
 
 def _part_bytes(pool: QuantizedBlockPool, layer: int) -> tuple[int, ...]:
-    layout = pool.sealed.layout(layer)
-    return tuple(int(torch.Size(shape).numel()) * dtype.itemsize for shape, dtype in layout.values())
+    return piece_bytes(pool.sealed.layout(layer))
 
 
 def empty_pieces(pool: QuantizedBlockPool, layer: int, count: int, device: torch.device) -> dict[str, torch.Tensor]:
