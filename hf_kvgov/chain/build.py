@@ -18,13 +18,13 @@ from hf_kvgov.engine.parts import (
 )
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.rules import layout_for
-from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
+from hf_kvgov.hf.compat import decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
 from hf_kvgov.hf.governed import GovernedCacheBase
 from hf_kvgov.hf.paged_cache import PagedCache
-from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_cache import QuantizedCache, quant_config_for
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -62,8 +62,7 @@ def GovernedCache(
     if isinstance(codec, str) and policy is None:  # sealed blocks: the format's measured settings
         named = codec_config(codec)
         assert named is not None
-        head_dim = kv_heads_and_head_dim(decoder_config(model_or_config))[1]
-        codec = QuantConfig.filled(head_dim, None, "auto", None, bits=named.bits, fmt=named.fmt)
+        codec = quant_config_for(model_or_config, bits=named.bits, fmt=named.fmt)
     parts = ChainParts.of(
         pool=pool,
         prefix=prefix,

@@ -32,6 +32,19 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 __all__ = ["QuantizedCache", "QuantizedCacheStats", "QuantizedView"]
 
 
+def quant_config_for(
+    model_or_config: Any,
+    residual: int | None = None,
+    group_size: int | str | None = "auto",
+    scale_bytes: int | None = None,
+    **fields: Any,
+) -> QuantConfig:
+    """`QuantConfig.filled` at this model's head_dim: the settings left out (None, group_size "auto") take the
+    format's measured defaults, ``fields`` as given."""
+    head_dim = kv_heads_and_head_dim(decoder_config(model_or_config))[1]
+    return QuantConfig.filled(head_dim, residual, group_size, scale_bytes, **fields)
+
+
 class QuantizedCache(PagedCache):
     """KV cache in blocks; full blocks are stored as int8 / int4 / fp8 codes plus scales.
 
@@ -40,8 +53,8 @@ class QuantizedCache(PagedCache):
         bits, fmt, residual, sink_blocks, full_precision_layers, group_size, layer_formats, scale_bytes: see
             `QuantConfig`. ``residual``, ``group_size`` and ``scale_bytes`` left out take the format's measured
             defaults (`QuantConfig.filled`): for ``bits=2``, KIVI's (the newest 32 tokens in full precision, value
-            groups of 32 channels where head_dim allows, one-byte statistics), else 0, one scale per token and
-            head, fp16 statistics. (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
+            groups of 32 channels where head_dim allows), else 0 and one scale per token and head; fp16
+            statistics. (``layer_formats={0: "full", 7: "int2"}`` gives layers their own format;
             `QuantConfig.load` reads the map ``kvgov check-quant --recommend`` writes,
             ``QuantizedCache.from_config`` builds from it).
         block_size, max_tokens, max_bytes, attention: as `PagedCache` (`max_tokens` bounds full-precision
@@ -70,10 +83,9 @@ class QuantizedCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        quant = QuantConfig.filled(
-            kv_heads_and_head_dim(decoder_config(model_or_config))[1], residual, group_size, scale_bytes, bits=bits,
-            fmt=fmt, sink_blocks=sink_blocks, full_precision_layers=tuple(full_precision_layers),
-            layer_formats=layer_formats,
+        quant = quant_config_for(
+            model_or_config, residual, group_size, scale_bytes, bits=bits, fmt=fmt, sink_blocks=sink_blocks,
+            full_precision_layers=tuple(full_precision_layers), layer_formats=layer_formats,
         )  # fmt: skip
         super().__init__(
             model_or_config, block_size, max_tokens, max_bytes, pool, attention, prefix, namespace, codec=quant

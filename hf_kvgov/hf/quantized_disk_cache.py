@@ -18,11 +18,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.quantized_disk_stats import QuantizedDiskCacheStats
-from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
-from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.quantized_cache import QuantizedCache, quant_config_for
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
 from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
@@ -84,10 +82,9 @@ class QuantizedDiskCache(QuantizedCache):
             on_full,
             extent_blocks,
         )
-        quant = QuantConfig.filled(
-            kv_heads_and_head_dim(decoder_config(model_or_config))[1], residual, group_size, scale_bytes, bits=bits,
-            fmt=fmt, sink_blocks=sink_blocks, full_precision_layers=tuple(full_precision_layers),
-            layer_formats=layer_formats,
+        quant = quant_config_for(
+            model_or_config, residual, group_size, scale_bytes, bits=bits, fmt=fmt, sink_blocks=sink_blocks,
+            full_precision_layers=tuple(full_precision_layers), layer_formats=layer_formats,
         )  # fmt: skip
         # The store's own constructor: QuantizedCache's takes no disk link.
         PagedCache.__init__(
