@@ -303,10 +303,12 @@ class QuantizedBlockPool(BlockPool):
                 raise ValueError(f"Cannot seal blocks that are already sealed (negative ids) in {ids}.")
             self._checked_live(ids, "free")
             # Encoded before any reference moves: the store may grow into blocks this seal frees at the end.
-            unique, pieces = self._encoded(list(dict.fromkeys(ids)))
+            distinct = list(dict.fromkeys(ids))
+            unique, pieces = self._encoded(distinct)
             fits = set(unique)
             moving = [i for i in ids if i in fits]
             room = None if self.max_bytes is None else self._room(True, len(unique), moving)
+            self.overflow_blocks += len(distinct) - len(unique)  # once the seal goes ahead (a refused one is retried)
             BlockPool.decref(self, moving)
             if room is not None:
                 self._apply(True, room)
@@ -319,7 +321,7 @@ class QuantizedBlockPool(BlockPool):
 
     def _encoded(self, full_ids: list[int]) -> tuple[list[int], dict[int, dict[str, Tensor]]]:
         """(the ids whose statistics fit their formats in every layer, their pieces per position's layer), not yet
-        stored anywhere; the others are counted in `overflow_blocks`."""
+        stored anywhere."""
         try:
             return full_ids, self._encode_layers(full_ids)
         except StatisticsOutOfRange:
@@ -330,7 +332,7 @@ class QuantizedBlockPool(BlockPool):
                 pieces.append(self._encode_layers([block]))
                 fitting.append(block)
             except StatisticsOutOfRange:
-                self.overflow_blocks += 1
+                pass  # kept in full precision
         if not pieces:
             return [], {}
         joined = {
