@@ -211,8 +211,8 @@ class Scheduler:
         if not self._leaves_a_reserve():
             table.release()
             return False
-        self._forget_swap(request)
-        self.swap.counters.blocks_in += len(block_ids)
+        self.swap.returned(request.swapped)
+        request.swapped = None
         request.table, request.state = table, RequestState.RUNNING
         return True
 

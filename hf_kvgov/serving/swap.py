@@ -96,8 +96,13 @@ class SwapSpace:
             raise
         return block_ids
 
+    def returned(self, swapped: Swapped) -> None:
+        """The request is running again on the blocks `swap_in` gave: free the disk copies, count the blocks."""
+        self.discard(swapped)
+        self.counters.blocks_in += swapped.columns
+
     def discard(self, swapped: Swapped) -> None:
-        """Free the disk copies (the request came back, or ended while swapped out)."""
+        """Free the disk copies (the request ended while swapped out, or a block came back damaged)."""
         for sealed, (_, handles) in swapped.parts.items():
             if handles:
                 self._kinds[sealed].tier.decref(handles)

@@ -66,7 +66,8 @@ def install(model: Any, **engine_args: Any) -> None:
             f"transformers {TRANSFORMERS_VERSION} has no continuous batching API to install into (it needs "
             "transformers >= 5.0 and a model with generate_batch)."
         )
-    _engine(model, {k: v for k, v in engine_args.items() if k != "redis_url"}).close()  # bad arguments refused now
+    checked = {k: v for k, v in engine_args.items() if k != "redis_url"}  # no Redis connection for the check
+    _build_engine(model, checked).close()  # refuses a bad argument now, not at the first generate_batch
     setattr(model, _INSTALLED, dict(engine_args))
     model.init_continuous_batching = types.MethodType(_init_governed_batching, model)
 
@@ -110,7 +111,7 @@ class _EngineState:
         return list(self._engine.scheduler.waiting)
 
 
-def _engine(model: Any, engine_args: dict[str, Any]) -> ServingEngine:
+def _build_engine(model: Any, engine_args: dict[str, Any]) -> ServingEngine:
     """A `ServingEngine` with `engine_args`, ``redis_url`` opened as a `RedisTier` of its own."""
     args = dict(engine_args)
     redis_url = args.pop("redis_url", None)
@@ -150,7 +151,7 @@ class GovernedBatchingManager:
 
     def start(self) -> None:
         if self._loop is None:
-            self._engine = _engine(self.model, self._engine_args)
+            self._engine = _build_engine(self.model, self._engine_args)
             self._loop = EngineLoop(self._engine, listener=self._on_event)
 
     def is_running(self) -> bool:
