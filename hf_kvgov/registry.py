@@ -32,13 +32,8 @@ from transformers import DynamicCache
 
 from hf_kvgov.chain.build import GovernedCache
 from hf_kvgov.engine.parts import ChainParts, Disk, Evict, HeavyHitter, Paging, Sink
-from hf_kvgov.engine.quant_config import (
-    INT2_BLOCK_SIZE,
-    INT2_RESIDUAL,
-    INT2_VALUE_GROUP,
-    QuantConfig,
-    format_defaults,
-)
+from hf_kvgov.engine.quant_config import QuantConfig
+from hf_kvgov.format_defaults import INT2_BLOCK_SIZE, INT2_RESIDUAL, INT2_VALUE_GROUP, format_defaults
 from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction import SLOT_CODECS, eviction_attention

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.format_defaults import format_defaults
 from hf_kvgov.planner.chain import (
     DEFAULT_CHAIN,
     DEFAULT_H2O_BUDGET,
@@ -107,13 +108,31 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--recall-summary", str, DEFAULT_RECALL_SUMMARY, "what ranks a page of evicted tokens: centroid or bounds"),
         ("--recall-buffer", str, DEFAULT_RECALL_BUFFER, "where recalled pages are held: layer or shared"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
-        ("--residual", int, 0, "newest tokens a quantized cache keeps in full precision"),
-        ("--group-size", int, None, "quantization group along head_dim (none: the whole head)"),
-        ("--scale-bytes", int, 2, "bytes of a quantization scale and zero: 2 (fp16), 4 (fp32), 1 (one byte)"),
+        ("--residual", int, None, f"newest tokens a quantized cache keeps in full precision {MEASURED}"),
+        ("--group-size", int, None, f"quantization group along head_dim (none: the whole head) {MEASURED}"),
+        ("--scale-bytes", int, None, f"scale and zero bytes: 2 (fp16), 4 (fp32), 1 (one byte) {MEASURED}"),
     ]
     group.add_argument("--chain", help=f"comma-separated steps [{','.join(DEFAULT_CHAIN)}]")
     for flag, kind, default, text in knobs:
         group.add_argument(flag, type=kind, default=default, help=f"{text} [%(default)s]")
+
+
+# Bits of each chain step that is a codec (fp8 seals as an 8-bit format).
+CODEC_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp8": 8}
+# What the three codec settings default to: the codec's own, as the built caches fill them in.
+MEASURED = "(none given: the codec's measured setting, as QuantizedCache(model, bits=...) takes it)"
+
+
+def _codec_settings(args: argparse.Namespace, chain: tuple[str, ...], head_dim: int) -> dict[str, Any]:
+    """residual, group_size and scale_bytes as given, else as the built cache fills them in.
+
+    Sealed blocks take `format_defaults` (int2: KIVI's 32-token window and value groups of 32); the slot codes
+    of an eviction cache (the chain's ``recall`` step holds H2O's kept tokens as slots) are the bare format.
+    """
+    bits = next((CODEC_BITS[step] for step in chain if step in CODEC_BITS), 8)
+    filled = format_defaults(bits if "recall" not in chain else 8, head_dim)
+    given = {"residual": args.residual, "group_size": args.group_size, "scale_bytes": args.scale_bytes}
+    return {name: filled[name] if value is None else value for name, value in given.items()}
 
 
 def _pick(given: str | None, scenario: Scenario | None, attribute: str, default: str) -> str:
@@ -140,6 +159,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
     lengths = parse_lengths(_pick(args.lengths, scenario, "user_tokens", DEFAULT_LENGTHS))
     disk = parse_memory(args.disk, "disk capacity") if args.disk is not None else None
     _check_counts(args)
+    chain = scenario.chain if scenario is not None else parse_chain(args.chain or ",".join(DEFAULT_CHAIN))
     options = ChainOptions(
         max_len=args.max_len if args.max_len is not None else geometry.max_position_embeddings,
         block_size=args.block_size,
@@ -154,11 +174,8 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_summary=args.recall_summary,
         recall_buffer=args.recall_buffer,
         sink_blocks=args.sink_blocks,
-        residual=args.residual,
-        group_size=args.group_size,
-        scale_bytes=args.scale_bytes,
+        **_codec_settings(args, chain, geometry.head_dim),
     )
-    chain = scenario.chain if scenario is not None else parse_chain(args.chain or ",".join(DEFAULT_CHAIN))
     plan = make_plan(PlanInputs(geometry, budget, lengths, disk), chain, options)
     return plan, (check_claims(plan, scenario) if scenario is not None else [])
 

@@ -13,6 +13,7 @@ import torch
 from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.numerics import LOG_SCALE
 from hf_kvgov.codecs.registry import get_codec
+from hf_kvgov.format_defaults import format_defaults
 from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 
 # The block size for the most compact sealed blocks. Keys carry one scale (and zero point) per channel per
@@ -29,27 +30,6 @@ from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 # and tail per row (up to 2 x 128 tokens), which is why it is not the default: a short prompt would then hold
 # nothing sealed.
 COMPACT_BLOCK_SIZE = 128
-
-# int2 needs KIVI's full-precision window and value groups: without them SmolLM2 loses 15.75% perplexity at
-# 2,048 tokens, with them 3.92% (16-token blocks, fp16 statistics). On two novels no setting was chosen on (Emma,
-# Mansfield Park; eval/RESULTS.md, int2 defaults on unseen text) fp16 statistics cost SmolLM2 +5.1% / +6.5% and
-# Gemma-3-270M +4.3% / +6.3%, while one-byte statistics (a logarithmic scale and an e4m3 zero, `scale_bytes=1`:
-# 0.198x of float16 K + V instead of 0.243x on SmolLM2) cost +8.0% / +11.4% and +7.3% / +10.6%, and a wider
-# window does not make up for them at equal bytes. So `bits=2` means fp16 statistics; one byte stays an option.
-INT2_RESIDUAL = 32
-INT2_VALUE_GROUP = 32
-INT2_BLOCK_SIZE = 16
-INT2_SCALE_BYTES = 2
-
-
-def format_defaults(bits: int, head_dim: int) -> dict[str, Any]:
-    """The settings a quantized cache fills in where it is not given them: int2 as KIVI runs it (the newest 32
-    tokens in full precision, values in groups of 32 channels where head_dim allows); every format seals its full
-    blocks with fp16 statistics, the others with one scale per token and head."""
-    if bits == 2:
-        group = INT2_VALUE_GROUP if head_dim % INT2_VALUE_GROUP == 0 else None
-        return {"residual": INT2_RESIDUAL, "group_size": group, "scale_bytes": INT2_SCALE_BYTES}
-    return {"residual": 0, "group_size": None, "scale_bytes": 2}
 
 
 # (fmt, bits) -> codec name. "fp8" is e4m3: one more mantissa bit than e5m2, and K/V never need e5m2's range

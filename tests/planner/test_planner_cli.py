@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from hf_kvgov import QuantizedCache
 from hf_kvgov.cli import plan as plan_cli
+from tests.conftest import tiny_llama
 
 
 def _run(argv: list[str]) -> int:
@@ -172,13 +174,34 @@ def test_one_byte_statistics_and_the_residual_window_are_planned(
     assert _run([*argv, "--scale-bytes", "1", "--residual", "32", "--json", str(tmp_path / "one.json")]) == 0
     out = capsys.readouterr().out
     assert "a one-byte logarithmic scale and an e4m3 zero point" in out and "its newest 32 tokens" in out
-    assert _run([*argv, "--json", str(tmp_path / "two.json")]) == 0
-    one, two = (json.loads((tmp_path / f"{n}.json").read_text())["steps"][-1] for n in ("one", "two"))
-    # 2,048 tokens in 16-token blocks, per layer and KV head (head_dim 64), 30 x 3 of them. fp16 statistics:
-    # 127 sealed blocks of 2 x 16 x 16 codes + 64 x 4 key + 16 x 4 value bytes, the sink in fp16 (4,096 B).
-    # One byte, newest 32 in fp16: 125 sealed blocks of 512 + 128 + 32, three fp16 blocks.
+    bare = ["--residual", "0", "--group-size", "64", "--scale-bytes", "2"]
+    assert _run([*argv, *bare, "--json", str(tmp_path / "two.json")]) == 0
+    assert _run([*argv, "--json", str(tmp_path / "measured.json")]) == 0
+    one, two, measured = (
+        json.loads((tmp_path / f"{n}.json").read_text())["steps"][-1] for n in ("one", "two", "measured")
+    )
+    # 2,048 tokens in 16-token blocks, per layer and KV head (head_dim 64), 30 x 3 of them. fp16 statistics,
+    # one value group per token: 127 sealed blocks of 2 x 16 x 16 codes + 64 x 4 key + 16 x 4 value bytes, the
+    # sink in fp16 (4,096 B). One byte, newest 32 in fp16, value groups of 32 (int2's, not given): 125 sealed
+    # blocks of 512 + 64 x 2 key + 16 x 2 x 2 value bytes, three fp16 blocks.
     assert two["bytes_per_sequence"] == 90 * (4096 + 127 * (512 + 256 + 64))
-    assert one["bytes_per_sequence"] == 90 * (3 * 4096 + 125 * (512 + 128 + 32))
+    assert one["bytes_per_sequence"] == 90 * (3 * 4096 + 125 * (512 + 128 + 64))
+    # No setting given: what QuantizedCache(model, bits=2) builds (KIVI's 32-token window, value groups of 32,
+    # fp16 statistics): 125 sealed blocks with two value groups per token, three fp16 blocks.
+    assert measured["bytes_per_sequence"] == 90 * (3 * 4096 + 125 * (512 + 256 + 128))
+
+
+def test_int2_defaults_in_the_plan_are_the_built_cache_s() -> None:
+    model = tiny_llama(num_kv_heads=1, num_heads=1)  # head_dim 64: value groups of 32 apply
+    config = QuantizedCache(model, bits=2).quant
+    head_dim = 64
+    args = argparse.Namespace(residual=None, group_size=None, scale_bytes=None)
+    settings = plan_cli._codec_settings(args, ("paged", "int2"), head_dim)
+    assert settings == {"residual": config.residual, "group_size": config.group_size, "scale_bytes": 2}
+    # An eviction cache's slot codes are the bare format; a setting given is kept.
+    assert plan_cli._codec_settings(args, ("paged", "int2", "h2o", "recall"), head_dim)["residual"] == 0
+    given = argparse.Namespace(residual=5, group_size=None, scale_bytes=1)
+    assert plan_cli._codec_settings(given, ("paged", "int2"), head_dim)["residual"] == 5
 
 
 def test_json_to_stdout_and_an_unwritable_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
