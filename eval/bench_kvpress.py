@@ -36,7 +36,18 @@ from typing import Any
 
 import kvpress
 import torch
-from policy_protocols import KEEP, PASSAGES, PREFILL, SCORED, continue_ppl, markdown, passage_ids, plain_forward, row
+from policy_protocols import (
+    KEEP,
+    PREFILL,
+    SCORED,
+    add_passage_arguments,
+    continue_ppl,
+    markdown,
+    passage_ids,
+    passages,
+    plain_forward,
+    row,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 MODELS = Path.home() / ".cache" / "hf_kvgov" / "models"
@@ -70,12 +81,14 @@ def load(name: str, attention: str) -> tuple[Any, Any]:
     return model.eval(), AutoTokenizer.from_pretrained(directory)
 
 
-def run_model(name: str, selected: list[str], skip_sliding: bool) -> list[dict[str, Any]]:
+def run_model(
+    name: str, selected: list[str], skip_sliding: bool, texts: dict[str, tuple[Path, int]]
+) -> list[dict[str, Any]]:
     models = {attention: load(name, attention) for attention in ("sdpa", "eager")}
     tokenizer = models["sdpa"][1]
     rows: list[dict[str, Any]] = []
-    for passage in PASSAGES:
-        ids = passage_ids(tokenizer, passage, PREFILL + SCORED + 1)
+    for passage, where in texts.items():
+        ids = passage_ids(tokenizer, where, PREFILL + SCORED + 1)
         model = models["sdpa"][0]
         full = continue_ppl(*[plain_forward(model, "past_key_values")] * 2, DynamicCache(), ids)
         for press_name in selected:
@@ -127,8 +140,10 @@ def main() -> None:
         "--skip-sliding", action="store_true", help="compress full-attention layers only (kvpress's Gemma-3 rule)"
     )
     parser.add_argument("--json", type=Path, help="write every row here")
+    add_passage_arguments(parser)
     args = parser.parse_args()
-    rows = [r for name in args.models for r in run_model(name, args.presses, args.skip_sliding)]
+    texts = passages(args)
+    rows = [r for name in args.models for r in run_model(name, args.presses, args.skip_sliding, texts)]
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     versions = f"kvpress {metadata.version('kvpress')}, transformers {metadata.version('transformers')}"
     title = f"(a) compress, then continue, kvpress presses ({versions}, {machine})"

@@ -33,14 +33,15 @@ import torch
 from policy_protocols import (
     CHUNK,
     KEEP,
-    PASSAGES,
     PREFILL,
     SCORED,
     STREAM,
+    add_passage_arguments,
     continue_ppl,
     first_evicted,
     markdown,
     passage_ids,
+    passages,
     plain_forward,
     row,
     stream_ppl,
@@ -50,14 +51,18 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
-from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, HeavyHitter, Pyramid, QueryForecast
+from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, HeavyHitter, Pyramid, QueryForecast, SnapKV
 
 RUNNING_EA = ExpectedAttention(forecast=QueryForecast(running=True))
 CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
 
 
-def configurations(stream: bool) -> dict[str, CacheFactory]:
-    """Name -> factory of an hf_kvgov cache keeping ``KEEP`` of ``budget_of`` tokens."""
+def configurations(stream: bool, selected: list[str] | None = None) -> dict[str, CacheFactory]:
+    """Name -> factory of an hf_kvgov cache keeping ``KEEP`` of ``budget_of`` tokens.
+
+    Besides the fixed names, any selected ``snapkv window=W kernel=K pooling=P`` (each part optional) is SnapKV
+    with those settings: ``snapkv window=64 kernel=5 pooling=avg`` is kvpress's SnapKVPress.
+    """
     configs: dict[str, CacheFactory] = {
         "h2o": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, **kw),
         "h2o recent=32": lambda m, **kw: HeavyHitterCache(m, budget=KEEP, recent=32, **kw),
@@ -79,13 +84,31 @@ def configurations(stream: bool) -> dict[str, CacheFactory]:
             m, ExpectedAttention(recent=200, forecast=QueryForecast(running=True)), budget=KEEP, **kw
         ),
     }
+    for name in selected or []:
+        if name.startswith("snapkv "):
+            configs[name] = _snapkv_variant(name)
     if stream:
         decode = HeavyHitter(heavy=0.5, recent=32)
         configs["snapkv+h2o decode"] = lambda m, **kw: PolicyCache(m, "snapkv", KEEP, decode_policy=decode, **kw)
     return configs
 
 
-# The policies run with budget allocators.
+def _snapkv_variant(name: str) -> CacheFactory:
+    """``snapkv window=W kernel=K pooling=P`` -> a factory of PolicyCache with that SnapKV."""
+    settings: dict[str, Any] = {}
+    for part in name.split()[1:]:
+        key, _, value = part.partition("=")
+        if key not in ("window", "kernel", "pooling") or not value:
+            raise SystemExit(f"{name!r}: give snapkv settings as window=W kernel=K pooling=max|avg; got {part!r}.")
+        settings[key] = value if key == "pooling" or not value.isdigit() else int(value)
+    try:
+        policy = SnapKV(**settings)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"{name!r}: {error}") from None
+    return lambda m, **kw: PolicyCache(m, policy, budget=KEEP, **kw)
+
+
+# The policies run with budget allocators (and every SnapKV variant).
 ALLOCATED = ("snapkv", "expected_attention", "expected_attention running", "h2o", "mean_mass")
 
 
@@ -102,13 +125,17 @@ def allocations(with_pyramid: bool, adaptive: bool) -> list[tuple[str, dict[str,
 
 
 def run_model(
-    name: str, protocols: list[str], allocated: list[tuple[str, dict[str, Any]]], selected: list[str] | None
+    name: str,
+    protocols: list[str],
+    allocated: list[tuple[str, dict[str, Any]]],
+    selected: list[str] | None,
+    texts: dict[str, tuple[Path, int]],
 ) -> list[dict[str, Any]]:
     model, tokenizer = load_model(name)
     forward = plain_forward(model)
     rows: list[dict[str, Any]] = []
-    for passage in PASSAGES:
-        ids = passage_ids(tokenizer, passage, STREAM + 1)
+    for passage, where in texts.items():
+        ids = passage_ids(tokenizer, where, STREAM + 1)
         for protocol in protocols:
             rows += _protocol_rows(model, name, passage, ids, protocol, forward, allocated, selected)
     return rows
@@ -128,10 +155,11 @@ def _protocol_rows(
     tokens = STREAM if stream else PREFILL
     kept = int(KEEP * tokens)
     full = _ppl(forward, DynamicCache(), ids, stream, kept)
-    configs = {c: f for c, f in configurations(stream).items() if selected is None or c in selected}
+    configs = {c: f for c, f in configurations(stream, selected).items() if selected is None or c in selected}
     variants: list[tuple[str, CacheFactory, dict[str, Any]]] = [(c, f, {}) for c, f in configs.items()]
     for suffix, keywords in allocated:
-        variants += [(f"{c} {suffix}", configs[c], keywords) for c in ALLOCATED if c in configs]
+        allocatable = {c: f for c, f in configs.items() if c in ALLOCATED or c.startswith("snapkv ")}
+        variants += [(f"{c} {suffix}", f, keywords) for c, f in allocatable.items()]
     rows = []
     for config, make, extra in variants:
         cache = make(model, budget_of=tokens, compress="always" if stream else "prefill", **extra)
@@ -156,9 +184,10 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true", help="add AdaKV head-adaptive budgets to 3 policies")
     parser.add_argument("--configs", nargs="+", help="run only these configurations (default: all)")
     parser.add_argument("--json", type=Path, help="write every row here")
+    add_passage_arguments(parser)
     args = parser.parse_args()
     allocated = allocations(args.pyramid, args.adaptive)
-    rows = [r for m in args.models for r in run_model(m, args.protocols, allocated, args.configs)]
+    rows = [r for m in args.models for r in run_model(m, args.protocols, allocated, args.configs, passages(args))]
     machine = machine_description()
     titles = {
         "continue": f"(a) compress, then continue: {PREFILL} prefill -> {int(KEEP * PREFILL)} kept, {SCORED} scored",

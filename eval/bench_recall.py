@@ -33,7 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from policy_protocols import CHUNK, KEEP, PASSAGES, STREAM, first_evicted, passage_ids, plain_forward, stream_ppl
+from policy_protocols import (
+    CHUNK,
+    KEEP,
+    STREAM,
+    add_passage_arguments,
+    first_evicted,
+    passage_ids,
+    passages,
+    plain_forward,
+    stream_ppl,
+)
 from transformers import DynamicCache
 
 from hf_kvgov import HeavyHitterCache, PolicyCache, eviction_attention
@@ -128,13 +138,19 @@ def _generate(model: Any, tokenizer: Any, ids: torch.Tensor, config: str, recall
 
 
 def stream_rows(
-    model: Any, tokenizer: Any, name: str, recall: Recall, keep: float, configs: tuple[str, ...] = DEFAULT_CONFIGS
+    model: Any,
+    tokenizer: Any,
+    name: str,
+    recall: Recall,
+    keep: float,
+    texts: dict[str, tuple[Path, int]],
+    configs: tuple[str, ...] = DEFAULT_CONFIGS,
 ) -> list[dict[str, Any]]:
     forward = plain_forward(model)
     rows = []
     resident = math.floor(keep * STREAM)
-    for passage in PASSAGES:
-        ids = passage_ids(tokenizer, passage, STREAM + 1)
+    for passage, where in texts.items():
+        ids = passage_ids(tokenizer, where, STREAM + 1)
         # Scored from the earlier of the two caches' first eviction.
         scored = first_evicted(recalled_budget(model, recall, resident, STREAM))
         full = stream_ppl(forward, DynamicCache(config=model.config), ids, scored)
@@ -220,6 +236,7 @@ def main() -> None:
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
+    add_passage_arguments(parser)
     args = parser.parse_args()
     recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary, buffer=args.buffer)
     tasks = args.tasks.split(",")
@@ -236,7 +253,7 @@ def main() -> None:
                 model, tokenizer, name, lengths, args.samples, recall, args.keep, args.new_tokens, configs
             )
         if "stream" in tasks:
-            rows += stream_rows(model, tokenizer, name, recall, args.keep, configs)
+            rows += stream_rows(model, tokenizer, name, recall, args.keep, passages(args), configs)
     print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}, "
           f"summary={args.summary!r}, buffer={args.buffer!r}), "
           f"{100 * args.keep:g}% resident, {CHUNK}-token stream chunks\n")  # fmt: skip

@@ -11,12 +11,15 @@ transformers is older than 5.3 and hf_kvgov does not import).
   cache's by construction, so they would only dilute the difference).
 
 Perplexity is always compared with the full cache (`DynamicCache`) on the same tokens in the same run.
-Passages: Pride and Prejudice as the package ships it, cut at fixed character offsets; every passage is
-tokenized on its own, so a tokenizer that adds BOS (Gemma-3) starts each window with it.
+Passages: by default Pride and Prejudice as the package ships it, cut at fixed character offsets; ``--text``
+and ``--offsets`` (`add_passage_arguments`) name other text, so a setting chosen on one novel is checked on
+another. Every passage is tokenized on its own, so a tokenizer that adds BOS (Gemma-3) starts each window
+with it.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -26,14 +29,35 @@ import torch
 
 TEXT = Path(__file__).resolve().parents[1] / "hf_kvgov" / "data" / "text" / "prideprejudice.txt"
 PASSAGES = {"p&p@100k": 100_000, "p&p@400k": 400_000}  # character offsets into the novel
+DEFAULT_OFFSETS = tuple(PASSAGES.values())
 PREFILL, SCORED, STREAM, CHUNK, KEEP = 1536, 512, 2048, 32, 0.2
 
 Forward = Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # (ids, cache, positions) -> logits
 
 
-def passage_ids(tokenizer: Any, name: str, tokens: int) -> torch.Tensor:
-    """Long ``[1, tokens]``: the passage ``name`` as the tokenizer encodes it (BOS first when it adds one)."""
-    text = TEXT.read_text(encoding="utf-8")[PASSAGES[name] :]
+def add_passage_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--text`` (a UTF-8 file) and ``--offsets`` (character offsets into it): the passages a run reads."""
+    parser.add_argument("--text", type=Path, default=TEXT, help="UTF-8 text to cut passages from")
+    parser.add_argument(
+        "--offsets", type=int, nargs="+", default=list(DEFAULT_OFFSETS), help="character offsets of the passages"
+    )
+
+
+def passages(args: argparse.Namespace) -> dict[str, tuple[Path, int]]:
+    """Name (``<file stem>@<offset/1000>k``, as ``p&p@100k`` for the default) -> (text file, character offset)."""
+    stem = "p&p" if args.text == TEXT else args.text.stem
+    chosen = {f"{stem}@{offset // 1000}k": (args.text, offset) for offset in args.offsets}
+    for name, (text, offset) in chosen.items():
+        if offset < 0 or offset >= len(text.read_text(encoding="utf-8")):
+            raise SystemExit(f"--offsets: {offset} is outside {text} ({name}); give 0 <= offset < its length.")
+    return chosen
+
+
+def passage_ids(tokenizer: Any, passage: tuple[Path, int], tokens: int) -> torch.Tensor:
+    """Long ``[1, tokens]``: the passage (file, character offset) as the tokenizer encodes it (BOS first if added)."""
+    path, offset = passage
+    text = path.read_text(encoding="utf-8")[offset:]
+    name = f"{path.name}@{offset}"
     ids = tokenizer(text[: 8 * tokens], return_tensors="pt")["input_ids"]
     assert ids.shape[1] >= tokens, f"passage {name} holds only {ids.shape[1]} tokens"
     return ids[:, :tokens]
