@@ -27,7 +27,7 @@ from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfi
 from hf_kvgov.bench.serve_workload import TraceConfig, TraceRequest, build_trace
 from hf_kvgov.bench.timing import TokenClock, machine_description
 from hf_kvgov.engine.parts import Disk
-from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
+from hf_kvgov.hf.compat import RequestStatus, decoder_config, kv_heads_and_head_dim
 from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.serving import SamplingParams, ServingEngine
 
@@ -72,9 +72,14 @@ class Served:
 
 @dataclass(frozen=True)
 class Sample:
+    """One step's state. ``running``: each configuration's own count of requests taken in (transformers' includes
+    requests whose prompt it is still chunking or whose pages it dropped); ``decoding``: requests past their first
+    token whose KV is held, the count every configuration measures the same way."""
+
     t: float
     running: int
     kv_bytes: int
+    decoding: int
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,8 @@ class ServeRow:
     goodput: float  # requests per second that met both SLOs
     running_max: int
     running_mean: float
+    decoding_max: int  # requests decoding at once, counted alike for every configuration (see `Sample`)
+    decoding_mean: float
     kv_bytes_max: int
     kv_bytes_mean: float
     preemptions: int | None  # None: the configuration does not say (transformers' own manager)
@@ -192,7 +199,8 @@ def _run_engine(
                 continue
             events = engine.step()
             stats = engine.stats()
-            samples.append(Sample(time.perf_counter() - start, stats.running, stats.kv_bytes_used))
+            decoding = sum(1 for request in engine.scheduler.running if request.output)
+            samples.append(Sample(time.perf_counter() - start, stats.running, stats.kv_bytes_used, decoding))
             bar.update(sum(event.finished for event in events))
         stats = engine.stats()
     for index, request in requests.items():
@@ -252,7 +260,7 @@ def _run_static(model: Any, trace: Sequence[TraceRequest], config: ServeConfig, 
         )
         steps = [t - start for t in clock.token_times]
         for step, t in enumerate(steps):
-            samples.append(Sample(t, len(batch), len(batch) * (width + step + 1) * per_token))
+            samples.append(Sample(t, len(batch), len(batch) * (width + step + 1) * per_token, len(batch)))
         for row, item in enumerate(batch):
             record = served[item.index]
             record.admitted = admitted
@@ -291,11 +299,13 @@ def _run_transformers(model: Any, trace: Sequence[TraceRequest], config: ServeCo
             if result is None:
                 continue
             processor = manager.batch_processor
-            running = len(processor.scheduler.active_requests) if processor is not None else 0
-            used = 0
+            running = decoding = used = 0
             if processor is not None:
+                active = list(processor.scheduler.active_requests.values())
+                running = len(active)
+                decoding = sum(1 for state in active if state.status == RequestStatus.DECODING)
                 used = int((1 - processor.cache.compute_free_capacity()) * num_blocks * config.block_size * per_token)
-            samples.append(Sample(time.perf_counter() - start, running, used))
+            samples.append(Sample(time.perf_counter() - start, running, used, decoding))
             record = served[ids[result.request_id]]  # its queue time is the manager's own: not measured here
             if result.is_finished():
                 record.tokens = list(result.generated_tokens)
@@ -345,6 +355,8 @@ def summarize(
         goodput=per_second(good),
         running_max=max((s.running for s in samples), default=0),
         running_mean=statistics.fmean(s.running for s in samples) if samples else 0.0,
+        decoding_max=max((s.decoding for s in samples), default=0),
+        decoding_mean=statistics.fmean(s.decoding for s in samples) if samples else 0.0,
         kv_bytes_max=max((s.kv_bytes for s in samples), default=0),
         kv_bytes_mean=statistics.fmean(s.kv_bytes for s in samples) if samples else 0.0,
         preemptions=preemptions,
@@ -393,16 +405,17 @@ def serve_markdown(report: ServeReport) -> str:
     )
     lines = [
         "| config | done | failed | req/s | out tok/s | TTFT p50 / p99 s | TPOT p50 / p99 s | ITL p99 s | E2E p50 s "
-        "| queue mean s | goodput req/s | running max / mean | KV MiB max | preempted | recomputed | swapped blocks "
-        "| prefix hits |",
-        "| --- |" + " ---: |" * 16,
+        "| queue mean s | goodput req/s | running max / mean | decoding max / mean | KV MiB max | preempted "
+        "| recomputed | swapped blocks | prefix hits |",
+        "| --- |" + " ---: |" * 17,
     ]
     for r in report.rows:
         lines.append(
             f"| {r.config} | {r.completed} | {r.failed} | {r.request_throughput:.2f} | {r.output_throughput:.1f} "
             f"| {r.ttft.p50:.2f} / {r.ttft.p99:.2f} | {r.tpot.p50:.3f} / {r.tpot.p99:.3f} | {r.itl.p99:.3f} "
             f"| {r.e2e.p50:.2f} | {r.queue.mean:.2f} | {r.goodput:.2f} | {r.running_max} / {r.running_mean:.1f} "
-            f"| {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} | {_or_na(r.recomputed_tokens)} "
+            f"| {r.decoding_max} / {r.decoding_mean:.1f} | {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} "
+            f"| {_or_na(r.recomputed_tokens)} "
             f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} |"
         )
     return head + "\n".join(lines) + "\n"

@@ -52,7 +52,7 @@ def test_metrics_from_known_times() -> None:
         Served(arrival=1.0, admitted=1.0, token_times=[4.0, 5.0], tokens=[8, 9]),
         Served(arrival=2.0, failed="refused"),
     ]
-    samples = [Sample(1.0, 1, 100), Sample(2.0, 2, 300)]
+    samples = [Sample(1.0, 1, 100, 0), Sample(2.0, 3, 300, 2)]
     config = ServeConfig(slo_ttft_s=2.0, slo_tpot_s=0.6)
     row = summarize("x", served, samples, (1, 7, 0.25, 3), config)
     assert (row.completed, row.failed, row.duration_s) == (2, 1, 5.0)
@@ -62,7 +62,8 @@ def test_metrics_from_known_times() -> None:
     assert row.itl.p99 == pytest.approx(0.5 + 0.98 * 0.5)  # 0.5, 0.5, 1.0: linear between the 2nd and 3rd
     assert row.e2e.mean == pytest.approx(3.0) and row.queue.mean == pytest.approx(0.25)
     assert row.goodput == pytest.approx(1 / 5.0)  # only the first meets both SLOs
-    assert (row.running_max, row.running_mean, row.kv_bytes_max) == (2, 1.5, 300)
+    assert (row.running_max, row.running_mean, row.kv_bytes_max) == (3, 2.0, 300)
+    assert (row.decoding_max, row.decoding_mean) == (2, 1.0)
     assert (row.preemptions, row.recomputed_tokens, row.prefix_hit_rate, row.swapped_blocks) == (1, 7, 0.25, 3)
 
 
@@ -86,6 +87,10 @@ def test_every_configuration_serves_the_burst_without_failures(tiny: tuple[Any, 
     assert rows["int8"].running_max >= rows["prefix"].running_max
     assert rows["transformers"].prefix_hit_rate is None and rows["static"].prefix_hit_rate == 0
     assert rows["static"].running_max <= 3  # its padded batches fit the cap
+    # Decoding requests are counted alike: never more than the ones taken in, and each configuration decodes some.
+    for row in rows.values():
+        assert 1 <= row.decoding_max <= row.running_max, row.config
+    assert rows["static"].decoding_max == rows["static"].running_max  # a static batch decodes all its rows
     data = report.to_dict()
     assert [r["config"] for r in data["rows"]] == list(rows) and "outputs" not in data["rows"][0]
 
