@@ -70,6 +70,10 @@ def presses() -> dict[str, Callable[[], Any]]:
         "CriticalAdaKV(ExpectedAttention)": lambda: kvpress.CriticalAdaKVPress(
             kvpress.ExpectedAttentionPress(compression_ratio=RATIO)
         ),
+        # Since kvpress 0.5: lag-relative statistics, and context reconstruction (KVzip, which scores in extra
+        # forwards after the prefill and masks what it drops; kvpress refuses it on Gemma-3).
+        "LagKVPress": lambda: kvpress.LagKVPress(compression_ratio=RATIO),
+        "KVzipPress": lambda: kvpress.KVzipPress(compression_ratio=RATIO),
     }
 
 

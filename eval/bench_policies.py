@@ -9,7 +9,8 @@ Both declare what the 20% is a fraction of (``budget_of=``); a fraction of the f
 32 tokens. Models: SmolLM2-135M and Gemma-3-270M (float32, CPU), two passages of Pride and Prejudice.
 Configurations: H2O (half recent window, H2O's split, and a 32-token window), sinks + window (StreamingLLM),
 SnapKV, TOVA, key-norm, mean attention mass, Expected Attention, SnapKV at prefill then H2O (stream only: in
-(a) nothing is evicted after the prefill), and with ``--pyramid`` SnapKV, Expected Attention and H2O with
+(a) nothing is evicted after the prefill), KVzip (``kvzip``, ``kvzip layerwise``; (a) only: it compresses the
+context in reconstruction passes of its own), and with ``--pyramid`` SnapKV, Expected Attention and H2O with
 PyramidKV's per-layer budgets (`hf_kvgov.policies.Pyramid`: more in the lower layers, the same total), and
 with ``--adaptive`` those three and mean attention mass with AdaKV's head-adaptive budgets
 (`hf_kvgov.policies.HeadAdaptive`: a layer's heads share its total by score; with both flags, also pyramid
@@ -48,7 +49,7 @@ from policy_protocols import (
 )
 from transformers import DynamicCache
 
-from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention, kvzip_cache
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
 from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, HeavyHitter, Pyramid, QueryForecast, SnapKV
@@ -108,6 +109,9 @@ def _snapkv_variant(name: str) -> CacheFactory:
     return lambda m, **kw: PolicyCache(m, policy, budget=KEEP, **kw)
 
 
+# KVzip (`hf_kvgov.kvzip_cache`): its layers' slots ranked together (its default), or each layer the same total.
+KVZIP = ("kvzip", "kvzip layerwise")
+
 # The policies run with budget allocators (and every SnapKV variant).
 ALLOCATED = ("snapkv", "expected_attention", "expected_attention running", "h2o", "mean_mass")
 
@@ -137,12 +141,13 @@ def run_model(
     for passage, where in texts.items():
         ids = passage_ids(tokenizer, where, STREAM + 1)
         for protocol in protocols:
-            rows += _protocol_rows(model, name, passage, ids, protocol, forward, allocated, selected)
+            rows += _protocol_rows(model, tokenizer, name, passage, ids, protocol, forward, allocated, selected)
     return rows
 
 
 def _protocol_rows(
     model: Any,
+    tokenizer: Any,
     name: str,
     passage: str,
     ids: torch.Tensor,
@@ -165,6 +170,13 @@ def _protocol_rows(
         cache = make(model, budget_of=tokens, compress="always" if stream else "prefill", **extra)
         with eviction_attention(model):
             ppl = _ppl(forward, cache, ids, stream, kept)
+        rows.append(row(name, passage, config, kept, ppl, full) | {"protocol": protocol})
+        print(f"  {name} {passage} {protocol} {config}: {ppl:.3f} (full {full:.3f})", flush=True)
+    for config in [c for c in KVZIP if not stream and (selected is None or c in selected)]:
+        # KVzip compresses the context in passes of its own before the continuation is scored.
+        cache = kvzip_cache(model, tokenizer, ids[:, :PREFILL], budget=kept, layerwise=config == "kvzip layerwise")
+        with eviction_attention(model):
+            ppl = continue_ppl(lambda *_: None, forward, cache, ids[:, : PREFILL + SCORED + 1])
         rows.append(row(name, passage, config, kept, ppl, full) | {"protocol": protocol})
         print(f"  {name} {passage} {protocol} {config}: {ppl:.3f} (full {full:.3f})", flush=True)
     return rows

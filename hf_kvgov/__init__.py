@@ -46,6 +46,7 @@ _EXPORTS = {
     "eviction_pool": "hf_kvgov.hf.eviction.pooled_slots",
     "RecallStats": "hf_kvgov.engine.slots.recall",
     "eviction_attention": "hf_kvgov.hf.eviction",
+    "kvzip_cache": "hf_kvgov.hf.eviction.kvzip",
     "DiskOffloadCache": "hf_kvgov.hf.disk_cache",
     "DiskCacheStats": "hf_kvgov.hf.disk_cache",
     "SpillError": "hf_kvgov.errors",
@@ -106,6 +107,7 @@ __all__ = [
     "check_quantization",
     "eviction_attention",
     "eviction_pool",
+    "kvzip_cache",
     "load_model",
     "paged_attention",
     "prefix_tree",
@@ -129,6 +131,7 @@ if TYPE_CHECKING:
     from hf_kvgov.hf.attention import paged_attention, restore_attention, use_paged_attention
     from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
     from hf_kvgov.hf.eviction import EvictionStats, HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
+    from hf_kvgov.hf.eviction.kvzip import kvzip_cache
     from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
     from hf_kvgov.hf.governed import GovernedCacheBase
     from hf_kvgov.hf.paged_cache import CacheStats, PagedCache

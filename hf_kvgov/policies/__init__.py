@@ -12,6 +12,7 @@ over its KV heads.
 from hf_kvgov.policies.attention_mass import accumulate_attention, attention_mass_chunked
 from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, RankingPolicy, SlotFacts
 from hf_kvgov.policies.expected_attention import ExpectedAttention
+from hf_kvgov.policies.given_scores import GivenScores
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.heavy_hitter import HeavyHitter
 from hf_kvgov.policies.key_norm import KeyNorm
@@ -38,6 +39,7 @@ __all__ = [
     "EvictionPolicy",
     "ExpectedAttention",
     "FactNeeds",
+    "GivenScores",
     "HeadAdaptive",
     "HeavyHitter",
     "KeyNorm",

@@ -58,6 +58,7 @@ class SlotFacts:
     recent_attention: Tensor | None = None
     key_norm: Tensor | None = None
     expected_attention: Tensor | None = None
+    layer: int | None = None  # the decoder layer evicting (not a fact): for scores given per layer beforehand
 
     def require(self, name: str, owner: str) -> Tensor:
         """The fact ``name``; raises ``ValueError`` naming ``owner`` when the cache did not compute it."""
@@ -136,7 +137,7 @@ def check_slot_tensors(facts: SlotFacts, positions: Tensor, valid: Tensor) -> No
         )
     for field in fields(facts):
         fact = getattr(facts, field.name)
-        if fact is None:
+        if fact is None or field.name == "layer":
             continue
         if not fact.is_floating_point():
             raise TypeError(f"facts.{field.name} must be a floating-point tensor; got dtype {fact.dtype}.")

@@ -345,7 +345,7 @@ class EvictionCache(GovernedCacheBase):
                 budget, chooses = layer.window - 1, False
         if store.count > budget:
             norms = keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1) if key_norm else None
-            facts = SlotFacts(mass=scores, recent_attention=recent, key_norm=norms, expected_attention=expected)
+            facts = SlotFacts(scores, recent, norms, expected, layer=layer.index)
             if not chooses:
                 keep, kept = newest(facts, positions, valid, budget), None
             elif self.head_budgets is not None:
