@@ -27,6 +27,16 @@ class CharTokenizer:
         return [3 + ord(c) % (self.vocab - 3) for c in text]
 
 
+class ChatCharTokenizer(CharTokenizer):
+    """As CharTokenizer, with a chat template whose assistant turn opens with "</u><a>"."""
+
+    chat_template = "a template"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **options: Any) -> str:
+        assert options["add_generation_prompt"] and not options["tokenize"]
+        return "<u>" + messages[0]["content"] + "</u><a>"
+
+
 def context(model: Any, rows: int = 1, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, model.config.vocab_size, (rows, LENGTH), generator=torch.Generator().manual_seed(seed))
 
@@ -38,14 +48,15 @@ def peaked(model: Any) -> Any:
     return model
 
 
-def test_scores_are_the_most_attention_a_repeat_query_pays_each_token() -> None:
+@pytest.mark.parametrize(("chat", "turn"), [(False, ""), (True, "</u><a>")])
+def test_scores_are_the_most_attention_a_repeat_query_pays_each_token(chat: bool, turn: str) -> None:
     model = peaked(tiny_llama(num_kv_heads=2, num_heads=4))
-    tokenizer = CharTokenizer(model.config.vocab_size)
+    tokenizer = (ChatCharTokenizer if chat else CharTokenizer)(model.config.vocab_size)
     ids = context(model)
     scores = reconstruction_scores(model, tokenizer, ids, sinks=4)
     # The same from one eager forward over context + repeat, without a cache (one chunk: the softmax covers
-    # every key, the sinks, the chunk and the repeat).
-    repeat = torch.tensor([[*tokenizer.encode(REPEAT_PROMPT), *ids[0].tolist()]])
+    # every key, the sinks, the chunk and the repeat). A chat model reads the assistant turn's opening first.
+    repeat = torch.tensor([[*tokenizer.encode(REPEAT_PROMPT + turn), *ids[0].tolist()]])
     model.set_attn_implementation("eager")
     with torch.inference_mode():
         out = model(input_ids=torch.cat([ids, repeat], dim=1), output_attentions=True, use_cache=False)

@@ -1,16 +1,14 @@
 """KVzip (Kim et al., 2025): compress a context by how much the model needs each token to repeat the context.
 
-After the context is prefilled, the model reads "Repeat the previous context exactly." followed by the context
-itself (in chunks of ``chunk_size``, each later chunk led by the last 8 tokens of the one before); a token's score
-is the most attention any of those queries, in any query head of its KV group, pays it, the softmax taken over the
-attention sinks, the chunk being repeated and the repeat (as the authors' and kvpress's code). The scores do not
-depend on a question, so one compressed context serves every question that comes after it. The cache keeps the
-best-scored tokens of every full-attention layer, ranked across layers and heads together by default (KVzip's
-non-uniform budgets) at the bytes of the uniform budget; sliding-window layers keep their window as always.
-
-Cost: the reconstruction reads the context once more through the model, eagerly (the attention weights are
-needed), and the compressed cache reads it a third time; memory peaks at the full context's KV plus one chunk's
-attention weights of one layer. Each row of a batch is scored on its own, so left padding changes nothing.
+After the prefill the model reads "Repeat the previous context exactly." (a chat model: then the assistant turn's
+opening) and the context again, in chunks of ``chunk_size`` (a later chunk's prompt ends with the 8 tokens before
+it). A token's score is the most attention any of those queries, in any query head of its KV group, pays it, the
+softmax over the sinks, the chunk and the repeat, as the authors' and kvpress's code. The scores do not depend on
+a question, so one compressed context serves every question after it. The best-scored tokens of the full-attention
+layers are kept, ranked across layers and heads (KVzip's non-uniform budgets) at the uniform budget's bytes;
+sliding-window layers keep their window. Cost: two more passes over the context (the first eager, for the
+attention weights); memory peaks at the full context's KV plus one layer's weights for one chunk. Each row of a
+batch is scored on its own, so left padding changes nothing.
 """
 
 from __future__ import annotations
@@ -60,6 +58,7 @@ def reconstruction_scores(
     batch, length = input_ids.shape
     tables: list[Tensor | None] = [torch.zeros(batch, kv_heads, length) if s else None for s in scored]
     prompts = [tokenizer.encode(text, add_special_tokens=False) for text in (REPEAT_PROMPT, CONTINUE_PROMPT)]
+    prompts.append(_turn_suffix(tokenizer))
     previous = attention_implementation(model.config)
     model.set_attn_implementation("eager")  # the hooks read the attention weights
     try:
@@ -74,10 +73,22 @@ def reconstruction_scores(
     return tables
 
 
+def _turn_suffix(tokenizer: Any) -> list[int]:
+    """What a chat model reads between a user's request and its answer (the assistant turn's opening), as the
+    authors' code puts it after the repeat prompt; nothing for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    dummy, separator = "context", "\n#######"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text.split(separator)[-1], add_special_tokens=False))
+
+
 def _score_row(
     model: Any,
     ids: Tensor,
-    prompts: Sequence[list[int]],
+    prompts: Sequence[list[int]],  # the repeat prompt, the continue prompt, the turn suffix
     scored: Sequence[bool],
     kv_heads: int,
     chunk_size: int,
@@ -111,7 +122,10 @@ def _score_row(
         try:
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
+                # "Repeat ...", or for a later chunk "Repeat the part ... starting with" and the tokens before it;
+                # then the assistant turn's opening (empty without a chat template) and the chunk itself.
                 lead = prompts[0] if start == 0 else [*prompts[1], *ids[max(0, start - OVERLAP) : start].tolist()]
+                lead = [*lead, *prompts[2]]
                 repeat = torch.tensor([[*lead, *ids[start:end].tolist()]], device=ids.device)
                 span.update(start=start, end=end, queries=repeat.shape[1])
                 model(input_ids=repeat, cache=cache, use_cache=True)
