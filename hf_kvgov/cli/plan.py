@@ -109,7 +109,7 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--recall-buffer", str, DEFAULT_RECALL_BUFFER, "where recalled pages are held: layer or shared"),
         ("--sink-blocks", int, 1, "leading blocks a quantized cache keeps in full precision"),
         ("--residual", int, None, f"newest tokens a quantized cache keeps in full precision {MEASURED}"),
-        ("--group-size", int, None, f"quantization group along head_dim (none: the whole head) {MEASURED}"),
+        ("--group-size", int, None, f"quantization group along head_dim (head_dim: one per head) {MEASURED}"),
         ("--scale-bytes", int, None, f"scale and zero bytes: 2 (fp16), 4 (fp32), 1 (one byte) {MEASURED}"),
     ]
     group.add_argument("--chain", help=f"comma-separated steps [{','.join(DEFAULT_CHAIN)}]")
