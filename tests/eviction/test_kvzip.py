@@ -190,3 +190,12 @@ def test_kvzip_cache_sets_its_own_compression() -> None:
         kvzip_cache(model, CharTokenizer(96), context(model), compress="always")
     with pytest.raises(ValueError, match=r"GivenScores.scores\[0\] must be a float tensor"):
         GivenScores((torch.zeros(3),))
+
+
+def test_a_model_without_attention_modules_is_refused_by_name() -> None:
+    model = tiny_llama()
+    for layer in model.model.layers:
+        layer.attention = layer.self_attn  # the same module under another name
+        del layer.self_attn
+    with pytest.raises(ValueError, match="KVzip reads each decoder layer's attention weights from its self_attn"):
+        reconstruction_scores(model, CharTokenizer(96), context(model))

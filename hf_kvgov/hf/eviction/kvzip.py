@@ -20,7 +20,13 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from hf_kvgov.hf.compat import attention_implementation, decoder_config, kv_heads_and_head_dim, layer_kinds
+from hf_kvgov.hf.compat import (
+    attention_implementation,
+    decoder_config,
+    decoder_layer_names,
+    kv_heads_and_head_dim,
+    layer_kinds,
+)
 from hf_kvgov.hf.eviction.attention import eviction_attention
 from hf_kvgov.hf.eviction.policy_cache import PolicyCache
 from hf_kvgov.policies import GivenScores, HeadAdaptive
@@ -85,6 +91,19 @@ def _turn_suffix(tokenizer: Any) -> list[int]:
     return list(tokenizer.encode(text.split(separator)[-1], add_special_tokens=False))
 
 
+def _attention_modules(model: Any, num_layers: int) -> list[Any]:
+    """Each decoder layer's attention module (``self_attn``), whose forward returns the eager attention weights."""
+    names = decoder_layer_names(model, num_layers)
+    modules = dict(model.named_modules())
+    found = [getattr(modules[name], "self_attn", None) for name in names or ()]
+    if names is None or any(module is None for module in found):
+        raise ValueError(
+            f"KVzip reads each decoder layer's attention weights from its self_attn module; {type(model).__name__} "
+            "has no such layers (supported: transformers' Llama-style decoders: Llama, Qwen, Mistral, Gemma-3, ...)."
+        )
+    return found
+
+
 def _score_row(
     model: Any,
     ids: Tensor,
@@ -114,11 +133,11 @@ def _score_row(
 
         return record
 
-    layers = model.model.layers if hasattr(model, "model") else model.layers
+    attention = _attention_modules(model, len(scored))
     cache = DynamicCache()
     with torch.inference_mode():
         model(input_ids=ids[None], cache=cache, use_cache=True)
-        hooks = [layers[i].self_attn.register_forward_hook(hook(i)) for i, s in enumerate(scored) if s]
+        hooks = [attention[i].register_forward_hook(hook(i)) for i, s in enumerate(scored) if s]
         try:
             for start in range(0, n, chunk_size):
                 end = min(start + chunk_size, n)
