@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hf_kvgov.format_defaults import format_defaults
 from hf_kvgov.planner.chain import (
     DEFAULT_CHAIN,
     DEFAULT_H2O_BUDGET,
@@ -23,6 +22,7 @@ from hf_kvgov.planner.chain import (
     DEFAULT_RECALL_PAGES,
     DEFAULT_SHARED_FRACTION,
     ChainOptions,
+    codec_settings,
     parse_chain,
 )
 from hf_kvgov.planner.config_loading import resolve_model
@@ -117,22 +117,8 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=kind, default=default, help=f"{text} [%(default)s]")
 
 
-# Bits of each chain step that is a codec (fp8 seals as an 8-bit format).
-CODEC_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp8": 8}
 # What the three codec settings default to: the codec's own, as the built caches fill them in.
 MEASURED = "(none given: the codec's measured setting, as QuantizedCache(model, bits=...) takes it)"
-
-
-def _codec_settings(args: argparse.Namespace, chain: tuple[str, ...], head_dim: int) -> dict[str, Any]:
-    """residual, group_size and scale_bytes as given, else as the built cache fills them in.
-
-    Sealed blocks take `format_defaults` (int2: KIVI's 32-token window and value groups of 32); the slot codes
-    of an eviction cache (the chain's ``recall`` step holds H2O's kept tokens as slots) are the bare format.
-    """
-    bits = next((CODEC_BITS[step] for step in chain if step in CODEC_BITS), 8)
-    filled = format_defaults(bits if "recall" not in chain else 8, head_dim)
-    given = {"residual": args.residual, "group_size": args.group_size, "scale_bytes": args.scale_bytes}
-    return {name: filled[name] if value is None else value for name, value in given.items()}
 
 
 def _pick(given: str | None, scenario: Scenario | None, attribute: str, default: str) -> str:
@@ -174,7 +160,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_summary=args.recall_summary,
         recall_buffer=args.recall_buffer,
         sink_blocks=args.sink_blocks,
-        **_codec_settings(args, chain, geometry.head_dim),
+        **codec_settings(chain, geometry.head_dim, args.residual, args.group_size, args.scale_bytes),
     )
     plan = make_plan(PlanInputs(geometry, budget, lengths, disk), chain, options)
     return plan, (check_claims(plan, scenario) if scenario is not None else [])

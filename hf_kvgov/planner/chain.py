@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from hf_kvgov.format_defaults import format_defaults
 from hf_kvgov.planner.setup import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_H2O_RECENT,
@@ -162,7 +164,26 @@ TECHNIQUES: dict[str, Technique] = {
         ),
     )
 }
-_CODECS = {"int8", "int4", "int2", "fp8"}
+# The chain's codec steps and the bits each seals with (fp8 is an 8-bit format).
+CODEC_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp8": 8}
+
+
+def codec_settings(
+    chain: tuple[str, ...],
+    head_dim: int,
+    residual: int | None = None,
+    group_size: int | None = None,
+    scale_bytes: int | None = None,
+) -> dict[str, Any]:
+    """`ChainOptions`' residual, group_size and scale_bytes: as given, else as the built cache fills them in.
+
+    Sealed blocks take `format_defaults` (int2: KIVI's 32-token window and value groups of 32); the slot codes
+    of an eviction cache (the chain's ``recall`` step holds H2O's kept tokens as slots) are the bare format.
+    """
+    bits = next((CODEC_BITS[step] for step in chain if step in CODEC_BITS), 8)
+    filled = format_defaults(bits if "recall" not in chain else 8, head_dim)
+    given = {"residual": residual, "group_size": group_size, "scale_bytes": scale_bytes}
+    return {name: filled[name] if value is None else value for name, value in given.items()}
 
 
 def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
@@ -178,9 +199,9 @@ def parse_chain(spec: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
         raise ValueError(f"The chain {','.join(names)} names a step twice; list each technique once.")
     if "static" in names[1:]:
         raise ValueError("'static' (pre-allocation) can only be the first step of the chain.")
-    if len(_CODECS.intersection(names)) > 1:
+    if len(CODEC_BITS.keys() & set(names)) > 1:
         raise ValueError(
-            f"The chain {','.join(names)} has more than one codec; pick one of {', '.join(sorted(_CODECS))}."
+            f"The chain {','.join(names)} has more than one codec; pick one of {', '.join(sorted(CODEC_BITS))}."
         )
     if "recall" in names and ("h2o" not in names or names.index("h2o") > names.index("recall")):
         raise ValueError(f"'recall' brings back what H2O evicted, so 'h2o' must come before it; got {','.join(names)}.")

@@ -14,6 +14,7 @@ import pytest
 
 from hf_kvgov import QuantizedCache
 from hf_kvgov.cli import plan as plan_cli
+from hf_kvgov.planner.chain import codec_settings
 from tests.conftest import tiny_llama
 
 
@@ -194,14 +195,11 @@ def test_one_byte_statistics_and_the_residual_window_are_planned(
 def test_int2_defaults_in_the_plan_are_the_built_cache_s() -> None:
     model = tiny_llama(num_kv_heads=1, num_heads=1)  # head_dim 64: value groups of 32 apply
     config = QuantizedCache(model, bits=2).quant
-    head_dim = 64
-    args = argparse.Namespace(residual=None, group_size=None, scale_bytes=None)
-    settings = plan_cli._codec_settings(args, ("paged", "int2"), head_dim)
+    settings = codec_settings(("paged", "int2"), 64)
     assert settings == {"residual": config.residual, "group_size": config.group_size, "scale_bytes": 2}
     # An eviction cache's slot codes are the bare format; a setting given is kept.
-    assert plan_cli._codec_settings(args, ("paged", "int2", "h2o", "recall"), head_dim)["residual"] == 0
-    given = argparse.Namespace(residual=5, group_size=None, scale_bytes=1)
-    assert plan_cli._codec_settings(given, ("paged", "int2"), head_dim)["residual"] == 5
+    assert codec_settings(("paged", "int2", "h2o", "recall"), 64)["residual"] == 0
+    assert codec_settings(("paged", "int2"), 64, residual=5, scale_bytes=1)["residual"] == 5
 
 
 def test_json_to_stdout_and_an_unwritable_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
