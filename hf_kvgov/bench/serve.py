@@ -3,12 +3,13 @@
 The configurations (`SERVE_CONFIGS`): static batching with `DynamicCache` (requests that have arrived are batched,
 padded, while their padded KV fits the cap, and the next batch waits for the whole batch to end); transformers'
 continuous batching with its own paged cache (`num_blocks` from the cap); hf_kvgov's `ServingEngine`, without and
-with prefix sharing, with int8 codes too, and with preempted requests swapped to disk instead of computed again.
-Each request's tokens are timed as they come (a streamer for static
-batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed, request and output
-throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), goodput under an SLO; plus governance figures
-sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens, swapped blocks, prefix hit
-rate, queue time).
+with prefix sharing, with int8 codes too, with H2O eviction on top (each request keeps 20% of its prompt in blocks),
+and with preempted requests swapped to disk instead of computed again. Each request's tokens are timed as they come
+(a streamer for static batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed,
+request and output throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), goodput under an SLO;
+plus governance figures sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens,
+swapped blocks, prefix hit rate, queue time), and each configuration's agreement with the full cache: the share
+of every request's greedy tokens that equal, from the start, those of the first lossless configuration run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfi
 
 from hf_kvgov.bench.serve_workload import TraceConfig, TraceRequest, build_trace
 from hf_kvgov.bench.timing import TokenClock, machine_description
-from hf_kvgov.engine.parts import Disk
+from hf_kvgov.engine.parts import Disk, HeavyHitter
 from hf_kvgov.hf.compat import RequestStatus, decoder_config, kv_heads_and_head_dim
 from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.serving import SamplingParams, ServingEngine
@@ -37,13 +38,16 @@ SERVE_CONFIGS = {
     "paged": "hf_kvgov ServingEngine, paged blocks",
     "prefix": "hf_kvgov ServingEngine, paged blocks + prefix sharing",
     "int8": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes",
+    "h2o": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes + H2O 20% (whole blocks)",
     "swap": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes, preempted requests swapped to disk",
 }
+LOSSLESS_CONFIGS = ("paged", "prefix", "static", "transformers")  # the first one run is the full cache's answers
+H2O_BUDGET = 0.2
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    configs: tuple[str, ...] = ("static", "transformers", "paged", "prefix", "int8")
+    configs: tuple[str, ...] = ("static", "transformers", "paged", "prefix", "int8", "h2o")
     trace: TraceConfig = field(default_factory=TraceConfig)
     kv_bytes: int = 64 << 20
     block_size: int = 16
@@ -125,6 +129,10 @@ class ServeRow:
     samples: tuple[Sample, ...]
     ttfts: tuple[float, ...]
     outputs: tuple[tuple[int, ...], ...]  # each request's tokens, in trace order
+    # Against the run's first lossless configuration (None: it is that one, or none ran): the mean share of each
+    # request's reference tokens it matched from the start, and the share of requests matched exactly.
+    agreement: float | None = None
+    exact_match: float | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,7 @@ def _run_engine(
     codec: str | None,
     bar: Any,
     swap: bool = False,
+    policy: HeavyHitter | None = None,
 ) -> tuple:
     engine = ServingEngine(
         model,
@@ -170,6 +179,7 @@ def _run_engine(
         max_batched_tokens=config.max_batched_tokens,
         codec=codec,
         spill=Disk() if swap else None,  # a private temporary directory, deleted when the engine closes
+        policy=policy,
     )
     served = [Served(r.arrival) for r in trace]
     requests: dict[int, Any] = {}
@@ -381,11 +391,12 @@ def run_serve(
         "paged": lambda bar: _run_engine(model, trace, config, False, None, bar),
         "prefix": lambda bar: _run_engine(model, trace, config, True, None, bar),
         "int8": lambda bar: _run_engine(model, trace, config, True, "int8", bar),
+        "h2o": lambda bar: _run_engine(model, trace, config, True, "int8", bar, policy=HeavyHitter(H2O_BUDGET)),
         "swap": lambda bar: _run_engine(model, trace, config, True, "int8", bar, swap=True),
     }
 
     def report() -> ServeReport:
-        return ServeReport(model_name, machine_description(), config, tuple(rows))
+        return ServeReport(model_name, machine_description(), config, with_agreement(rows))
 
     with on_interrupt(lambda: Interrupted(report(), Progress(len(rows), len(config.configs), "configurations"))):
         for name in config.configs:
@@ -393,6 +404,27 @@ def run_serve(
                 served, samples, *extra = runners[name](bar)
             rows.append(summarize(name, served, samples, tuple(extra), config))
     return report()
+
+
+def with_agreement(rows: Sequence[ServeRow]) -> tuple[ServeRow, ...]:
+    """`rows` with each one's agreement with the first lossless configuration among them (see `ServeRow`)."""
+    reference = next((row for name in LOSSLESS_CONFIGS for row in rows if row.config == name), None)
+    if reference is None:
+        return tuple(rows)
+    agreed = []
+    for row in rows:
+        pairs = [(ours, full) for ours, full in zip(row.outputs, reference.outputs, strict=True) if ours and full]
+        if row is reference or not pairs:
+            agreed.append(row)
+            continue
+        shares = [_common_start(ours, full) / len(full) for ours, full in pairs]
+        exact = sum(ours == full for ours, full in pairs) / len(pairs)
+        agreed.append(replace(row, agreement=statistics.fmean(shares), exact_match=exact))
+    return tuple(agreed)
+
+
+def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def serve_markdown(report: ServeReport) -> str:
@@ -406,8 +438,8 @@ def serve_markdown(report: ServeReport) -> str:
     lines = [
         "| config | done | failed | req/s | out tok/s | TTFT p50 / p99 s | TPOT p50 / p99 s | ITL p99 s | E2E p50 s "
         "| queue mean s | goodput req/s | running max / mean | decoding max / mean | KV MiB max | preempted "
-        "| recomputed | swapped blocks | prefix hits |",
-        "| --- |" + " ---: |" * 17,
+        "| recomputed | swapped blocks | prefix hits | agrees with full |",
+        "| --- |" + " ---: |" * 18,
     ]
     for r in report.rows:
         lines.append(
@@ -416,7 +448,8 @@ def serve_markdown(report: ServeReport) -> str:
             f"| {r.e2e.p50:.2f} | {r.queue.mean:.2f} | {r.goodput:.2f} | {r.running_max} / {r.running_mean:.1f} "
             f"| {r.decoding_max} / {r.decoding_mean:.1f} | {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} "
             f"| {_or_na(r.recomputed_tokens)} "
-            f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} |"
+            f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} "
+            f"| {_or_na(r.agreement, '{:.0%}')} ({_or_na(r.exact_match, '{:.0%}')} exact) |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -331,7 +331,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _measured(served, caches=False)
     served.add_argument(
         "--configs",
-        default="static,transformers,paged,prefix,int8",
+        default="static,transformers,paged,prefix,int8,h2o",
         help="configurations, comma-separated [%(default)s]",
     )
     served.add_argument("--requests", type=int, default=20, help="requests in the trace [%(default)s]")

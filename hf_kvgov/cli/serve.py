@@ -3,7 +3,8 @@ from one governed KV pool.
 
 It is transformers' own server (`transformers serve --continuous-batching`: /v1/completions, /v1/chat/completions,
 /v1/responses, streaming, cancel on disconnect) with its continuous batching run by hf_kvgov's engine: admission by
-KV bytes, prefix sharing, preemption instead of out-of-memory, int8 codes with --codec. Needs the serving extras:
+KV bytes, prefix sharing, preemption instead of out-of-memory, int8 codes with --codec, H2O eviction with --h2o
+(each request keeps a share of its prompt in blocks, so more requests fit). Needs the serving extras:
 ``pip install hf-kvgov[serve]``.
 
 Examples::
@@ -12,6 +13,7 @@ Examples::
     kvgov serve --kv-budget 2GiB --codec int8 --port 8080
     kvgov serve --redis redis://127.0.0.1:6379/0       # servers on one Redis share the prefixes they computed
     kvgov serve --kv-budget 1GiB --swap-dir /mnt/ssd    # a full pool swaps requests to the SSD, not recomputes
+    kvgov serve --kv-budget 256MiB --codec int8 --h2o 0.2   # each request keeps 20% of its prompt: lossy
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
 """
@@ -46,6 +48,12 @@ def _run(args: argparse.Namespace) -> int:
             "max_batched_tokens": args.max_batched_tokens,
             "codec": args.codec,
         }
+        if args.h2o is not None:
+            from hf_kvgov.engine.parts import HeavyHitter
+
+            if not 0 < args.h2o <= 1:
+                raise ValueError(f"--h2o takes the share of each prompt a request keeps, in (0, 1]; got {args.h2o}.")
+            engine_args["policy"] = HeavyHitter(float(args.h2o))
         if args.swap_dir is not None:
             from hf_kvgov.engine.parts import Disk
 
@@ -83,6 +91,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
+    parser.add_argument(
+        "--h2o",
+        type=float,
+        metavar="SHARE",
+        help="H2O eviction: each request keeps SHARE of its prompt in blocks (lossy; default: keep every token)",
+    )
     parser.add_argument(
         "--swap-dir",
         metavar="DIR",

@@ -36,8 +36,8 @@ def paged_attention_gathered_sdpa(
     """
     if softcap is not None:
         raise ValueError(f"{unsupported_reason(softcap)} Use the torch reference backend for soft-capped logits.")
-    keys = _gather(key_cache, block_table, kv_length)
-    values = _gather(value_cache, block_table, kv_length)
+    keys = gather_blocks(key_cache, block_table, kv_length)
+    values = gather_blocks(value_cache, block_table, kv_length)
     q_len = query.shape[2]
     if mask is None and q_len not in (1, kv_length):  # causal, with the queries at the end
         mask = torch.ones(q_len, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - q_len)
@@ -55,7 +55,7 @@ def unsupported_reason(softcap: float | None) -> str | None:
     return None
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, kv_length: int) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_table: torch.Tensor, kv_length: int) -> torch.Tensor:
     """`[batch, kv_heads, kv_length, head_dim]`: a transposed view of one fresh copy of the rows' blocks."""
     batch, blocks = block_table.shape
     shape = (batch, blocks * cache.shape[1], *cache.shape[2:])

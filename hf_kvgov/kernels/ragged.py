@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_kvgov.kernels import dispatch
+from hf_kvgov.kernels.block_mass import BlockMasses, attention_mass
+from hf_kvgov.kernels.gathered_sdpa import gather_blocks
+from hf_kvgov.kernels.quantized_reference import gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
@@ -44,6 +47,8 @@ class RaggedStep:
     chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first packed token, queries, kv length, table [1, n])
     # Masks by (first packed token of a chunk, or -1 for the decode rows; window): built by the first layer only.
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    # Set by `observe_masses`: each block's attention, summed over the layers (heavy-hitter eviction's score).
+    masses: BlockMasses | None = None
 
     @classmethod
     def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
@@ -77,6 +82,17 @@ class RaggedStep:
     def num_decoding(self) -> int:
         return int(self.decode_lengths.shape[0])
 
+    def observe_masses(self) -> BlockMasses:
+        """Have every layer's `attend` add the attention its blocks receive to the returned `BlockMasses`."""
+        chunk_blocks = [int(table.shape[1]) for *_, table in self.chunks]
+        width = int(self.decode_tables.shape[1])
+        self.masses = BlockMasses(self.num_decoding, width, chunk_blocks, self.slots.device)
+        return self.masses
+
+    def gather_keys(self, layer: int, table: torch.Tensor, length: int) -> torch.Tensor:
+        """`[rows, kv_heads, length, dim]` float32 keys of `table`'s first `length` tokens in `layer`."""
+        return gather_blocks(self.pool.keys[layer], table, length).float()
+
     def attend(
         self,
         layer: int,
@@ -99,10 +115,17 @@ class RaggedStep:
             mask = self._decode_mask(window)
             result = self.paged(layer, rows, self.decode_tables, self.decode_max, scale, mask, softcap)
             out[0, :decoding] = result[:, 0]
-        for start, length, kv_length, table in self.chunks:
+            if self.masses is not None:
+                keys = self.gather_keys(layer, self.decode_tables, self.decode_max)
+                mass = attention_mass(rows, keys, scale, mask, softcap, self.pool.block_size)
+                self.masses.decode[:, : mass.shape[1]] += mass
+        for index, (start, length, kv_length, table) in enumerate(self.chunks):
             chunk = query[:, :, start : start + length]
             mask = self._chunk_mask(start, length, kv_length, window, query.device)
             out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
+            if self.masses is not None:
+                keys = self.gather_keys(layer, table, kv_length)
+                self.masses.chunks[index] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
         return out
 
     def paged(
@@ -149,6 +172,12 @@ class SealedRaggedStep(RaggedStep):
     which the quantized path of `kernels.dispatch` decodes (or a kernel reads in place)."""
 
     pool: QuantizedBlockPool
+
+    def gather_keys(self, layer: int, table: torch.Tensor, length: int) -> torch.Tensor:
+        """Keys of either kind of block, sealed ones decoded."""
+        read = functools.partial(self.pool.read_sealed, layer)
+        keys, _ = gather_quantized(self.pool.keys[layer], self.pool.values[layer], table, length, read, torch.float32)
+        return keys
 
     def paged(
         self,

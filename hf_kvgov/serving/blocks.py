@@ -72,7 +72,7 @@ class SealedBlockCodec(FullPrecisionBlocks):
         assert isinstance(pool, QuantizedBlockPool) and request.table is not None
         if request.computed < len(request.prompt):
             return
-        ready = max(0, request.computed - self.quant.residual) // pool.block_size
+        ready = max(0, request.stored - self.quant.residual) // pool.block_size
         first = max(request.sealed_blocks, self.quant.sink_blocks)
         if ready <= first:
             return

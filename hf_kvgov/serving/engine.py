@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from hf_kvgov.engine.parts import codec_config
+from hf_kvgov.engine.parts import HeavyHitter, codec_config
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
@@ -33,6 +33,7 @@ from hf_kvgov.hf.compat import (
 from hf_kvgov.prefix.remote_tier import RemoteTier
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.serving.blocks import FullPrecisionBlocks, SealedBlockCodec
+from hf_kvgov.serving.eviction import eviction_for
 from hf_kvgov.serving.request import Request, RequestState, SamplingParams, TokenEvent
 from hf_kvgov.serving.runner import ModelRunner
 from hf_kvgov.serving.scheduler import Scheduler
@@ -66,6 +67,7 @@ class EngineStats:
     kv_bytes_cap: int | None
     swapped_blocks: int = 0  # blocks preemptions wrote to the disk tier (spill=)
     swap_fallbacks: int = 0  # preemptions computed again instead: the disk refused, or a block came back damaged
+    evicted_blocks: int = 0  # blocks the eviction policy (policy=) dropped from running requests
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -93,6 +95,10 @@ class ServingEngine:
         spill: `Disk(path)`: a preempted request's blocks are swapped to a disk tier there and read back when it
             re-enters, instead of being computed again (`hf_kvgov.serving.swap`; ``path`` and ``max_write_bytes``
             apply). None: preemption recomputes.
+        policy: `HeavyHitter(budget, recent)`: each request keeps ``budget`` of its prompt in blocks once the
+            prompt is computed, the recent ones and those that collected the most attention (H2O over whole blocks,
+            `hf_kvgov.serving.eviction`), so more requests fit the cap; lossy. None keeps every token. Not with
+            sliding-window models.
     """
 
     def __init__(
@@ -107,13 +113,16 @@ class ServingEngine:
         codec: str | QuantConfig | None = None,
         remote: RemoteTier | None = None,
         spill: DiskCacheConfig | None = None,
+        policy: HeavyHitter | None = None,
     ) -> None:
         config = decoder_config(model)
+        eviction = eviction_for(policy)
         if spill is not None and not isinstance(spill, DiskCacheConfig):
             raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
-        layer_kinds(config)  # refuses layer types it cannot serve
+        kinds = layer_kinds(config)  # refuses layer types it cannot serve
+        eviction.check(any(kind.sliding_window is not None for kind in kinds))
         self.model = model
         self._previous_attention = attention_implementation(model.config)
         if self._previous_attention == RAGGED_ATTENTION_NAME:
@@ -133,11 +142,20 @@ class ServingEngine:
         self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
         self.swap = None if spill is None else SwapSpace(self.pool, spill)
         self.scheduler = Scheduler(
-            self.pool, self.prefix, max_batched_tokens, max_running, reserve_blocks, blocks=self.blocks, swap=self.swap
+            self.pool,
+            self.prefix,
+            max_batched_tokens,
+            max_running,
+            reserve_blocks,
+            blocks=self.blocks,
+            swap=self.swap,
+            eviction=eviction,
         )
         register()
         model.set_attn_implementation(RAGGED_ATTENTION_NAME)
-        self.runner = ModelRunner(model, self.pool, RAGGED_STEP_KEY, self.device, self.blocks.step_class)
+        self.runner = ModelRunner(
+            model, self.pool, RAGGED_STEP_KEY, self.device, self.blocks.step_class, observe_masses=eviction.observes
+        )
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -202,12 +220,12 @@ class ServingEngine:
             return []
         self._max_running = max(self._max_running, len(self.scheduler.running))
         self._peak_bytes = max(self._peak_bytes, self.blocks.bytes_used(self.pool))
-        sampled = self.runner.run(scheduled)
+        sampled, masses = self.runner.run(scheduled)
         self._steps += 1
         now = time.perf_counter()
         events = []
-        for request, count, token in zip(scheduled.requests, scheduled.counts, sampled, strict=True):
-            self.scheduler.advance(request, count)
+        for request, count, token, mass in zip(scheduled.requests, scheduled.counts, sampled, masses, strict=True):
+            self.scheduler.advance(request, count, mass)
             if token is None:
                 continue
             request.output.append(token)
@@ -271,6 +289,7 @@ class ServingEngine:
             kv_bytes_cap=self.blocks.bytes_cap(self.pool),
             swapped_blocks=0 if self.swap is None else self.swap.counters.blocks_out,
             swap_fallbacks=0 if self.swap is None else self.swap.counters.fallbacks,
+            evicted_blocks=counters.evicted_blocks,
         )
 
     def close(self) -> None:

@@ -75,7 +75,8 @@ class TokenEvent:
 @dataclass(eq=False)
 class Request:
     """One request inside the engine. `tokens` is the prompt and what it generated; `computed` of them have
-    their K/V in the pool (a preempted request loses them and computes them again, unless they were swapped out)."""
+    their K/V in the pool (a preempted request loses them and computes them again, unless they were swapped out),
+    `stored` of those in its table (fewer once an eviction policy dropped blocks)."""
 
     request_id: int
     prompt: list[int]
@@ -96,6 +97,8 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     swapped: Swapped | None = None  # where its blocks wait on disk while it is preempted (an engine with spill=)
+    evicted_tokens: int = 0  # tokens of the blocks a policy evicted from its table (whole blocks)
+    block_mass: torch.Tensor | None = None  # per column of its table, the attention it collected (with a policy)
 
     @property
     def tokens(self) -> list[int]:
@@ -104,6 +107,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def stored(self) -> int:
+        """Tokens its table holds: the computed ones the policy kept. Its next token goes at this index."""
+        return self.computed - self.evicted_tokens
 
     @property
     def pending(self) -> int:

@@ -22,17 +22,25 @@ class ModelRunner:
     """Runs a model over packed steps whose K/V live in `pool`; the model must use the `kvgov_ragged` attention."""
 
     def __init__(
-        self, model: Any, pool: BlockPool, step_key: str, device: torch.device, step_class: type[RaggedStep]
+        self,
+        model: Any,
+        pool: BlockPool,
+        step_key: str,
+        device: torch.device,
+        step_class: type[RaggedStep],
+        observe_masses: bool = False,
     ) -> None:
         self.model = model
         self.step_class = step_class
+        self.observe_masses = observe_masses  # score blocks by the attention they receive (an eviction policy)
         self.pool = pool
         self.step_key = step_key
         self.device = device
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> list[int | None]:
-        """Compute the step; returns, per request in order, its sampled token or None (its prompt goes on)."""
+    def run(self, step: ScheduledStep) -> tuple[list[int | None], list[torch.Tensor | None]]:
+        """Compute the step; returns, per request in order, its sampled token or None (its prompt goes on), and the
+        attention each column of its table received (None unless `observe_masses`)."""
         ids: list[int] = []
         positions: list[int] = []
         slices: list[SequenceSlice] = []
@@ -42,13 +50,14 @@ class ModelRunner:
             start, end = request.computed, request.computed + count
             tokens = request.tokens
             ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
+            positions.extend(range(start, end))  # the positions keys are rotated at, whatever was evicted before
             assert request.table is not None
-            slices.append(SequenceSlice(count, end, request.table.block_ids))
+            slices.append(SequenceSlice(count, request.stored + count, request.table.block_ids))
             if end == request.num_tokens:
                 sampling.append(len(ids) - 1)
                 samplers.append(request)
         ragged = self.step_class.build(self.pool, slices, self.device)
+        masses = ragged.observe_masses() if self.observe_masses else None
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
@@ -58,7 +67,12 @@ class ModelRunner:
         )
         chosen = sample(out.logits[0], samplers) if samplers else []
         by_request = dict(zip((id(r) for r in samplers), chosen, strict=True))
-        return [by_request.get(id(request)) for request in step.requests]
+        sampled = [by_request.get(id(request)) for request in step.requests]
+        if masses is None:
+            return sampled, [None] * len(step.requests)
+        size = self.pool.block_size
+        decoding = ragged.num_decoding
+        return sampled, list(masses.per_sequence([-(-s.kv_length // size) for s in slices[:decoding]]))
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:

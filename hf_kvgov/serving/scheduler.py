@@ -19,9 +19,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from hf_kvgov.errors import PoolExhausted, SpillCorrupted
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.serving.blocks import FullPrecisionBlocks
+from hf_kvgov.serving.eviction import NoEviction
 from hf_kvgov.serving.request import Request, RequestState
 from hf_kvgov.serving.swap import SwapSpace
 from hf_kvgov.storage.block_table import BlockTable
@@ -50,6 +53,7 @@ class SchedulerCounters:
     recomputed_tokens: int = 0  # tokens computed again after a preemption
     prefix_hit_tokens: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests, hits included
+    evicted_blocks: int = 0  # blocks an eviction policy dropped from running requests
 
 
 class Scheduler:
@@ -63,6 +67,7 @@ class Scheduler:
         reserve_blocks: blocks kept free per running request when admitting another.
         blocks: how blocks are stored (full precision, or sealed by a codec after each step).
         swap: where preempted requests' blocks wait on disk (None: they are computed again).
+        eviction: which blocks running requests give up (`hf_kvgov.serving.eviction`; default: none).
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class Scheduler:
         reserve_blocks: int = 1,
         blocks: FullPrecisionBlocks | None = None,
         swap: SwapSpace | None = None,
+        eviction: NoEviction | None = None,
     ) -> None:
         for name, value in (("max_batched_tokens", max_batched_tokens), ("max_running", max_running)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -87,6 +93,7 @@ class Scheduler:
         self.reserve_blocks = reserve_blocks
         self.blocks = blocks or FullPrecisionBlocks()
         self.swap = swap
+        self.eviction = eviction or NoEviction()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
@@ -110,7 +117,7 @@ class Scheduler:
             if request.state is not RequestState.RUNNING:  # preempted by an older request of this step
                 continue
             count = min(request.pending, budget)
-            while not self._grow(request, request.computed + count):
+            while not self._grow(request, count):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -146,10 +153,10 @@ class Scheduler:
                 return True
         return False
 
-    def _grow(self, request: Request, end: int) -> bool:
+    def _grow(self, request: Request, count: int) -> bool:
         assert request.table is not None
         try:
-            request.table.prepare_write(request.computed, end)
+            request.table.prepare_write(request.stored, request.stored + count)
         except PoolExhausted:
             return False
         return True
@@ -197,14 +204,13 @@ class Scheduler:
         try:
             block_ids = self.swap.swap_in(request.swapped)
         except SpillCorrupted:
-            self._forget_swap(request)
-            request.computed = request.published = request.sealed_blocks = 0
+            self._release(request)  # and forget the swap
             return self._admit(request)
         if block_ids is None:
             return False
         table = BlockTable(self.pool, block_ids)
         try:
-            table.prepare_write(request.computed, request.num_tokens)
+            table.prepare_write(request.stored, request.num_tokens - request.evicted_tokens)
         except PoolExhausted:
             table.release()
             return False
@@ -231,18 +237,35 @@ class Scheduler:
         evictable = self.prefix.tree.evictable_blocks() if self.prefix is not None else 0
         return self.pool.num_free + evictable
 
-    def advance(self, request: Request, count: int) -> None:
+    def advance(self, request: Request, count: int, masses: Tensor | None = None) -> None:
         """`count` more of the request's tokens have their K/V in the pool; blocks past its residual window are
         sealed (with a codec). In prefill, the full blocks go to the prefix tree after every chunk, so a request
-        with the same prefix admitted meanwhile finds them; generated tokens' blocks go when it finishes."""
+        with the same prefix admitted meanwhile finds them; generated tokens' blocks go when it finishes. Then the
+        eviction policy, given the attention the step's `masses` measured, drops blocks past the request's budget."""
         request.computed += count
         self.blocks.seal_ready(request, self.pool)
-        if self.prefix is not None and request.published < len(request.prompt):
+        if self.prefix is not None and request.published < len(request.prompt) and not request.evicted_tokens:
             self.publish(request)
+        dropped = self.eviction.evict(request, masses, self.pool.block_size)
+        if dropped:
+            self._drop_blocks(request, dropped)
+
+    def _drop_blocks(self, request: Request, columns: list[int]) -> None:
+        """Evict the blocks at `columns` of the request's table. Its prefix-tree locks go first: the tree keeps
+        what it holds as a cache others may still match, and reclaims it when the pool needs room."""
+        assert request.table is not None
+        if self.prefix is not None and request.locks:
+            self.prefix.unlock(request.locks)
+            request.locks = []
+        request.table.drop(columns)
+        request.sealed_blocks -= sum(1 for column in columns if column < request.sealed_blocks)
+        request.evicted_tokens += len(columns) * self.pool.block_size
+        self.counters.evicted_blocks += len(columns)
 
     def publish(self, request: Request) -> None:
-        """Offer the request's full blocks to the tree (a block it already holds is stored once)."""
-        if self.prefix is None or request.table is None:
+        """Offer the request's full blocks to the tree (a block it already holds is stored once); not once blocks
+        were evicted from its table, which then no longer lists its tokens in order."""
+        if self.prefix is None or request.table is None or request.evicted_tokens:
             return
         size = self.pool.block_size
         full = self.blocks.publishable(request, size) // size * size
@@ -287,7 +310,8 @@ class Scheduler:
         if request.table is not None:
             self._drop(request.table, request.locks)
         request.table, request.locks, request.computed, request.published = None, [], 0, 0
-        request.sealed_blocks = 0
+        request.sealed_blocks = request.evicted_tokens = 0
+        request.block_mass = None
 
     def check_fits(self, request: Request) -> None:
         """Refuse a request that could not run even alone in the whole pool (it would wait forever)."""
@@ -295,7 +319,7 @@ class Scheduler:
         if cap is None:
             return
         size = self.pool.block_size
-        needed = -(-(len(request.prompt) + request.params.max_new_tokens) // size)
+        needed = self.eviction.blocks_needed(len(request.prompt), request.params.max_new_tokens, size)
         if needed > cap:
             raise ValueError(
                 f"Request {request.request_id} needs {needed} blocks ({len(request.prompt)} prompt tokens + "

@@ -2,9 +2,9 @@
 
 A `BlockTable` lists the block ids of one sequence's tokens: token t lives in block `block_ids[t // block_size]` at
 offset `t % block_size`. Tables grow while generating and shrink only on `truncate` (rollback of speculative
-tokens) and `release`. Sharing is safe because a block referenced by more than one table (or by the prefix cache)
-is never written: `prepare_write` first replaces it by a private copy (copy-on-write), so beams and
-`num_return_sequences` fork tables sharing every block. A sliding group's `BlockTables`
+tokens), `drop` (an eviction policy's whole blocks) and `release`. Sharing is safe because a block referenced by more
+than one table (or by the prefix cache) is never written: `prepare_write` first replaces it by a private copy
+(copy-on-write), so beams and `num_return_sequences` fork tables sharing every block. A sliding group's `BlockTables`
 (`hf_kvgov.storage.layer_groups`) free, before each step, every block no query of the step can see; rows keep
 their length, and their first `freed` entries (`first_block`, the same for every row) are never read. Ids are the
 same for every layer, so with layers on several devices the table is copied once per device when it changes.
@@ -77,6 +77,13 @@ class BlockTable:
                 shared.append(index)
                 copied_away[block] = copied_away.get(block, 0) + 1
         return shared, max(0, needed - len(self.block_ids))
+
+    def drop(self, columns: Sequence[int]) -> None:
+        """Give back the blocks at `columns` and close the gaps: later tokens move up (eviction of whole blocks)."""
+        assert self.freed == 0, "a sliding group's table drops its leading blocks with free_before"
+        gone = set(columns)
+        self.pool.decref([self.block_ids[c] for c in gone])
+        self.block_ids = [block for c, block in enumerate(self.block_ids) if c not in gone]
 
     def truncate(self, num_tokens: int) -> None:
         """Keep only the blocks that hold the first `num_tokens` tokens."""

@@ -75,12 +75,16 @@ def test_every_configuration_serves_the_burst_without_failures(tiny: tuple[Any, 
     config = ServeConfig(trace=trace, kv_bytes=3 * 160 * BYTES_PER_TOKEN, block_size=4, max_batched_tokens=64)
     report = run_serve(model, tokenizer, config, "tiny", progress=False)
     rows = {row.config: row for row in report.rows}
-    assert list(rows) == ["static", "transformers", "paged", "prefix", "int8"]
+    assert list(rows) == ["static", "transformers", "paged", "prefix", "int8", "h2o"]
     for row in rows.values():
         assert (row.completed, row.failed) == (8, 0), row.config
         assert row.kv_bytes_max <= config.kv_bytes, row.config
         assert row.ttft.p99 >= row.ttft.p50 > 0 and math.isfinite(row.output_throughput)
     assert rows["paged"].outputs == rows["prefix"].outputs == rows["transformers"].outputs
+    # Agreement with the full cache (paged, the first lossless configuration): whole for the lossless ones.
+    assert rows["paged"].agreement is None
+    assert rows["prefix"].agreement == rows["static"].exact_match == 1.0
+    assert 0.0 <= rows["h2o"].exact_match <= rows["h2o"].agreement <= 1.0  # type: ignore[operator]
     asked = [r.new_tokens for r in build_trace(tokenizer, trace)]
     assert [len(o) for o in rows["paged"].outputs] == asked
     assert rows["prefix"].prefix_hit_rate > 0.4 and rows["paged"].prefix_hit_rate == 0

@@ -14,6 +14,7 @@ from hf_kvgov.cli.main import main
         (["--kv-budget", "lots"], "KV byte cap"),
         (["--model", "/nowhere/model.gguf"], "No GGUF file at '/nowhere/model.gguf'"),
         (["--swap-dir", __file__], "path must be a directory for the spill file"),
+        (["--h2o", "1.5"], "--h2o takes the share of each prompt a request keeps, in (0, 1]; got 1.5"),
         (["--redis", "localhost:6379"], "--redis takes a redis://, rediss:// or unix:// URL; got 'localhost:6379'"),
         (["--redis", "redis://127.0.0.1:1/0", "--no-prefix-sharing"], "cannot go with --no-prefix-sharing"),
     ],

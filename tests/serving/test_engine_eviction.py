@@ -1,0 +1,204 @@
+"""Heavy-hitter eviction in the serving engine (`ServingEngine(policy=HeavyHitter(...))`) on tiny random models.
+
+The block scores are the attention an eager forward measures; what a request keeps is exactly what a DynamicCache
+pruned to the same blocks holds (its greedy tokens equal that cache's); a budget above every length is lossless;
+requests evict alike together or alone; tables stay within budget, and what is refused is refused at construction.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov.engine.parts import Disk, HeavyHitter, Sink
+from hf_kvgov.policies.head_adaptive import HeadAdaptive
+from hf_kvgov.serving import SamplingParams, ServingEngine
+from hf_kvgov.serving.eviction import BlockEviction
+from tests.conftest import tiny_gemma3, tiny_llama, tiny_mistral
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def llama():  # type: ignore[no-untyped-def]
+    return tiny_llama()
+
+
+def random_prompts(vocab: int, lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(new: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=new, ignore_eos=True)
+
+
+def eager_block_mass(model, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Per block of the prompt, the attention every query paid it, summed over layers and heads (eager weights)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([prompt]), output_attentions=True)
+    finally:
+        model.set_attn_implementation(previous)
+    per_key = sum(a[0].sum(dim=(0, 1)) for a in out.attentions)  # [keys]
+    blocks = -(-len(prompt) // BLOCK)
+    return torch.nn.functional.pad(per_key, (0, blocks * BLOCK - len(prompt))).view(blocks, BLOCK).sum(-1)
+
+
+class Recorder(BlockEviction):
+    """Records each request's block scores at the step its prompt completes, before anything is evicted."""
+
+    def __init__(self, policy: HeavyHitter) -> None:
+        super().__init__(policy)
+        self.at_prompt: dict[int, torch.Tensor] = {}
+        self.kept: dict[int, list[int]] = {}
+
+    def evict(self, request, masses, block_size):  # type: ignore[no-untyped-def]
+        before = len(request.table)
+        dropped = super().evict(request, masses, block_size)
+        if request.computed == len(request.prompt) and request.request_id not in self.at_prompt:
+            assert request.block_mass is not None
+            kept = [c for c in range(before) if c not in dropped]
+            scores = torch.zeros(before)
+            scores[kept] = request.block_mass.cpu()
+            self.at_prompt[request.request_id] = scores
+            self.kept[request.request_id] = kept
+        return dropped
+
+
+def recording_engine(model, policy: HeavyHitter, **kwargs) -> tuple[ServingEngine, Recorder]:  # type: ignore[no-untyped-def]
+    engine = ServingEngine(model, block_size=BLOCK, **kwargs, policy=policy)
+    recorder = Recorder(policy)
+    engine.scheduler.eviction = recorder
+    return engine, recorder
+
+
+@pytest.mark.parametrize("max_batched_tokens", [512, 24])
+def test_block_scores_are_the_attention_an_eager_forward_measures(llama, max_batched_tokens: int) -> None:
+    prompts = random_prompts(llama.config.vocab_size, (45, 70))
+    engine, recorder = recording_engine(
+        llama, HeavyHitter(100_000), max_batched_tokens=max_batched_tokens, prefix_sharing=False
+    )
+    with engine:
+        engine.generate(prompts, greedy(2))
+    for request_id, prompt in enumerate(prompts):
+        expected = eager_block_mass(llama, prompt)
+        kept = recorder.kept[request_id]
+        torch.testing.assert_close(recorder.at_prompt[request_id][kept], expected[kept], rtol=1e-4, atol=1e-4)
+
+
+def test_a_budget_above_every_length_changes_no_token(llama) -> None:
+    prompts = random_prompts(llama.config.vocab_size, (50, 90, 33, 17))
+    for codec in (None, "int8"):
+        with ServingEngine(llama, block_size=BLOCK, codec=codec) as engine:
+            full = engine.generate(prompts, greedy(20))
+        with ServingEngine(
+            llama, block_size=BLOCK, codec=codec, policy=HeavyHitter(100_000), max_batched_tokens=32
+        ) as engine:
+            assert engine.generate(prompts, greedy(20)) == full
+            assert engine.stats().evicted_blocks == 0
+
+
+def test_a_request_attends_to_exactly_the_blocks_it_kept(llama) -> None:
+    """Greedy tokens after the prompt's eviction equal a DynamicCache pruned to the same blocks, keys at their own
+    positions (the tokens stay within the tail block, so nothing more is evicted)."""
+    prompt = random_prompts(llama.config.vocab_size, (83,), seed=3)[0]  # 10 full blocks + 3 tokens
+    new = BLOCK - 3 - 1  # the tail block fills to one short of full: no later eviction
+    policy = HeavyHitter(0.3, recent=0.25)
+    engine, recorder = recording_engine(llama, policy, prefix_sharing=False)
+    with engine:
+        (tokens,) = engine.generate([prompt], greedy(new))
+        assert engine.stats().evicted_blocks == -(-len(prompt) // BLOCK) - len(recorder.kept[0])
+    kept_tokens = torch.tensor([c * BLOCK + i for c in recorder.kept[0] for i in range(BLOCK) if c * BLOCK + i < 83])
+    cache = DynamicCache(config=llama.config)
+    with torch.no_grad():
+        logits = llama(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        for layer in cache.layers:
+            layer.keys = layer.keys[:, :, kept_tokens]
+            layer.values = layer.values[:, :, kept_tokens]
+        expected = [int(logits.argmax())]
+        for step in range(new - 1):
+            position = torch.tensor([[len(prompt) + step]])
+            out = llama(torch.tensor([[expected[-1]]]), cache=cache, position_ids=position, use_cache=True)
+            expected.append(int(out.logits[0, -1].argmax()))
+    assert len(recorder.kept[0]) == BlockEviction(policy).budget_blocks(len(prompt), BLOCK)
+    assert tokens == expected
+
+
+def test_requests_evict_alike_together_or_alone(llama) -> None:
+    prompts = random_prompts(llama.config.vocab_size, (64, 100, 40, 130), seed=5)
+    policy = HeavyHitter(0.25)
+    with ServingEngine(llama, block_size=BLOCK, policy=policy, prefix_sharing=False, max_batched_tokens=48) as engine:
+        together = engine.generate(prompts, greedy(30))
+    for prompt, tokens in zip(prompts, together, strict=True):
+        with ServingEngine(llama, block_size=BLOCK, policy=policy, prefix_sharing=False) as engine:
+            assert engine.generate([prompt], greedy(30)) == [tokens]
+
+
+def test_tables_stay_within_budget_and_every_block_comes_back(llama) -> None:
+    prompts = random_prompts(llama.config.vocab_size, (120, 96, 150), seed=7)
+    policy = HeavyHitter(0.2)
+    eviction = BlockEviction(policy)
+    with ServingEngine(llama, block_size=BLOCK, policy=policy, prefix_sharing=False, codec="int8") as engine:
+        ids = [engine.add_request(p, greedy(40)) for p in prompts]
+        while engine.has_work:
+            engine.step()
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                request = engine.request(request_id)
+                if request is not None and request.table is not None and request.computed >= len(prompt):
+                    assert len(request.table) <= eviction.budget_blocks(len(prompt), BLOCK)
+        stats = engine.stats()
+        assert stats.finished == 3 and stats.evicted_blocks > 0
+        assert engine.pool.num_used == 0 and stats.kv_bytes_used == 0
+
+
+def test_a_small_cap_preempts_and_every_request_finishes(llama, tmp_path) -> None:
+    prompts = random_prompts(llama.config.vocab_size, (20, 22, 18, 25, 21, 19, 23, 20), seed=9)
+    policy = HeavyHitter(16)  # two blocks a request
+    with ServingEngine(llama, block_size=BLOCK, policy=policy, prefix_sharing=False) as engine:
+        alone = engine.generate(prompts, greedy(48))
+        per_block = engine.pool.bytes_per_block
+    for spill in (None, Disk(str(tmp_path))):
+        with ServingEngine(
+            llama,
+            block_size=BLOCK,
+            policy=policy,
+            prefix_sharing=False,
+            max_bytes=16 * per_block,
+            reserve_blocks=0,  # decoders grow into a full pool
+            max_batched_tokens=16,  # prefills hold their blocks over several steps
+            spill=spill,
+        ) as engine:
+            outputs = engine.generate(prompts, greedy(48))
+            stats = engine.stats()
+        assert stats.finished == len(prompts) and stats.preemptions > 0
+        assert stats.kv_bytes_peak <= 16 * per_block
+        if spill is not None:  # swapped back with the blocks it kept and their scores, a request goes on as before
+            assert stats.swapped_blocks > 0
+            assert outputs == alone
+
+
+def test_prefix_hits_and_eviction_together(llama) -> None:
+    doc = random_prompts(llama.config.vocab_size, (96,), seed=11)[0]
+    questions = random_prompts(llama.config.vocab_size, (9, 14, 6), seed=12)
+    with ServingEngine(llama, block_size=BLOCK, policy=HeavyHitter(0.25)) as engine:
+        first = engine.generate([doc + questions[0]], greedy(20))
+        later = engine.generate([doc + q for q in questions[1:]], greedy(20))
+        stats = engine.stats()
+    assert stats.prefix_hit_tokens >= 2 * (len(doc) // BLOCK) * BLOCK
+    assert stats.evicted_blocks > 0 and len(first[0]) == 20 and all(len(t) == 20 for t in later)
+
+
+def test_what_the_engine_cannot_evict_is_refused_at_construction(llama) -> None:
+    with pytest.raises(TypeError, match="HeavyHitter"):
+        ServingEngine(llama, policy=Sink())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"heads=\.\.\.") as refused:
+        ServingEngine(llama, policy=HeavyHitter(0.2, heads=HeadAdaptive()))
+    assert "every layer and KV head" in str(refused.value)
+    for model in (tiny_gemma3(), tiny_mistral()):
+        with pytest.raises(ValueError, match="sliding window"):
+            ServingEngine(model, policy=HeavyHitter(0.2))
+        assert model.config._attn_implementation != "kvgov_ragged"
