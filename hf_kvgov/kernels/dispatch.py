@@ -2,8 +2,8 @@
 
 Two paths, each a registry from backend name to a `Backend` record: "paged" (`paged_attention`, full-precision
 blocks) with "torch" (the reference, which serves every call), "sdpa", "triton" and "flash_attn"; "quantized"
-(`quantized_paged_attention`, tables mixing full-precision and sealed blocks) with "torch" and "triton" (decode
-only). Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
+(`quantized_paged_attention`, tables mixing full-precision and sealed blocks) with "torch", "sdpa" and "triton"
+(decode only). Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
 flash-attn, and a `TRITON_INTERPRET=1` set before that still takes effect. Automatically, the highest-`priority`
 backend whose `auto_devices` list the query's device and that accepts the call serves it, else "torch" (the Triton
 interpreter is exact but slow, so it is never picked by itself). `set_backend(name)` or `KVGOV_ATTENTION_BACKEND`
@@ -24,6 +24,7 @@ from hf_kvgov.kernels import flash_paged
 from hf_kvgov.kernels.backends import (
     FLASH_ATTN,
     SDPA,
+    SDPA_QUANTIZED,
     TORCH,
     TORCH_QUANTIZED,
     TRITON,
@@ -42,7 +43,7 @@ PAGED, QUANTIZED = "paged", "quantized"
 
 _REGISTRY: dict[str, dict[str, Backend]] = {
     PAGED: {"torch": TORCH, "sdpa": SDPA},
-    QUANTIZED: {"torch": TORCH_QUANTIZED},
+    QUANTIZED: {"torch": TORCH_QUANTIZED, "sdpa": SDPA_QUANTIZED},
 }
 if importlib.util.find_spec("triton") is not None:
     _REGISTRY[PAGED]["triton"] = TRITON

@@ -2,7 +2,8 @@
 paged kernel (CPU, or a GPU without Triton).
 
 The gather copies the layer's blocks of the batch into one transient tensor, freed when the layer's
-attention returns, so extra memory is one layer's K/V, never the whole cache. On a CPU that copy plus
+attention returns, so extra memory is one layer's K/V, never the whole cache; sealed blocks are decoded into that
+copy (`quantized_paged_attention_gathered_sdpa`). On a CPU that copy plus
 PyTorch's fused sdpa costs about what `DynamicCache`'s per-step `torch.cat` does, while the block-chunked
 reference (the specification, O(chunk) memory) takes over twice as long: its matmuls run over strided
 block views with an unfused softmax (`python eval/bench_decode_step.py --runs layer`; figures in
@@ -12,6 +13,8 @@ eval/RESULTS.md).
 from __future__ import annotations
 
 import torch
+
+from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 
 
 def paged_attention_gathered_sdpa(
@@ -38,6 +41,36 @@ def paged_attention_gathered_sdpa(
         raise ValueError(f"{unsupported_reason(softcap)} Use the torch reference backend for soft-capped logits.")
     keys = gather_blocks(key_cache, block_table, kv_length)
     values = gather_blocks(value_cache, block_table, kv_length)
+    return _sdpa(query, keys, values, kv_length, scale, mask)
+
+
+def quantized_paged_attention_gathered_sdpa(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_length: int,
+    scale: float,
+    read_sealed: SealedReader,
+    mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `kernels.quantized_reference.quantized_paged_attention_reference`: the rows' blocks, sealed
+    ones decoded, gathered into one layer's transient K/V in the query's dtype, then sdpa."""
+    if softcap is not None:
+        raise ValueError(f"{unsupported_reason(softcap)} Use the torch reference backend for soft-capped logits.")
+    keys, values = gather_quantized(key_cache, value_cache, block_table, kv_length, read_sealed, query.dtype)
+    return _sdpa(query, keys, values, kv_length, scale, mask)
+
+
+def _sdpa(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kv_length: int,
+    scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
     q_len = query.shape[2]
     if mask is None and q_len not in (1, kv_length):  # causal, with the queries at the end
         mask = torch.ones(q_len, kv_length, dtype=torch.bool, device=query.device).tril(kv_length - q_len)
