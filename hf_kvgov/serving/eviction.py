@@ -2,14 +2,14 @@
 
 `ServingEngine(policy=HeavyHitter(0.2))` applies H2O at the engine's granularity, the block: every layer and KV head
 shares a request's block table, so what is evicted is a whole block, and its memory goes back to the pool at once.
-Once a request's prompt is computed (its first token sampled with the whole prompt in view), it keeps at most
-``budget`` of its prompt in blocks: the most recent share (``recent``) always, the rest the blocks whose tokens
-collected the most attention so far (`kernels.block_mass`: summed over queries, heads and layers, as H2O accumulates
-it). Decoding adds a block every ``block_size`` tokens and evicts the weakest one past the budget. Keys keep the
-positions they were rotated at, so a request's later tokens are written after its kept blocks and attend to exactly
-them. A prefix hit's blocks are scored by the queries computed after them; a request that evicts gives up its
-prefix-tree locks (the tree keeps those blocks as a cache, reclaimed when the pool needs room) and publishes no more.
-`NoEviction` is the engine without a policy.
+A request keeps at most ``budget`` of its prompt in blocks: the most recent share (``recent``) always, the rest the
+blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed over queries, heads and
+layers, as H2O accumulates it). Its prompt streams: every `PREFILL_SLACK_BLOCKS` blocks past the budget the weakest
+go, and once the prompt is computed (its first token sampled) and each time decoding fills a block, it is cut back to
+the budget. Keys keep the positions they were rotated at, so later tokens are written after the kept blocks and
+attend to exactly them. A prefix hit's blocks are scored by the queries computed after them; a request that evicts
+gives up its prefix-tree locks (the tree keeps those blocks as a cache, reclaimed when the pool needs room) and
+publishes no more. `NoEviction` is the engine without a policy.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from torch import Tensor
 from hf_kvgov.engine.parts import HeavyHitter
 from hf_kvgov.serving.request import Request
 
+# A prompt is computed this many blocks past the budget before the weakest blocks go, so a request never holds more
+# than its budget and these, and its prefill runs in chunks of this many blocks at least.
+PREFILL_SLACK_BLOCKS = 4
+
 
 class NoEviction:
     """Every computed token stays in its request's table."""
@@ -30,6 +34,10 @@ class NoEviction:
 
     def check(self, sliding_windows: bool) -> None:
         """Nothing to refuse."""
+
+    def chunk_limit(self, request: Request, block_size: int, stored: int | None = None) -> int | None:
+        """Tokens of its prompt the request may compute in its next step (None: no limit of the policy's)."""
+        return None
 
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
         """The most blocks one request holds at once."""
@@ -48,7 +56,7 @@ class BlockEviction(NoEviction):
 
     observes = True
 
-    def __init__(self, policy: HeavyHitter) -> None:
+    def __init__(self, policy: HeavyHitter, slack: int = PREFILL_SLACK_BLOCKS) -> None:
         if not isinstance(policy, HeavyHitter):
             raise TypeError(
                 f"The serving engine evicts by attention mass (H2O): policy must be a HeavyHitter(...) or None; got "
@@ -64,6 +72,7 @@ class BlockEviction(NoEviction):
                 "fraction of its prompt; use HeavyHitter(budget, recent) or the same policy in a HeavyHitterCache."
             )
         self.policy = policy
+        self.slack = slack
 
     def check(self, sliding_windows: bool) -> None:
         if sliding_windows:
@@ -85,33 +94,42 @@ class BlockEviction(NoEviction):
         blocks = math.ceil(recent * budget) if isinstance(recent, float) else -(-recent // block_size)
         return min(budget - 1, max(1, blocks))
 
+    def chunk_limit(self, request: Request, block_size: int, stored: int | None = None) -> int | None:
+        """In prefill, up to ``slack`` blocks past the budget: the chunk ends where the weakest blocks go, so
+        where a request evicts does not depend on how the scheduler cut its prompt (a prefix hit longer than
+        that computes ``slack`` blocks first)."""
+        if request.computed >= len(request.prompt):
+            return None
+        stored = request.stored if stored is None else stored
+        cap = (self.budget_blocks(len(request.prompt), block_size) + self.slack) * block_size
+        return max(cap - stored, self.slack * block_size)
+
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The whole prompt while it is computed, then its budget: decoding evicts as it grows."""
-        whole = -(-(prompt + min(new_tokens, block_size)) // block_size)
-        return min(whole, super().blocks_needed(prompt, new_tokens, block_size))
+        """The budget and the prefill's slack (or the whole request, when that is less)."""
+        streaming = self.budget_blocks(prompt, block_size) + self.slack
+        return min(streaming, super().blocks_needed(prompt, new_tokens, block_size))
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Add the step's `masses` to the request's block scores; once its prompt is computed, the columns past its
         budget with the least attention outside its recent blocks (their scores are dropped with them)."""
         assert request.table is not None
-        columns = len(request.table)
+        allocated = len(request.table)  # blocks for tokens the next steps write may already be there
         scores = request.block_mass
         if scores is None:
-            scores = torch.zeros(columns, device=masses.device if masses is not None else None)
-        elif scores.shape[0] < columns:
-            scores = torch.cat((scores, scores.new_zeros(columns - scores.shape[0])))
+            scores = torch.zeros(allocated, device=masses.device if masses is not None else None)
+        elif scores.shape[0] < allocated:
+            scores = torch.cat((scores, scores.new_zeros(allocated - scores.shape[0])))
         if masses is not None:
             scores[: masses.shape[0]] += masses.to(scores.device)
         request.block_mass = scores
-        if request.computed < len(request.prompt):
-            return []
+        columns = -(-request.stored // block_size)
         budget = self.budget_blocks(len(request.prompt), block_size)
         excess = columns - budget
-        if excess <= 0:
+        if excess <= 0 or (request.computed < len(request.prompt) and excess < self.slack):
             return []
         candidates = columns - self.recent_blocks(budget, block_size)
         dropped = sorted(scores[:candidates].topk(excess, largest=False).indices.tolist())
-        keep = torch.ones(columns, dtype=torch.bool, device=scores.device)
+        keep = torch.ones(allocated, dtype=torch.bool, device=scores.device)
         keep[dropped] = False
         request.block_mass = scores[keep]
         return dropped

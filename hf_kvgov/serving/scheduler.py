@@ -116,7 +116,7 @@ class Scheduler:
                 break
             if request.state is not RequestState.RUNNING:  # preempted by an older request of this step
                 continue
-            count = min(request.pending, budget)
+            count = self._chunk(request, budget)
             while not self._grow(request, count):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -132,11 +132,17 @@ class Scheduler:
                 break  # first come, first served: nothing overtakes the head of the queue
             self.waiting.popleft()
             self.running.append(request)
-            count = min(request.pending, budget)
+            count = self._chunk(request, budget)
             (decoding if count == 1 else chunks).append((request, count))
             budget -= count
         ordered = decoding + chunks
         return ScheduledStep(tuple(r for r, _ in ordered), tuple(c for _, c in ordered))
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens the request computes next: what is pending, within the step's budget and where its eviction policy
+        needs the prefill to stop."""
+        limit = self.eviction.chunk_limit(request, self.pool.block_size)
+        return min(request.pending, budget, request.pending if limit is None else limit)
 
     def _follows_a_prefill(self, request: Request) -> bool:
         """True while a running request is still prefilling full blocks that `request` shares: admitted now, it would
@@ -171,8 +177,9 @@ class Scheduler:
             hit = self.prefix.match(tokens, request.namespace, max_tokens=len(tokens) - 1)
         table = BlockTable(self.pool, hit)
         computed = len(hit) * self.pool.block_size
+        limit = self.eviction.chunk_limit(request, self.pool.block_size, computed)
         try:
-            table.prepare_write(computed, len(tokens))
+            table.prepare_write(computed, len(tokens) if limit is None else min(len(tokens), computed + limit))
         except PoolExhausted:
             self._drop(table, hit)
             return False

@@ -105,14 +105,14 @@ def test_a_budget_above_every_length_changes_no_token(llama) -> None:
 def test_a_request_attends_to_exactly_the_blocks_it_kept(llama) -> None:
     """Greedy tokens after the prompt's eviction equal a DynamicCache pruned to the same blocks, keys at their own
     positions (the tokens stay within the tail block, so nothing more is evicted)."""
-    prompt = random_prompts(llama.config.vocab_size, (83,), seed=3)[0]  # 10 full blocks + 3 tokens
+    prompt = random_prompts(llama.config.vocab_size, (67,), seed=3)[0]  # 8 full blocks + 3 tokens
     new = BLOCK - 3 - 1  # the tail block fills to one short of full: no later eviction
-    policy = HeavyHitter(0.3, recent=0.25)
+    policy = HeavyHitter(0.5, recent=0.25)  # 5 blocks kept; 9 would be computed before one streams out
     engine, recorder = recording_engine(llama, policy, prefix_sharing=False)
     with engine:
         (tokens,) = engine.generate([prompt], greedy(new))
         assert engine.stats().evicted_blocks == -(-len(prompt) // BLOCK) - len(recorder.kept[0])
-    kept_tokens = torch.tensor([c * BLOCK + i for c in recorder.kept[0] for i in range(BLOCK) if c * BLOCK + i < 83])
+    kept_tokens = torch.tensor([c * BLOCK + i for c in recorder.kept[0] for i in range(BLOCK) if c * BLOCK + i < 67])
     cache = DynamicCache(config=llama.config)
     with torch.no_grad():
         logits = llama(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
@@ -148,8 +148,10 @@ def test_tables_stay_within_budget_and_every_block_comes_back(llama) -> None:
             engine.step()
             for request_id, prompt in zip(ids, prompts, strict=True):
                 request = engine.request(request_id)
-                if request is not None and request.table is not None and request.computed >= len(prompt):
-                    assert len(request.table) <= eviction.budget_blocks(len(prompt), BLOCK)
+                if request is None or request.table is None:
+                    continue
+                budget = eviction.budget_blocks(len(prompt), BLOCK)
+                assert len(request.table) <= budget + (eviction.slack if request.computed < len(prompt) else 0)
         stats = engine.stats()
         assert stats.finished == 3 and stats.evicted_blocks > 0
         assert engine.pool.num_used == 0 and stats.kv_bytes_used == 0
@@ -188,7 +190,10 @@ def test_prefix_hits_and_eviction_together(llama) -> None:
         first = engine.generate([doc + questions[0]], greedy(20))
         later = engine.generate([doc + q for q in questions[1:]], greedy(20))
         stats = engine.stats()
-    assert stats.prefix_hit_tokens >= 2 * (len(doc) // BLOCK) * BLOCK
+    # The first request publishes what it computed before it first evicted (its budget and the prefill's slack);
+    # both later ones hit at least that much of the document.
+    published = (BlockEviction(HeavyHitter(0.25)).budget_blocks(len(doc) + 9, BLOCK) + 4) * BLOCK
+    assert stats.prefix_hit_tokens >= 2 * published
     assert stats.evicted_blocks > 0 and len(first[0]) == 20 and all(len(t) == 20 for t in later)
 
 
