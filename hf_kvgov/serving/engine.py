@@ -267,6 +267,16 @@ class ServingEngine:
                 outputs[event.request_id].append(event.token)
         return [outputs[i] for i in ids]
 
+    def score(self, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Serve `prompts` together, scoring each: per prompt, the log-probability of every token after the first
+        given the ones before it as the engine holds them (an eviction policy's cache in the loop: its perplexity
+        is ``exp(-mean)``). Nothing is generated past the prompt; no prefix is matched."""
+        params = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True)
+        requests = [self.requests[self.add_request(prompt, params)] for prompt in prompts]
+        for _ in self.run_until_done():
+            pass
+        return [list(request.prompt_logprobs) for request in requests]
+
     # ------------------------------------------------------------------ state
 
     def stats(self) -> EngineStats:

@@ -27,6 +27,9 @@ class SamplingParams:
         stop_token_ids: tokens that end the request (kept in its output); None: the model's end-of-sequence tokens.
         ignore_eos: generate exactly `max_new_tokens`, whatever is sampled.
         seed: seeds this request's sampling alone, so its tokens do not depend on what else runs.
+        prompt_logprobs: also score the prompt: the log-probability of each prompt token after the first, given the
+            ones before it as the engine holds them (with an eviction policy, the evicted cache in the loop). Such a
+            request matches no prefix, so every token is computed and scored.
     """
 
     max_new_tokens: int = 64
@@ -36,6 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -97,6 +101,7 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0
     swapped: Swapped | None = None  # where its blocks wait on disk while it is preempted (an engine with spill=)
+    prompt_logprobs: list[float] = field(default_factory=list)  # with `SamplingParams.prompt_logprobs`
     evicted_tokens: int = 0  # tokens of the blocks a policy evicted from its table (whole blocks)
     block_mass: torch.Tensor | None = None  # per column of its table, the attention it collected (with a policy)
 

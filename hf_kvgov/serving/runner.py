@@ -46,9 +46,17 @@ class ModelRunner:
         slices: list[SequenceSlice] = []
         sampling: list[int] = []  # packed index of each sampling request's last token
         samplers: list[Request] = []
+        scored: list[int] = []  # packed indices whose next prompt token is scored (`prompt_logprobs`)
+        targets: list[int] = []
+        scorers: list[tuple[Request, int]] = []  # each scoring request and how many of its tokens this step scores
         for request, count in zip(step.requests, step.counts, strict=True):
             start, end = request.computed, request.computed + count
             tokens = request.tokens
+            if request.params.prompt_logprobs:
+                last = min(end, len(request.prompt) - 1)  # the positions whose next token is a prompt token
+                scored.extend(range(len(ids), len(ids) + max(0, last - start)))
+                targets.extend(tokens[start + 1 : last + 1])
+                scorers.append((request, max(0, last - start)))
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))  # the positions keys are rotated at, whatever was evicted before
             assert request.table is not None
@@ -62,10 +70,17 @@ class ModelRunner:
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             use_cache=False,
-            logits_to_keep=torch.tensor(sampling, dtype=torch.long, device=self.device),
+            logits_to_keep=torch.tensor(sampling + scored, dtype=torch.long, device=self.device),
             **{self.step_key: ragged},
         )
-        chosen = sample(out.logits[0], samplers) if samplers else []
+        logits = out.logits[0]
+        if scored:
+            rows = logits[len(sampling) :].float().log_softmax(dim=-1)
+            logprobs = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
+            for request, count in scorers:
+                request.prompt_logprobs.extend(logprobs[:count])
+                del logprobs[:count]
+        chosen = sample(logits[: len(sampling)], samplers) if samplers else []
         by_request = dict(zip((id(r) for r in samplers), chosen, strict=True))
         sampled = [by_request.get(id(request)) for request in step.requests]
         if masses is None:

@@ -173,7 +173,8 @@ class Scheduler:
             return self._swap_in(request)
         tokens = request.tokens
         hit: list[int] = []
-        if self.prefix is not None:  # at least one token is left to compute: its logits are sampled
+        # A scored prompt computes every token; otherwise at least one is left to compute: its logits are sampled.
+        if self.prefix is not None and not request.params.prompt_logprobs:
             hit = self.prefix.match(tokens, request.namespace, max_tokens=len(tokens) - 1)
         table = BlockTable(self.pool, hit)
         computed = len(hit) * self.pool.block_size
@@ -193,6 +194,7 @@ class Scheduler:
             self.counters.prefix_hit_tokens += computed
             request.prefix_hit_tokens = computed
         request.table, request.locks, request.computed, request.published = table, hit, computed, computed
+        request.prompt_logprobs = []  # a preempted request's prompt is scored again as it is computed again
         request.state = RequestState.RUNNING
         if request.admitted_at is None:
             request.admitted_at = time.perf_counter()

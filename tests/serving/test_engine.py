@@ -276,3 +276,30 @@ def test_sealed_codes_under_a_cap_with_prefix_hits(llama) -> None:
         agreement = sum(a == b for r, g in zip(full, got, strict=True) for a, b in zip(r, g, strict=True))
         assert agreement >= 0.9 * 20 * len(prompts), codec
     assert peaks["int8"] > peaks[None]
+
+
+def test_score_gives_each_prompt_token_the_log_probability_of_one_forward(llama) -> None:
+    """Prompts scored in chunks of 16 tokens after the prefix tree already holds them (a scored prompt matches
+    nothing, so every token is computed), and scored requests that go on generating under a cap that preempts them
+    (scored again as they are computed again): each prompt token's log-probability is that of one plain forward."""
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, llama.config.vocab_size, (n,), generator=generator).tolist() for n in (30, 57, 5, 52)]
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = llama(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        expected.append(logits.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    per_block = ServingEngine(llama, block_size=4)
+    bytes_per_block = per_block.pool.bytes_per_block
+    per_block.close()
+    with ServingEngine(llama, block_size=4, max_batched_tokens=16) as engine:
+        engine.generate(prompts, greedy(2))
+        scored = engine.score(prompts)
+    with ServingEngine(llama, block_size=4, max_batched_tokens=16, max_bytes=24 * bytes_per_block) as engine:
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, prompt_logprobs=True)
+        requests = [engine.request(engine.add_request(prompt, params)) for prompt in prompts]
+        list(engine.run_until_done())
+        assert engine.stats().preemptions > 0
+    for got in (scored, [r.prompt_logprobs for r in requests]):  # type: ignore[union-attr]
+        for logprobs, reference in zip(got, expected, strict=True):
+            torch.testing.assert_close(torch.tensor(logprobs), reference, rtol=1e-4, atol=1e-4)
