@@ -95,10 +95,10 @@ class ServingEngine:
         spill: `Disk(path)`: a preempted request's blocks are swapped to a disk tier there and read back when it
             re-enters, instead of being computed again (`hf_kvgov.serving.swap`; ``path`` and ``max_write_bytes``
             apply). None: preemption recomputes.
-        policy: `HeavyHitter(budget, recent)`: each request keeps ``budget`` of its prompt in blocks once the
-            prompt is computed, the recent ones and those that collected the most attention (H2O over whole blocks,
-            `hf_kvgov.serving.eviction`), so more requests fit the cap; lossy. None keeps every token. Not with
-            sliding-window models.
+        policy: `HeavyHitter(budget, recent)`: each request keeps ``budget`` of its prompt in blocks, the recent
+            ones and those that collected the most attention (H2O over whole blocks, `hf_kvgov.serving.eviction`),
+            so more requests fit the cap; lossy. Its prompt streams without prefix sharing, and is held whole until
+            computed with it. None keeps every token. Not with sliding-window models.
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class ServingEngine:
         policy: HeavyHitter | None = None,
     ) -> None:
         config = decoder_config(model)
-        eviction = eviction_for(policy)
+        eviction = eviction_for(policy, streaming=not prefix_sharing)  # a tree gets each prompt whole
         if spill is not None and not isinstance(spill, DiskCacheConfig):
             raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:

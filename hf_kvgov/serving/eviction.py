@@ -4,12 +4,12 @@
 shares a request's block table, so what is evicted is a whole block, and its memory goes back to the pool at once.
 A request keeps at most ``budget`` of its prompt in blocks: the most recent share (``recent``) always, the rest the
 blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed over queries, heads and
-layers, as H2O accumulates it). Its prompt streams: every `PREFILL_SLACK_BLOCKS` blocks past the budget the weakest
-go, and once the prompt is computed (its first token sampled) and each time decoding fills a block, it is cut back to
-the budget. Keys keep the positions they were rotated at, so later tokens are written after the kept blocks and
-attend to exactly them. A prefix hit's blocks are scored by the queries computed after them; a request that evicts
-gives up its prefix-tree locks (the tree keeps those blocks as a cache, reclaimed when the pool needs room) and
-publishes no more. `NoEviction` is the engine without a policy.
+layers, as H2O accumulates it). Without a prefix tree the prompt streams (every `PREFILL_SLACK_BLOCKS` blocks past
+the budget the weakest go); with one it is held whole, so the tree gets it whole. Once the prompt is computed (its
+first token sampled), and each time decoding fills a block, the request is cut back to its budget. Keys keep the
+positions they were rotated at, so later tokens are written after the kept blocks and attend to exactly them. A
+prefix hit's blocks are scored by the queries after them; a request that evicts gives up its prefix-tree locks (the
+tree keeps those blocks as a cache, reclaimed when the pool needs room). `NoEviction`: the engine without a policy.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import Tensor
 from hf_kvgov.engine.parts import HeavyHitter
 from hf_kvgov.serving.request import Request
 
-# A prompt is computed this many blocks past the budget before the weakest blocks go, so a request never holds more
-# than its budget and these, and its prefill runs in chunks of this many blocks at least.
+# A streamed prompt is computed this many blocks past the budget before the weakest blocks go, so a request never
+# holds more than its budget and these, and its prefill runs in chunks of this many blocks at least.
 PREFILL_SLACK_BLOCKS = 4
 
 
@@ -56,7 +56,7 @@ class BlockEviction(NoEviction):
 
     observes = True
 
-    def __init__(self, policy: HeavyHitter, slack: int = PREFILL_SLACK_BLOCKS) -> None:
+    def __init__(self, policy: HeavyHitter, slack: int | None = PREFILL_SLACK_BLOCKS) -> None:
         if not isinstance(policy, HeavyHitter):
             raise TypeError(
                 f"The serving engine evicts by attention mass (H2O): policy must be a HeavyHitter(...) or None; got "
@@ -97,17 +97,20 @@ class BlockEviction(NoEviction):
     def chunk_limit(self, request: Request, block_size: int, stored: int | None = None) -> int | None:
         """In prefill, up to ``slack`` blocks past the budget: the chunk ends where the weakest blocks go, so
         where a request evicts does not depend on how the scheduler cut its prompt (a prefix hit longer than
-        that computes ``slack`` blocks first)."""
-        if request.computed >= len(request.prompt):
+        that computes ``slack`` blocks first). No limit when the prompt is held whole (``slack`` None)."""
+        if self.slack is None or request.computed >= len(request.prompt):
             return None
         stored = request.stored if stored is None else stored
         cap = (self.budget_blocks(len(request.prompt), block_size) + self.slack) * block_size
         return max(cap - stored, self.slack * block_size)
 
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The budget and the prefill's slack (or the whole request, when that is less)."""
-        streaming = self.budget_blocks(prompt, block_size) + self.slack
-        return min(streaming, super().blocks_needed(prompt, new_tokens, block_size))
+        """The budget and the prefill's slack, or the whole prompt when it is held whole (or the whole request,
+        when that is less)."""
+        whole = super().blocks_needed(prompt, new_tokens, block_size)
+        if self.slack is None:
+            return min(whole, -(-(prompt + min(new_tokens, block_size)) // block_size))
+        return min(whole, self.budget_blocks(prompt, block_size) + self.slack)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Add the step's `masses` to the request's block scores; once its prompt is computed, the columns past its
@@ -125,7 +128,9 @@ class BlockEviction(NoEviction):
         columns = -(-request.stored // block_size)
         budget = self.budget_blocks(len(request.prompt), block_size)
         excess = columns - budget
-        if excess <= 0 or (request.computed < len(request.prompt) and excess < self.slack):
+        if request.computed < len(request.prompt) and (self.slack is None or excess < self.slack):
+            return []
+        if excess <= 0:
             return []
         candidates = columns - self.recent_blocks(budget, block_size)
         dropped = sorted(scores[:candidates].topk(excess, largest=False).indices.tolist())
@@ -138,6 +143,8 @@ class BlockEviction(NoEviction):
         return f"{self.policy.describe()} per request, in whole blocks"
 
 
-def eviction_for(policy: HeavyHitter | None) -> NoEviction:
-    """The engine's eviction for a `policy` argument."""
-    return NoEviction() if policy is None else BlockEviction(policy)
+def eviction_for(policy: HeavyHitter | None, streaming: bool = True) -> NoEviction:
+    """The engine's eviction for a `policy` argument; ``streaming`` False holds each prompt whole until computed."""
+    if policy is None:
+        return NoEviction()
+    return BlockEviction(policy, PREFILL_SLACK_BLOCKS if streaming else None)
