@@ -3,9 +3,10 @@
 The configurations (`SERVE_CONFIGS`): static batching with `DynamicCache` (requests that have arrived are batched,
 padded, while their padded KV fits the cap, and the next batch waits for the whole batch to end); transformers'
 continuous batching with its own paged cache (`num_blocks` from the cap); hf_kvgov's `ServingEngine`, without and
-with prefix sharing, with int8 codes too, with H2O eviction on top (each request keeps 20% of its prompt in blocks),
-and with preempted requests swapped to disk instead of computed again. Each request's tokens are timed as they come
-(a streamer for static batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed,
+with prefix sharing, with int8 codes too, with H2O eviction on top (each request keeps 20% of its prompt in blocks;
+`h2o-stream` without the prefix tree, so prompts stream instead of being held whole), and with preempted requests
+swapped to disk instead of computed again. Each request's tokens are timed as they come (a streamer for static
+batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed,
 request and output throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), goodput under an SLO;
 plus governance figures sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens,
 swapped blocks, prefix hit rate, queue time), and each configuration's agreement with the full cache: the share
@@ -39,6 +40,7 @@ SERVE_CONFIGS = {
     "prefix": "hf_kvgov ServingEngine, paged blocks + prefix sharing",
     "int8": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes",
     "h2o": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes + H2O 20% (whole blocks)",
+    "h2o-stream": "hf_kvgov ServingEngine, paged blocks + int8 codes + H2O 20%, prompts streamed (no prefix tree)",
     "swap": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes, preempted requests swapped to disk",
 }
 LOSSLESS_CONFIGS = ("paged", "prefix", "static", "transformers")  # the first one run is the full cache's answers
@@ -392,6 +394,7 @@ def run_serve(
         "prefix": lambda bar: _run_engine(model, trace, config, True, None, bar),
         "int8": lambda bar: _run_engine(model, trace, config, True, "int8", bar),
         "h2o": lambda bar: _run_engine(model, trace, config, True, "int8", bar, policy=HeavyHitter(H2O_BUDGET)),
+        "h2o-stream": lambda bar: _run_engine(model, trace, config, False, "int8", bar, policy=HeavyHitter(H2O_BUDGET)),
         "swap": lambda bar: _run_engine(model, trace, config, True, "int8", bar, swap=True),
     }
 

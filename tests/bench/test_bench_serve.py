@@ -149,3 +149,13 @@ def test_requests_larger_than_the_pool_are_counted_failed(tiny: tuple[Any, Any])
     config = ServeConfig(configs=("paged", "static"), trace=trace, kv_bytes=8 * 4 * BYTES_PER_TOKEN, block_size=4)
     for row in run_serve(model, tokenizer, config, "tiny", progress=False).rows:
         assert (row.completed, row.failed) == (0, 3), row.config
+
+
+def test_streamed_h2o_serves_without_a_prefix_tree(tiny: tuple[Any, Any]) -> None:
+    model, tokenizer = tiny
+    trace = TraceConfig(requests=6, documents=6, document_tokens=80, min_new_tokens=4, max_new_tokens=8)
+    config = ServeConfig(configs=("paged", "h2o-stream"), trace=trace, kv_bytes=2 * 100 * BYTES_PER_TOKEN, block_size=4)
+    full, streamed = run_serve(model, tokenizer, config, "tiny", progress=False).rows
+    assert (streamed.completed, streamed.failed) == (6, 0) and streamed.prefix_hit_rate == 0
+    assert streamed.kv_bytes_max <= config.kv_bytes and streamed.running_max >= full.running_max
+    assert streamed.agreement is not None and 0 <= streamed.agreement <= 1
