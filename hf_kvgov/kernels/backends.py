@@ -98,24 +98,6 @@ def _torch_quantized_attend(
     )
 
 
-def _sdpa_quantized_attend(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    kv_length: int,
-    scale: float,
-    *,
-    read_sealed: SealedReader,
-    sealed: SealedBlocks | None,
-    mask: torch.Tensor | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    return gathered_sdpa.quantized_paged_attention_gathered_sdpa(
-        query, key_cache, value_cache, block_table, kv_length, scale, read_sealed, mask=mask, softcap=softcap
-    )
-
-
 def _triton_quantized_attend(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -156,7 +138,9 @@ TORCH = Backend("torch", paged_attention_reference)
 SDPA = Backend("sdpa", gathered_sdpa.paged_attention_gathered_sdpa, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5)
 TORCH_QUANTIZED = Backend("torch", _torch_quantized_attend)
 # Sealed blocks decoded into one layer's gathered K/V, then fused sdpa: on a CPU faster than the chunked reference.
-SDPA_QUANTIZED = Backend("sdpa", _sdpa_quantized_attend, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5)
+SDPA_QUANTIZED = Backend(
+    "sdpa", gathered_sdpa.quantized_paged_attention_gathered_sdpa, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5
+)
 TRITON = Backend("triton", _triton_attend, _triton_refuses, frozenset({"cuda"}), priority=10)
 TRITON_QUANTIZED = Backend("triton", _triton_quantized_attend, _triton_quantized_refuses, frozenset({"cuda"}), 10)
 FLASH_ATTN = Backend("flash_attn", flash_paged.paged_attention_flash, _flash_refuses, frozenset({"cuda"}), 20)

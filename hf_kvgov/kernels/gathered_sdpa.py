@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
+from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 
 
 def paged_attention_gathered_sdpa(
@@ -51,12 +52,15 @@ def quantized_paged_attention_gathered_sdpa(
     block_table: torch.Tensor,
     kv_length: int,
     scale: float,
+    *,
     read_sealed: SealedReader,
+    sealed: SealedBlocks | None = None,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `kernels.quantized_reference.quantized_paged_attention_reference`: the rows' blocks, sealed
-    ones decoded, gathered into one layer's transient K/V in the query's dtype, then sdpa."""
+    ones decoded through `read_sealed` (`sealed`, the pieces a kernel reads in place, is not needed), gathered into
+    one layer's transient K/V in the query's dtype, then sdpa."""
     if softcap is not None:
         raise ValueError(f"{unsupported_reason(softcap)} Use the torch reference backend for soft-capped logits.")
     keys, values = gather_quantized(key_cache, value_cache, block_table, kv_length, read_sealed, query.dtype)
