@@ -1,7 +1,7 @@
 """H2O in the serving engine (whole blocks, one budget for every layer and head) against `HeavyHitterCache` (per KV
 head and token), by streaming perplexity with the cache in the loop, against the full cache in the same run.
 
-Each passage's ``STREAM`` tokens are one prompt. The engine scores it (`ServingEngine.score`, 16-token blocks): with
+Each passage's ``STREAM`` tokens are one prompt. The engine scores it (`ServingEngine.score`, ``--block-size``): with
 no policy (the full cache), and with `HeavyHitter(KEEP)`, which keeps ``KEEP`` of the prompt in blocks and streams
 it (the weakest blocks go every 4 blocks past the budget). `HeavyHitterCache(budget=KEEP)` reads the same tokens in
 ``CHUNK``-token forwards (protocol (b) of `policy_protocols`). Perplexity counts the tokens from the first one the
@@ -26,12 +26,10 @@ from hf_kvgov.engine.parts import HeavyHitter
 from hf_kvgov.serving import ServingEngine
 from hf_kvgov.serving.eviction import BlockEviction
 
-BLOCK = 16
 
-
-def engine_losses(model, ids: list[int], policy: HeavyHitter | None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def engine_losses(model, ids: list[int], policy: HeavyHitter | None, block: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Float ``[len(ids) - 1]``: the loss of each token after the first, as the engine scores the prompt."""
-    with ServingEngine(model, block_size=BLOCK, prefix_sharing=False, policy=policy) as engine:
+    with ServingEngine(model, block_size=block, prefix_sharing=False, policy=policy) as engine:
         (logprobs,) = engine.score([ids])
     return -torch.tensor(logprobs)
 
@@ -53,19 +51,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"])
     parser.add_argument("--json", type=Path, help="write every row here")
+    parser.add_argument("--block-size", type=int, default=16, help="the engine's tokens per block [%(default)s]")
     add_passage_arguments(parser)
     args = parser.parse_args()
     policy = HeavyHitter(KEEP)
     eviction = BlockEviction(policy)
-    first = (eviction.budget_blocks(STREAM, BLOCK) + eviction.slack) * BLOCK  # the engine's first evicted read
+    block = args.block_size
+    first = (eviction.budget_blocks(STREAM, block) + eviction.slack) * block  # the engine's first evicted read
     rows = []
     for name in args.models:
         model, tokenizer = load_model(name)
         for passage, where in passages(args).items():
             ids = passage_ids(tokenizer, where, STREAM)
             losses = {
-                "full (engine)": engine_losses(model, ids[0].tolist(), None),
-                f"engine H2O {KEEP:.0%}, blocks": engine_losses(model, ids[0].tolist(), policy),
+                "full (engine)": engine_losses(model, ids[0].tolist(), None, block),
+                f"engine H2O {KEEP:.0%}, blocks of {block}": engine_losses(model, ids[0].tolist(), policy, block),
                 f"HeavyHitterCache {KEEP:.0%}": cache_losses(model, ids),
             }
             full = math.exp(losses["full (engine)"][first:].mean().item())
