@@ -32,6 +32,7 @@ from hf_kvgov.engine.parts import Disk, HeavyHitter
 from hf_kvgov.hf.compat import RequestStatus, decoder_config, kv_heads_and_head_dim
 from hf_kvgov.partial import Interrupted, Progress, on_interrupt
 from hf_kvgov.serving import SamplingParams, ServingEngine
+from hf_kvgov.serving.scheduler import common_prefix
 
 SERVE_CONFIGS = {
     "static": "static batches with DynamicCache (padded, a batch at a time)",
@@ -420,14 +421,10 @@ def with_agreement(rows: Sequence[ServeRow]) -> tuple[ServeRow, ...]:
         if row is reference or not pairs:
             agreed.append(row)
             continue
-        shares = [_common_start(ours, full) / len(full) for ours, full in pairs]
+        shares = [common_prefix(ours, full) / len(full) for ours, full in pairs]
         exact = sum(ours == full for ours, full in pairs) / len(pairs)
         agreed.append(replace(row, agreement=statistics.fmean(shares), exact_match=exact))
     return tuple(agreed)
-
-
-def _common_start(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def serve_markdown(report: ServeReport) -> str:

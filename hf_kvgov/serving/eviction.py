@@ -47,9 +47,6 @@ class NoEviction:
         """Columns of the request's table to drop after a step: none."""
         return []
 
-    def describe(self) -> str:
-        return "no eviction"
-
 
 class BlockEviction(NoEviction):
     """H2O over whole blocks (see the module docstring)."""
@@ -105,16 +102,17 @@ class BlockEviction(NoEviction):
         return max(cap - stored, self.slack * block_size)
 
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The budget and the prefill's slack, or the whole prompt when it is held whole (or the whole request,
-        when that is less)."""
-        whole = super().blocks_needed(prompt, new_tokens, block_size)
+        """The budget and the prefill's slack, or the whole prompt and one block of growth when it is held whole
+        (or the whole request, when that is less)."""
         if self.slack is None:
-            return min(whole, -(-(prompt + min(new_tokens, block_size)) // block_size))
+            return -(-(prompt + min(new_tokens, block_size)) // block_size)
+        whole = super().blocks_needed(prompt, new_tokens, block_size)
         return min(whole, self.budget_blocks(prompt, block_size) + self.slack)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
-        """Add the step's `masses` to the request's block scores; once its prompt is computed, the columns past its
-        budget with the least attention outside its recent blocks (their scores are dropped with them)."""
+        """Add the step's `masses` to the request's block scores, then the columns to drop: past its budget, those
+        with the least attention outside its recent blocks (their scores go with them). In prefill only once
+        ``slack`` blocks past the budget are stored (never while a prompt is held whole)."""
         assert request.table is not None
         allocated = len(request.table)  # blocks for tokens the next steps write may already be there
         scores = request.block_mass
@@ -138,9 +136,6 @@ class BlockEviction(NoEviction):
         keep[dropped] = False
         request.block_mass = scores[keep]
         return dropped
-
-    def describe(self) -> str:
-        return f"{self.policy.describe()} per request, in whole blocks"
 
 
 def eviction_for(policy: HeavyHitter | None, streaming: bool = True) -> NoEviction:

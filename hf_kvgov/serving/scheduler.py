@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -154,7 +155,7 @@ class Scheduler:
         for leader in self.running:
             if leader.computed >= len(leader.prompt) or leader.namespace != request.namespace:
                 continue
-            shared = _common_prefix(leader.prompt, tokens) // size * size
+            shared = common_prefix(leader.prompt, tokens) // size * size
             if shared > leader.published and shared >= size:
                 return True
         return False
@@ -337,7 +338,7 @@ class Scheduler:
             )
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` share."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
