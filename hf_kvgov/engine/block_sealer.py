@@ -24,7 +24,7 @@ from hf_kvgov.engine.quantized_stats import QuantizedCacheStats, quantized_cache
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.block_table import BlockTables
-from hf_kvgov.storage.layer_groups import LayerGroup, single_group
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
@@ -57,18 +57,8 @@ class BlockSealer:
     # ------------------------------------------------------------------ the pool
 
     def layer_groups(self, groups: tuple[LayerGroup, ...]) -> tuple[LayerGroup, ...]:
-        """The block cache's groups, unless two layers at one position of them are sealed differently.
-
-        The layers at one position share the sealed store's tensors, so they need one format. A layer kept in full
-        precision among quantized ones would either force its whole position, in every group, into full precision
-        (changing what the other layers store) or need the full-precision layers to fill whole positions of every
-        group, which a handful of layers rarely do. So such a configuration keeps one group, as before layer
-        groups: every layer keeps every token, and what each layer stores is what it asked for.
-        """
-        for position in range(len(groups[0].layers)):
-            if len({self.quant.layer_format(group.layers[position]) for group in groups}) > 1:
-                return single_group(sum(len(group.layers) for group in groups))
-        return groups
+        """The block cache's groups, unless its formats need one group (`QuantConfig.layer_groups` says why)."""
+        return self.quant.layer_groups(groups)
 
     def new_pool(self, geometry: KVGeometry, groups: tuple[LayerGroup, ...], **pool_args: int | None) -> BlockPool:
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)

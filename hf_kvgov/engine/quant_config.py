@@ -14,6 +14,7 @@ from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.numerics import LOG_SCALE
 from hf_kvgov.codecs.registry import get_codec
 from hf_kvgov.format_defaults import format_defaults
+from hf_kvgov.storage.layer_groups import LayerGroup, single_group
 from hf_kvgov.storage.sealed_formats import CodecFormat, RawFormat, SealedFormat
 
 # The block size for the most compact sealed blocks. Keys carry one scale (and zero point) per channel per
@@ -156,6 +157,20 @@ class QuantConfig:
         if layer in self.full_precision_layers:
             return FULL_PRECISION
         return dict(self.layer_formats).get(layer, self.codec_name)
+
+    def layer_groups(self, groups: tuple[LayerGroup, ...]) -> tuple[LayerGroup, ...]:
+        """`groups`, unless two layers at one position of them are sealed differently: then one group of every layer.
+
+        The layers at one position share the sealed store's tensors, so they need one format. A layer kept in full
+        precision among quantized ones would either force its whole position, in every group, into full precision
+        (changing what the other layers store) or need the full-precision layers to fill whole positions of every
+        group, which a handful of layers rarely do. So such a configuration keeps one group, as before layer
+        groups: every layer keeps every token, and what each layer stores is what it asked for.
+        """
+        for position in range(len(groups[0].layers)):
+            if len({self.layer_format(group.layers[position]) for group in groups}) > 1:
+                return single_group(sum(len(group.layers) for group in groups))
+        return groups
 
     def layer_codec(self, layer: int) -> KVCodec:
         """The codec of a quantized layer (its override, else the default)."""

@@ -5,7 +5,8 @@ token per decoding sequence, then each prefill chunk. Per layer, `RaggedStep.att
 pool at the sequences' slots, then serves the decode rows with one batched call whose mask hides each row's keys
 past its own length, and each prefill chunk with a call of its own (causal, its queries the last of its keys). Every
 call goes through `kernels.dispatch`, so the backend is the one a `PagedCache` would get: the torch reference, sdpa
-over gathered blocks on the CPU, Triton or flash-attn on CUDA. The index tensors are built once per step. Over a
+over gathered blocks on the CPU, Triton or flash-attn on CUDA. The index tensors are built once per step and layer
+group (`GroupIndex`: with a hybrid model's groups, a sliding group's rows start at the first block it kept). Over a
 `QuantizedBlockPool` (`SealedRaggedStep`) the tables also name sealed blocks, read by the quantized path.
 """
 
@@ -32,20 +33,59 @@ class SequenceSlice:
 
     query_length: int
     kv_length: int  # tokens its keys span after this step's write, the new ones included
-    block_ids: Sequence[int]  # its block table, covering at least `kv_length` tokens
+    block_ids: Sequence[Sequence[int]]  # per layer group of the pool, its block table covering `kv_length` tokens
 
 
-@dataclass
-class RaggedStep:
-    """The index tensors of one packed step, built once and read by every layer."""
+@dataclass(frozen=True)
+class GroupIndex:
+    """One layer group's index tensors for a step. A sliding group's rows start at the block holding the first key
+    their first query sees (blocks before it are freed), so its lengths count from there."""
 
-    pool: BlockPool
     slots: torch.Tensor  # long [tokens]: where each packed token's K/V goes
     decode_tables: torch.Tensor  # long [decoding, blocks]; short rows padded with a block id they never read
     decode_lengths: torch.Tensor  # long [decoding]
     decode_max: int
     chunks: tuple[tuple[int, int, int, torch.Tensor], ...]  # (first packed token, queries, kv length, table [1, n])
+
+    @classmethod
+    def build(
+        cls, sequences: Sequence[SequenceSlice], group: int, window: int | None, size: int, device: torch.device
+    ) -> GroupIndex:
+        slots: list[int] = []
+        rows: list[tuple[list[int], int]] = []  # per sequence, the table it reads and the keys' length in it
+        for s in sequences:
+            ids = s.block_ids[group]
+            start = s.kv_length - s.query_length
+            for position in range(start, s.kv_length):
+                slots.append(ids[position // size] * size + position % size)
+            first = 0 if window is None else max(0, start - window + 1) // size
+            rows.append((list(ids[first : -(-s.kv_length // size)]), s.kv_length - first * size))
+        decoding = next((i for i, s in enumerate(sequences) if s.query_length != 1), len(sequences))
+        decode = rows[:decoding]
+        width = max((len(table) for table, _ in decode), default=0)
+        padded = [table + [table[0]] * (width - len(table)) for table, _ in decode]
+        chunks = []
+        start = decoding
+        for s, (table, length) in zip(sequences[decoding:], rows[decoding:], strict=True):
+            chunks.append((start, s.query_length, length, torch.tensor([table], dtype=torch.long, device=device)))
+            start += s.query_length
+        return cls(
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(decode), width),
+            decode_lengths=torch.tensor([length for _, length in decode], dtype=torch.long, device=device),
+            decode_max=max((length for _, length in decode), default=0),
+            chunks=tuple(chunks),
+        )
+
+
+@dataclass
+class RaggedStep:
+    """The index tensors of one packed step, built once per layer group and read by every layer."""
+
+    pool: BlockPool
+    groups: tuple[GroupIndex, ...]  # per layer group of the pool
     # Masks by (first packed token of a chunk, or -1 for the decode rows; window): built by the first layer only.
+    # Groups of one window count their rows' lengths from the same block, so they share masks.
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
     # Set by `observe_masses`: each block's attention, summed over the layers (heavy-hitter eviction's score).
     masses: BlockMasses | None = None
@@ -54,39 +94,21 @@ class RaggedStep:
     def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
         """`sequences` in packing order: the leading slices of one query are the decode rows, the rest chunks."""
         size = pool.block_size
-        slots: list[int] = []
-        decoding = next((i for i, s in enumerate(sequences) if s.query_length != 1), len(sequences))
-        decode = sequences[:decoding]
-        for s in sequences:
-            for position in range(s.kv_length - s.query_length, s.kv_length):
-                slots.append(s.block_ids[position // size] * size + position % size)
-        width = max((-(-s.kv_length // size) for s in decode), default=0)
-        tables = [list(s.block_ids[: -(-s.kv_length // size)]) for s in decode]
-        padded = [t + [t[0]] * (width - len(t)) for t in tables]
-        chunks = []
-        start = decoding
-        for s in sequences[decoding:]:
-            table = torch.tensor([list(s.block_ids[: -(-s.kv_length // size)])], dtype=torch.long, device=device)
-            chunks.append((start, s.query_length, s.kv_length, table))
-            start += s.query_length
-        return cls(
-            pool=pool,
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_tables=torch.tensor(padded, dtype=torch.long, device=device).view(len(decode), width),
-            decode_lengths=torch.tensor([s.kv_length for s in decode], dtype=torch.long, device=device),
-            decode_max=max((s.kv_length for s in decode), default=0),
-            chunks=tuple(chunks),
-        )
+        indexes = [GroupIndex.build(sequences, g, group.window, size, device) for g, group in enumerate(pool.groups)]
+        return cls(pool=pool, groups=tuple(indexes))
 
     @property
     def num_decoding(self) -> int:
-        return int(self.decode_lengths.shape[0])
+        return int(self.groups[0].decode_lengths.shape[0])
 
     def observe_masses(self) -> BlockMasses:
-        """Have every layer's `attend` add the attention its blocks receive to the returned `BlockMasses`."""
-        chunk_blocks = [int(table.shape[1]) for *_, table in self.chunks]
-        width = int(self.decode_tables.shape[1])
-        self.masses = BlockMasses(self.num_decoding, width, chunk_blocks, self.slots.device)
+        """Have every layer's `attend` add the attention its blocks receive to the returned `BlockMasses` (a pool
+        of one full-attention group: the masses are per column of each sequence's one table)."""
+        assert len(self.groups) == 1 and self.pool.groups[0].window is None, "block masses need one full group"
+        index = self.groups[0]
+        chunk_blocks = [int(table.shape[1]) for *_, table in index.chunks]
+        width = int(index.decode_tables.shape[1])
+        self.masses = BlockMasses(self.num_decoding, width, chunk_blocks, index.slots.device)
         return self.masses
 
     def gather_keys(self, layer: int, table: torch.Tensor, length: int) -> torch.Tensor:
@@ -107,25 +129,26 @@ class RaggedStep:
 
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
-        self.pool.write(layer, self.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        index = self.groups[self.pool.group_of(layer)]
+        self.pool.write(layer, index.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         decoding = self.num_decoding
         if decoding:
             rows = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [decoding, q_heads, 1, dim]
-            mask = self._decode_mask(window)
-            result = self.paged(layer, rows, self.decode_tables, self.decode_max, scale, mask, softcap)
+            mask = self._decode_mask(index, window)
+            result = self.paged(layer, rows, index.decode_tables, index.decode_max, scale, mask, softcap)
             out[0, :decoding] = result[:, 0]
             if self.masses is not None:
-                keys = self.gather_keys(layer, self.decode_tables, self.decode_max)
+                keys = self.gather_keys(layer, index.decode_tables, index.decode_max)
                 mass = attention_mass(rows, keys, scale, mask, softcap, self.pool.block_size)
                 self.masses.decode[:, : mass.shape[1]] += mass
-        for index, (start, length, kv_length, table) in enumerate(self.chunks):
+        for number, (start, length, kv_length, table) in enumerate(index.chunks):
             chunk = query[:, :, start : start + length]
             mask = self._chunk_mask(start, length, kv_length, window, query.device)
             out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
             if self.masses is not None:
                 keys = self.gather_keys(layer, table, kv_length)
-                self.masses.chunks[index] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
+                self.masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
         return out
 
     def paged(
@@ -142,11 +165,11 @@ class RaggedStep:
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         return dispatch.paged_attention(query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap)
 
-    def _decode_mask(self, window: int | None) -> torch.Tensor | None:
+    def _decode_mask(self, index: GroupIndex, window: int | None) -> torch.Tensor | None:
         """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
         if (-1, window) not in self._masks:
-            keys = torch.arange(self.decode_max, device=self.decode_lengths.device)
-            lengths = self.decode_lengths[:, None]
+            keys = torch.arange(index.decode_max, device=index.decode_lengths.device)
+            lengths = index.decode_lengths[:, None]
             keep = keys[None, :] < lengths
             if window is not None:
                 keep &= keys[None, :] >= lengths - window

@@ -114,6 +114,24 @@ class PrefixCache:
             return remote_groups.extend(self, self.remote, list(token_ids), namespace, hit, usable // self.block_size)
         return entries, tables
 
+    def match_tables(
+        self, token_ids: Sequence[int], namespace: str = "", max_tokens: int | None = None
+    ) -> tuple[list[int], list[Blocks]]:
+        """`match_groups` over any pool (one group without layer groups): (ids to `unlock`, per group the hit)."""
+        if self.grouped is not None:
+            return self.match_groups(token_ids, namespace, max_tokens)
+        ids = self.match(token_ids, namespace, max_tokens)
+        return ids, [list(ids)]
+
+    def publish_tables(
+        self, token_ids: Sequence[int], tables: list[Blocks], namespace: str = ""
+    ) -> tuple[list[Blocks], list[int]]:
+        """`publish_groups` over any pool (one group, without None, without layer groups)."""
+        if self.grouped is not None:
+            return self.publish_groups(token_ids, tables, namespace)
+        swapped, locks = self.publish(token_ids, [int(block) for block in tables[0]], namespace)  # type: ignore[arg-type]
+        return [list(swapped)], locks
+
     def hit_tables(self, grouped: GroupedBlocks, entries: Sequence[int]) -> list[Blocks]:
         """Per layer group, the pool blocks a hit on `entries` uses (None before a sliding group's window)."""
         start, size = len(entries) * self.block_size, self.block_size

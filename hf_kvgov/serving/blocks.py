@@ -14,6 +14,7 @@ from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.kernels.ragged import RaggedStep, SealedRaggedStep
 from hf_kvgov.serving.request import Request
+from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 
@@ -23,8 +24,11 @@ class FullPrecisionBlocks:
 
     step_class: type[RaggedStep] = RaggedStep
 
-    def new_pool(self, geometry: KVGeometry, block_size: int, max_bytes: int | None) -> BlockPool:
-        return BlockPool(geometry, block_size, max_bytes=max_bytes)
+    def new_pool(
+        self, geometry: KVGeometry, block_size: int, max_bytes: int | None, groups: tuple[LayerGroup, ...]
+    ) -> BlockPool:
+        """The engine's pool, a block holding one layer group's layers (`hf_kvgov.storage.layer_groups`)."""
+        return BlockPool(geometry, block_size, max_bytes=max_bytes, groups=groups)
 
     def seal_ready(self, request: Request, pool: BlockPool) -> None:
         """Nothing to seal."""
@@ -60,30 +64,34 @@ class SealedBlockCodec(FullPrecisionBlocks):
     def __init__(self, quant: QuantConfig) -> None:
         self.quant = quant
 
-    def new_pool(self, geometry: KVGeometry, block_size: int, max_bytes: int | None) -> BlockPool:
+    def new_pool(
+        self, geometry: KVGeometry, block_size: int, max_bytes: int | None, groups: tuple[LayerGroup, ...]
+    ) -> BlockPool:
         self.quant.check_model(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, block_size)
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)
-        return QuantizedBlockPool(geometry, formats, block_size, max_bytes=max_bytes)
+        groups = self.quant.layer_groups(groups)
+        return QuantizedBlockPool(geometry, formats, block_size, max_bytes=max_bytes, groups=groups)
 
     def seal_ready(self, request: Request, pool: BlockPool) -> None:
         """Seal the request's full blocks that left its residual window since the last call. Not before its prompt is
         all computed: every chunk of a prefill attends to the prompt in full precision, as one prefill alone does,
         and the blocks it would free were reserved for the whole prompt at admission anyway."""
-        assert isinstance(pool, QuantizedBlockPool) and request.table is not None
+        assert isinstance(pool, QuantizedBlockPool) and request.tables is not None
         if request.computed < len(request.prompt):
             return
         ready = max(0, request.stored - self.quant.residual) // pool.block_size
         first = max(request.sealed_blocks, self.quant.sink_blocks)
         if ready <= first:
             return
-        ids = request.table.block_ids
-        columns = [c for c in range(first, ready) if not is_sealed(ids[c])]  # a prefix hit may be codes already
-        try:
-            sealed = pool.seal([ids[c] for c in columns])
-        except PoolExhausted:  # no room for the codes now: the blocks stay in full precision until a later step
-            return
-        for column, block in zip(columns, sealed, strict=True):
-            ids[column] = block
+        for table in request.tables.tables:  # a prefix hit may be codes already; a sliding group freed its first
+            ids = table.block_ids
+            columns = [c for c in range(max(first, table.freed), ready) if not is_sealed(ids[c])]
+            try:
+                sealed = pool.seal([ids[c] for c in columns])
+            except PoolExhausted:  # no room for the codes now: the blocks stay in full precision until a later step
+                return
+            for column, block in zip(columns, sealed, strict=True):
+                ids[column] = block
         request.sealed_blocks = ready
 
     def growth_blocks(self, blocks: int, pool: BlockPool) -> int:

@@ -3,7 +3,8 @@
 Requests arrive at any time (`add_request`), each step runs every request the scheduler lets in as its own
 sequence (own block table and positions, no padding), and a request leaves the step it finishes, its blocks back to
 the pool at once. `generate` runs a list of prompts to the end; `hf_kvgov.serving.loop.EngineLoop` runs the steps in
-a background thread and streams each request's tokens.
+a background thread and streams each request's tokens. On a hybrid model (Gemma-3: sliding layers beside full ones)
+each layer group has its own tables (`hf_kvgov.storage.layer_groups`), so a sliding layer holds only its window.
 
     engine = ServingEngine(model, max_bytes=2 << 30)
     outputs = engine.generate([prompt_ids_a, prompt_ids_b], SamplingParams(max_new_tokens=64))
@@ -40,6 +41,7 @@ from hf_kvgov.serving.scheduler import Scheduler
 from hf_kvgov.serving.swap import SwapSpace
 from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.geometry import KVGeometry
+from hf_kvgov.storage.layer_groups import layer_groups
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
 from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
@@ -138,7 +140,8 @@ class ServingEngine:
         geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
-        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes)
+        groups = layer_groups([kind.sliding_window for kind in kinds])  # a sliding layer frees what left its window
+        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, groups)
         self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
         self.swap = None if spill is None else SwapSpace(self.pool, spill)
         self.scheduler = Scheduler(

@@ -113,8 +113,8 @@ class BlockEviction(NoEviction):
         """Add the step's `masses` to the request's block scores, then the columns to drop: past its budget, those
         with the least attention outside its recent blocks (their scores go with them). In prefill only once
         ``slack`` blocks past the budget are stored (never while a prompt is held whole)."""
-        assert request.table is not None
-        allocated = len(request.table)  # blocks for tokens the next steps write may already be there
+        assert request.tables is not None
+        allocated = len(request.tables)  # blocks for tokens the next steps write may already be there
         scores = request.block_mass
         if scores is None:
             scores = torch.zeros(allocated, device=masses.device if masses is not None else None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_kvgov.serving.swap import Swapped
-from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.block_table import SequenceTables
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class TokenEvent:
 class Request:
     """One request inside the engine. `tokens` is the prompt and what it generated; `computed` of them have
     their K/V in the pool (a preempted request loses them and computes them again, unless they were swapped out),
-    `stored` of those in its table (fewer once an eviction policy dropped blocks)."""
+    `stored` of those in its tables (fewer once an eviction policy dropped blocks)."""
 
     request_id: int
     prompt: list[int]
@@ -89,7 +89,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     output: list[int] = field(default_factory=list)
     computed: int = 0
-    table: BlockTable | None = None
+    tables: SequenceTables | None = None  # its block tables, one per layer group of the pool
     locks: list[int] = field(default_factory=list)  # prefix-tree blocks to unlock when it leaves the pool
     published: int = 0  # tokens offered to the prefix tree so far
     sealed_blocks: int = 0  # leading blocks of its table past which nothing is sealed yet (with a codec)
@@ -115,7 +115,7 @@ class Request:
 
     @property
     def stored(self) -> int:
-        """Tokens its table holds: the computed ones the policy kept. Its next token goes at this index."""
+        """Tokens its tables hold: the computed ones the policy kept. Its next token goes at this index."""
         return self.computed - self.evicted_tokens
 
     @property

@@ -59,8 +59,8 @@ class ModelRunner:
                 scorers.append((request, max(0, last - start)))
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))  # the positions keys are rotated at, whatever was evicted before
-            assert request.table is not None
-            slices.append(SequenceSlice(count, request.stored + count, request.table.block_ids))
+            assert request.tables is not None
+            slices.append(SequenceSlice(count, request.stored + count, request.tables.block_ids))
             if end == request.num_tokens:
                 sampling.append(len(ids) - 1)
                 samplers.append(request)

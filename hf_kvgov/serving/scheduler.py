@@ -28,7 +28,7 @@ from hf_kvgov.serving.blocks import FullPrecisionBlocks
 from hf_kvgov.serving.eviction import NoEviction
 from hf_kvgov.serving.request import Request, RequestState
 from hf_kvgov.serving.swap import SwapSpace
-from hf_kvgov.storage.block_table import BlockTable
+from hf_kvgov.storage.block_table import SequenceTables
 from hf_kvgov.storage.pool import BlockPool
 
 
@@ -161,9 +161,11 @@ class Scheduler:
         return False
 
     def _grow(self, request: Request, count: int) -> bool:
-        assert request.table is not None
+        """Blocks for the request's next `count` tokens, after its sliding groups gave back what left their window."""
+        assert request.tables is not None
+        request.tables.slide(request.stored)
         try:
-            request.table.prepare_write(request.stored, request.stored + count)
+            request.tables.prepare_write(request.stored, request.stored + count)
         except PoolExhausted:
             return False
         return True
@@ -173,20 +175,22 @@ class Scheduler:
         if request.swapped is not None:
             return self._swap_in(request)
         tokens = request.tokens
-        hit: list[int] = []
+        locks: list[int] = []
+        hit: list[list[int | None]] = []
         # A scored prompt computes every token; otherwise at least one is left to compute: its logits are sampled.
         if self.prefix is not None and not request.params.prompt_logprobs:
-            hit = self.prefix.match(tokens, request.namespace, max_tokens=len(tokens) - 1)
-        table = BlockTable(self.pool, hit)
-        computed = len(hit) * self.pool.block_size
+            locks, hit = self.prefix.match_tables(tokens, request.namespace, max_tokens=len(tokens) - 1)
+        tables = SequenceTables(self.pool, hit)
+        computed = len(tables) * self.pool.block_size
         limit = self.eviction.chunk_limit(request, self.pool.block_size, computed)
-        try:
-            table.prepare_write(computed, len(tokens) if limit is None else min(len(tokens), computed + limit))
+        end = len(tokens) if limit is None else min(len(tokens), computed + limit)
+        try:  # sliding groups only for the first step's tokens: they free blocks as the prompt goes on
+            tables.prepare_write(computed, end, sliding_end=computed + self.max_batched_tokens)
         except PoolExhausted:
-            self._drop(table, hit)
+            self._drop(tables, locks)
             return False
         if not self._leaves_a_reserve():
-            self._drop(table, hit)
+            self._drop(tables, locks)
             return False
         if request.preemptions:
             self.counters.recomputed_tokens += len(tokens) - computed
@@ -194,7 +198,7 @@ class Scheduler:
             self.counters.prompt_tokens += len(tokens)
             self.counters.prefix_hit_tokens += computed
             request.prefix_hit_tokens = computed
-        request.table, request.locks, request.computed, request.published = table, hit, computed, computed
+        request.tables, request.locks, request.computed, request.published = tables, locks, computed, computed
         request.prompt_logprobs = []  # a preempted request's prompt is scored again as it is computed again
         request.state = RequestState.RUNNING
         if request.admitted_at is None:
@@ -202,34 +206,36 @@ class Scheduler:
         return True
 
     def _leaves_a_reserve(self) -> bool:
-        """Whether `reserve_blocks` per running request are still free for their decode growth."""
+        """Whether `reserve_blocks` per running request (in each layer group) are still free for their decode
+        growth."""
         if not self.running:
             return True
-        return self.free_blocks() >= self.blocks.growth_blocks(self.reserve_blocks * len(self.running), self.pool)
+        reserve = self.reserve_blocks * len(self.pool.groups) * len(self.running)
+        return self.free_blocks() >= self.blocks.growth_blocks(reserve, self.pool)
 
     def _swap_in(self, request: Request) -> bool:
         """Read a swapped-out request's blocks back and give it room for its pending tokens, if they fit; it goes on
         where it stopped. A damaged block sends it to be computed again from its tokens."""
         assert self.swap is not None and request.swapped is not None
         try:
-            block_ids = self.swap.swap_in(request.swapped)
+            tables = self.swap.swap_in(request.swapped)
         except SpillCorrupted:
             self._release(request)  # and forget the swap
             return self._admit(request)
-        if block_ids is None:
+        if tables is None:
             return False
-        table = BlockTable(self.pool, block_ids)
+        end = request.num_tokens - request.evicted_tokens
         try:
-            table.prepare_write(request.stored, request.num_tokens - request.evicted_tokens)
+            tables.prepare_write(request.stored, end, sliding_end=request.stored + self.max_batched_tokens)
         except PoolExhausted:
-            table.release()
+            tables.release()
             return False
         if not self._leaves_a_reserve():
-            table.release()
+            tables.release()
             return False
         self.swap.returned(request.swapped)
         request.swapped = None
-        request.table, request.state = table, RequestState.RUNNING
+        request.tables, request.state = tables, RequestState.RUNNING
         return True
 
     def _forget_swap(self, request: Request) -> None:
@@ -237,8 +243,8 @@ class Scheduler:
             self.swap.discard(request.swapped)
         request.swapped = None
 
-    def _drop(self, table: BlockTable, locks: list[int]) -> None:
-        table.release()
+    def _drop(self, tables: SequenceTables, locks: list[int]) -> None:
+        tables.release()
         if self.prefix is not None:
             self.prefix.unlock(locks)
 
@@ -263,11 +269,11 @@ class Scheduler:
     def _drop_blocks(self, request: Request, columns: list[int]) -> None:
         """Evict the blocks at `columns` of the request's table. Its prefix-tree locks go first: the tree keeps
         what it holds as a cache others may still match, and reclaims it when the pool needs room."""
-        assert request.table is not None
+        assert request.tables is not None
         if self.prefix is not None and request.locks:
             self.prefix.unlock(request.locks)
             request.locks = []
-        request.table.drop(columns)
+        request.tables.drop(columns)
         request.sealed_blocks -= sum(1 for column in columns if column < request.sealed_blocks)
         request.evicted_tokens += len(columns) * self.pool.block_size
         self.counters.evicted_blocks += len(columns)
@@ -275,15 +281,16 @@ class Scheduler:
     def publish(self, request: Request) -> None:
         """Offer the request's full blocks to the tree (a block it already holds is stored once); not once blocks
         were evicted from its table, which then no longer lists its tokens in order."""
-        if self.prefix is None or request.table is None or request.evicted_tokens:
+        if self.prefix is None or request.tables is None or request.evicted_tokens:
             return
         size = self.pool.block_size
         full = self.blocks.publishable(request, size) // size * size
         if full <= request.published // size * size:
             return
         tokens = request.tokens[:full]
-        swapped, locks = self.prefix.publish(tokens, request.table.block_ids[: full // size], request.namespace)
-        request.table.block_ids[: len(swapped)] = swapped
+        offered = request.tables.published(full // size)
+        swapped, locks = self.prefix.publish_tables(tokens, offered, request.namespace)
+        request.tables.adopt(swapped)
         request.locks.extend(locks)
         request.published = full
 
@@ -292,14 +299,14 @@ class Scheduler:
         them), else its tokens are computed again when it re-enters."""
         self.running.remove(request)
         swapped = None
-        if self.swap is not None and request.table is not None:
-            swapped = self.swap.swap_out(request.table.block_ids)
+        if self.swap is not None and request.tables is not None:
+            swapped = self.swap.swap_out(request.tables)
         if swapped is None:
             self._release(request)
         else:
-            assert request.table is not None
-            self._drop(request.table, request.locks)  # its blocks are on disk; the tree keeps what it published
-            request.table, request.locks, request.swapped = None, [], swapped
+            assert request.tables is not None
+            self._drop(request.tables, request.locks)  # its blocks are on disk; the tree keeps what it published
+            request.tables, request.locks, request.swapped = None, [], swapped
         request.state = RequestState.WAITING
         request.preemptions += 1
         self.counters.preemptions += 1
@@ -317,9 +324,9 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._forget_swap(request)
-        if request.table is not None:
-            self._drop(request.table, request.locks)
-        request.table, request.locks, request.computed, request.published = None, [], 0, 0
+        if request.tables is not None:
+            self._drop(request.tables, request.locks)
+        request.tables, request.locks, request.computed, request.published = None, [], 0, 0
         request.sealed_blocks = request.evicted_tokens = 0
         request.block_mass = None
 
@@ -329,13 +336,22 @@ class Scheduler:
         if cap is None:
             return
         size = self.pool.block_size
-        needed = self.eviction.blocks_needed(len(request.prompt), request.params.max_new_tokens, size)
+        per_table = self.eviction.blocks_needed(len(request.prompt), request.params.max_new_tokens, size)
+        needed = sum(self._most_held(group.window, per_table) for group in self.pool.groups)
         if needed > cap:
+            groups = f" over {len(self.pool.groups)} layer groups" if len(self.pool.groups) > 1 else ""
             raise ValueError(
-                f"Request {request.request_id} needs {needed} blocks ({len(request.prompt)} prompt tokens + "
+                f"Request {request.request_id} needs {needed} blocks{groups} ({len(request.prompt)} prompt tokens + "
                 f"max_new_tokens={request.params.max_new_tokens}, {size} tokens a block) but the pool holds at most "
                 f"{cap}; shorten it or give the engine a larger max_bytes."
             )
+
+    def _most_held(self, window: int | None, blocks: int) -> int:
+        """The most blocks a table of a group with this window holds at once, for a request of `blocks` blocks: a
+        sliding group's hold its window and one step's tokens."""
+        if window is None:
+            return blocks
+        return min(blocks, -(-(window + self.max_batched_tokens - 1) // self.pool.block_size) + 1)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

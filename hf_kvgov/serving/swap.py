@@ -9,10 +9,10 @@ way back leaves the request to be computed again from its tokens, as without a t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hf_kvgov.errors import PoolExhausted, SpillCorrupted, SpillFileLost, SpillSpaceExhausted
+from hf_kvgov.storage.block_table import SequenceTables
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
@@ -24,10 +24,12 @@ from hf_kvgov.tiers.spill_config import DiskCacheConfig
 
 @dataclass(frozen=True)
 class Swapped:
-    """Where a swapped-out request's blocks are: per kind (sealed or not), its table columns and their tier handles."""
+    """Where a swapped-out request's blocks are: per kind (sealed or not), their places among its live blocks
+    (`SequenceTables.live_ids`) and their tier handles; `shape` rebuilds its tables around them."""
 
-    columns: int
+    columns: int  # live blocks swapped
     parts: dict[bool, tuple[list[int], list[int]]]
+    shape: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -57,9 +59,10 @@ class SwapSpace:
             self._kinds[True] = _Kind(sealed_tier, sealed_blocks(pool))
         self.counters = SwapCounters()
 
-    def swap_out(self, block_ids: Sequence[int]) -> Swapped | None:
-        """Write the blocks of one request's table; None when the disk refuses (nothing is left written). The caller
+    def swap_out(self, tables: SequenceTables) -> Swapped | None:
+        """Write the blocks of one request's tables; None when the disk refuses (nothing is left written). The caller
         then drops its references."""
+        block_ids = tables.live_ids()
         columns: dict[bool, list[int]] = {}
         for column, block in enumerate(block_ids):
             columns.setdefault(is_sealed(block), []).append(column)
@@ -74,11 +77,11 @@ class SwapSpace:
             self.counters.fallbacks += 1
             return None
         self.counters.blocks_out += len(block_ids)
-        return Swapped(len(block_ids), written)
+        return Swapped(len(block_ids), written, tables.shape())
 
-    def swap_in(self, swapped: Swapped) -> list[int] | None:
-        """Fresh blocks (one reference each) holding what was swapped out, in table order; None when they do not fit
-        now (nothing allocated, the disk copies kept). Raises `SpillCorrupted` for a damaged block (nothing held)."""
+    def swap_in(self, swapped: Swapped) -> SequenceTables | None:
+        """Tables over fresh blocks (one reference each) holding what was swapped out; None when they do not fit now
+        (nothing allocated, the disk copies kept). Raises `SpillCorrupted` for a damaged block (nothing held)."""
         block_ids = [0] * swapped.columns
         restored: list[int] = []
         try:
@@ -94,7 +97,7 @@ class SwapSpace:
                 return None
             self.counters.fallbacks += 1
             raise
-        return block_ids
+        return SequenceTables.from_live(self.pool, swapped.shape, block_ids)
 
     def returned(self, swapped: Swapped) -> None:
         """The request is running again on the blocks `swap_in` gave: free the disk copies, count the blocks."""

@@ -99,14 +99,16 @@ class BlockTable:
         self.freed = 0
 
 
-def prepare_writes(tables: Sequence[BlockTable], start: int, end: int) -> bool:
-    """`BlockTable.prepare_write` for several tables with one allocation: all succeed or none changes."""
+def prepare_writes(tables: Sequence[BlockTable], start: int, end: int | Sequence[int]) -> bool:
+    """`BlockTable.prepare_write` for several tables with one allocation: all succeed or none changes. `end` is
+    one for every table, or one per table."""
     if not tables:
         return False
     pool = tables[0].pool
+    ends = [end] * len(tables) if isinstance(end, int) else list(end)
     with pool.lock:
         copied_away: dict[int, int] = {}
-        plans = [table.write_plan(start, end, copied_away) for table in tables]
+        plans = [table.write_plan(start, stop, copied_away) for table, stop in zip(tables, ends, strict=True)]
         total = sum(len(shared) + appended for shared, appended in plans)
         if total == 0:
             return False
@@ -119,6 +121,86 @@ def prepare_writes(tables: Sequence[BlockTable], start: int, end: int) -> bool:
                 table.block_ids[index] = private
             table.block_ids.extend(next(fresh) for _ in range(appended))
         return True
+
+
+class SequenceTables:
+    """One sequence's block tables, one per layer group of its pool, all listing the same token positions: a
+    full-attention group's holds every block, a sliding group's gives back the blocks its window left (`slide`;
+    their leading entries stay, stale). A pool without groups gives one table.
+
+    Args:
+        hit: per group, the blocks of a matched prefix (`PrefixCache.match_tables`; None before a sliding group's
+            window); the sequence holds one reference on each.
+    """
+
+    def __init__(self, pool: BlockPool, hit: Sequence[Sequence[int | None]] = ()) -> None:
+        self.pool = pool
+        self.groups = pool.groups
+        self.tables = [BlockTable(pool) for _ in self.groups]
+        for table, blocks in zip(self.tables, hit, strict=False):
+            first = next((i for i, block in enumerate(blocks) if block is not None), len(blocks))
+            table.block_ids = [0] * first + [int(block) for block in blocks[first:]]  # type: ignore[arg-type]
+            table.freed = first
+
+    def __len__(self) -> int:
+        """Block positions listed (freed ones included)."""
+        return len(self.tables[0])
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        """Per group, its table's ids (a sliding group's freed leading entries are stale: never read them)."""
+        return [table.block_ids for table in self.tables]
+
+    def live_ids(self) -> list[int]:
+        """Every block the sequence holds a reference on, group after group."""
+        return [block for table in self.tables for block in table.live_ids]
+
+    def shape(self) -> tuple[tuple[int, int], ...]:
+        """Per group, (positions listed, leading positions freed): with `live_ids`, what `from_live` rebuilds."""
+        return tuple((len(table), table.freed) for table in self.tables)
+
+    @classmethod
+    def from_live(cls, pool: BlockPool, shape: Sequence[tuple[int, int]], live: Sequence[int]) -> SequenceTables:
+        """Tables of `shape` over `live` (the order `live_ids` gives; their references pass to the tables)."""
+        tables = cls(pool)
+        blocks = iter(live)
+        for table, (length, freed) in zip(tables.tables, shape, strict=True):
+            table.block_ids = [0] * freed + [next(blocks) for _ in range(length - freed)]
+            table.freed = freed
+        return tables
+
+    def prepare_write(self, start: int, end: int, sliding_end: int | None = None) -> bool:
+        """Make positions [start, end) writable in every group (sliding groups only up to `sliding_end`: they
+        allocate the rest as they go), all or nothing (`PoolExhausted`)."""
+        ends = [end if g.window is None or sliding_end is None else min(end, sliding_end) for g in self.groups]
+        return prepare_writes(self.tables, start, ends)
+
+    def slide(self, position: int) -> None:
+        """Queries start at `position`: sliding groups give back the blocks no such query can see."""
+        size = self.pool.block_size
+        for table, group in zip(self.tables, self.groups, strict=True):
+            if group.window is not None:
+                table.free_before(group.first_kept(position, size) // size)
+
+    def published(self, count: int) -> list[list[int | None]]:
+        """Per group, its first `count` blocks, None where freed: what `PrefixCache.publish_tables` is offered."""
+        return [[None if i < t.freed else t.block_ids[i] for i in range(count)] for t in self.tables]
+
+    def adopt(self, blocks: Sequence[Sequence[int | None]]) -> None:
+        """Take the tree's blocks for the leading positions (`publish_tables`' swap): None keeps the entry."""
+        for table, ids in zip(self.tables, blocks, strict=True):
+            for i, block in enumerate(ids):
+                if block is not None:
+                    table.block_ids[i] = block
+
+    def drop(self, columns: Sequence[int]) -> None:
+        """Give back the blocks at `columns` (an eviction policy's; a pool without sliding groups)."""
+        for table in self.tables:
+            table.drop(columns)
+
+    def release(self) -> None:
+        for table in self.tables:
+            table.release()
 
 
 class BlockTables:

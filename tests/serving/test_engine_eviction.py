@@ -57,7 +57,7 @@ class Recorder(BlockEviction):
         self.kept: dict[int, list[int]] = {}
 
     def evict(self, request, masses, block_size):  # type: ignore[no-untyped-def]
-        before = len(request.table)
+        before = len(request.tables)
         dropped = super().evict(request, masses, block_size)
         if request.computed == len(request.prompt) and request.request_id not in self.at_prompt:
             assert request.block_mass is not None
@@ -148,10 +148,10 @@ def test_tables_stay_within_budget_and_every_block_comes_back(llama) -> None:
             engine.step()
             for request_id, prompt in zip(ids, prompts, strict=True):
                 request = engine.request(request_id)
-                if request is None or request.table is None:
+                if request is None or request.tables is None:
                     continue
                 budget = eviction.budget_blocks(len(prompt), BLOCK)
-                assert len(request.table) <= budget + (eviction.slack if request.computed < len(prompt) else 0)
+                assert len(request.tables) <= budget + (eviction.slack if request.computed < len(prompt) else 0)
         stats = engine.stats()
         assert stats.finished == 3 and stats.evicted_blocks > 0
         assert engine.pool.num_used == 0 and stats.kv_bytes_used == 0
