@@ -14,7 +14,7 @@ shares prefixes across processes (`hf_kvgov.prefix.remote_fill`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hf_kvgov.prefix import remote_fill, remote_groups
@@ -261,6 +261,13 @@ class PrefixCache:
         """Evict every unlocked cached block; returns how many were evicted."""
         with self.pool.lock:
             return self._evict(len(self.tree))
+
+    def reclaimable_blocks(self, held: Iterable[int] = ()) -> int:
+        """Blocks evicting unlocked entries could free now, less the cached ones among `held` (pool blocks sequences
+        still read without a lock: evicting them frees nothing). An upper bound with layer groups (entries)."""
+        with self.pool.lock:
+            cached = sum(1 for block in set(held) if tree_id(block) in self.tree) if self.grouped is None else 0
+            return max(0, self.tree.evictable_blocks() - cached)
 
     def check_invariants(self) -> None:
         """Raise an `AssertionError` unless the tree's books balance (and, with layer groups, the entries': each

@@ -4,8 +4,8 @@ Each step has a token budget. Running requests go first, oldest first: one token
 of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted in arrival
 order while the budget lasts: a request enters when the blocks of its prompt, after the longest prefix the tree
 holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (with a codec,
-the codes those blocks become; the prefix tree's unlocked blocks count as free: the pool's reclaimer evicts them on
-demand); a request whose prefix another
+the codes those blocks become; the prefix tree's unlocked blocks count as free, the pool's reclaimer evicts them on
+demand, unless an evicting request still reads them); a request whose prefix another
 is still prefilling waits for it, so the prefix is computed once. A decode step that finds the
 pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
 tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed), or, with a
@@ -249,9 +249,13 @@ class Scheduler:
             self.prefix.unlock(locks)
 
     def free_blocks(self) -> int:
-        """Blocks an allocation can still get: the pool's free ones and the prefix tree's unlocked ones."""
-        evictable = self.prefix.tree.evictable_blocks() if self.prefix is not None else 0
-        return self.pool.num_free + evictable
+        """Blocks an allocation can still get: the pool's free ones and what evicting the prefix tree's unlocked
+        blocks would free (not those a request that gave up its locks still reads)."""
+        if self.prefix is None:
+            return self.pool.num_free
+        evicting = [r for r in self.running if r.tables is not None and r.evicted_tokens and not r.locks]
+        unlocked = [block for r in evicting for block in r.tables.live_ids()]  # type: ignore[union-attr]
+        return self.pool.num_free + self.prefix.reclaimable_blocks(unlocked)
 
     def advance(self, request: Request, count: int, masses: Tensor | None = None) -> None:
         """`count` more of the request's tokens have their K/V in the pool; blocks past its residual window are

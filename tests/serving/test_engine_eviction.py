@@ -196,6 +196,24 @@ def test_prefix_hits_and_eviction_together(llama) -> None:
     assert stats.evicted_blocks > 0 and len(first[0]) == 20 and all(len(t) == 20 for t in later)
 
 
+def test_blocks_an_evicting_request_still_reads_are_not_counted_free(llama) -> None:
+    """An evicting request gives up its tree locks but still reads the blocks it kept: evicting them from the tree
+    frees nothing, so admission must not count them free; whatever `free_blocks()` says can be allocated."""
+    doc, question = random_prompts(llama.config.vocab_size, (96, 9), seed=11)
+    with ServingEngine(llama, block_size=BLOCK) as probe:
+        per_block = probe.pool.bytes_per_block
+    with ServingEngine(llama, block_size=BLOCK, policy=HeavyHitter(0.25), max_bytes=40 * per_block) as engine:
+        engine.add_request(doc + question, greedy(30))
+        request = None
+        while request is None or not request.evicted_tokens:
+            engine.step()
+            request = engine.scheduler.running[0]
+        assert not request.locks and request.tables is not None
+        assert any(block in engine.prefix.tree for block in request.tables.live_ids())  # type: ignore[union-attr]
+        blocks = engine.pool.allocate(engine.scheduler.free_blocks())  # PoolExhausted if it counted too many
+        engine.pool.decref(blocks)
+
+
 def test_what_the_engine_cannot_evict_is_refused_at_construction(llama) -> None:
     with pytest.raises(TypeError, match="HeavyHitter"):
         ServingEngine(llama, policy=Sink())  # type: ignore[arg-type]
