@@ -29,11 +29,13 @@ from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
 @dataclass(frozen=True)
 class SequenceSlice:
-    """One sequence's share of a packed step: `query_length` new tokens after `kv_length - query_length` stored."""
+    """One sequence's share of a packed step, per layer group of the pool: `query_length` new tokens after
+    `kv_lengths[g] - query_length` stored in its table `block_ids[g]` (fewer in a full-attention group than a
+    sliding one's positions once an eviction policy dropped blocks)."""
 
     query_length: int
-    kv_length: int  # tokens its keys span after this step's write, the new ones included
-    block_ids: Sequence[Sequence[int]]  # per layer group of the pool, its block table covering `kv_length` tokens
+    kv_lengths: Sequence[int]  # per group, tokens its keys span after this step's write, the new ones included
+    block_ids: Sequence[Sequence[int]]  # per group, its block table covering `kv_lengths[g]` tokens
 
 
 @dataclass(frozen=True)
@@ -54,12 +56,12 @@ class GroupIndex:
         slots: list[int] = []
         rows: list[tuple[list[int], int]] = []  # per sequence, the table it reads and the keys' length in it
         for s in sequences:
-            ids = s.block_ids[group]
-            start = s.kv_length - s.query_length
-            for position in range(start, s.kv_length):
-                slots.append(ids[position // size] * size + position % size)
+            ids, length = s.block_ids[group], s.kv_lengths[group]
+            start = length - s.query_length
+            for index in range(start, length):
+                slots.append(ids[index // size] * size + index % size)
             first = 0 if window is None else max(0, start - window + 1) // size
-            rows.append((list(ids[first : -(-s.kv_length // size)]), s.kv_length - first * size))
+            rows.append((list(ids[first : -(-length // size)]), length - first * size))
         decoding = next((i for i, s in enumerate(sequences) if s.query_length != 1), len(sequences))
         decode = rows[:decoding]
         width = max((len(table) for table, _ in decode), default=0)
@@ -102,10 +104,11 @@ class RaggedStep:
         return int(self.groups[0].decode_lengths.shape[0])
 
     def observe_masses(self) -> BlockMasses:
-        """Have every layer's `attend` add the attention its blocks receive to the returned `BlockMasses` (a pool
-        of one full-attention group: the masses are per column of each sequence's one table)."""
-        assert len(self.groups) == 1 and self.pool.groups[0].window is None, "block masses need one full group"
-        index = self.groups[0]
+        """Have every full-attention layer's `attend` add the attention its blocks receive to the returned
+        `BlockMasses`, per column of each sequence's full-attention tables (sliding layers take no part)."""
+        full = [g for g, group in enumerate(self.pool.groups) if group.window is None]
+        assert full, "block masses need a full-attention layer group"
+        index = self.groups[full[0]]
         chunk_blocks = [int(table.shape[1]) for *_, table in index.chunks]
         width = int(index.decode_tables.shape[1])
         self.masses = BlockMasses(self.num_decoding, width, chunk_blocks, index.slots.device)
@@ -129,7 +132,9 @@ class RaggedStep:
 
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
-        index = self.groups[self.pool.group_of(layer)]
+        group = self.pool.group_of(layer)
+        index = self.groups[group]
+        masses = self.masses if self.pool.groups[group].window is None else None
         self.pool.write(layer, index.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         decoding = self.num_decoding
@@ -138,17 +143,17 @@ class RaggedStep:
             mask = self._decode_mask(index, window)
             result = self.paged(layer, rows, index.decode_tables, index.decode_max, scale, mask, softcap)
             out[0, :decoding] = result[:, 0]
-            if self.masses is not None:
+            if masses is not None:
                 keys = self.gather_keys(layer, index.decode_tables, index.decode_max)
                 mass = attention_mass(rows, keys, scale, mask, softcap, self.pool.block_size)
-                self.masses.decode[:, : mass.shape[1]] += mass
+                masses.decode[:, : mass.shape[1]] += mass
         for number, (start, length, kv_length, table) in enumerate(index.chunks):
             chunk = query[:, :, start : start + length]
             mask = self._chunk_mask(start, length, kv_length, window, query.device)
             out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
-            if self.masses is not None:
+            if masses is not None:
                 keys = self.gather_keys(layer, table, kv_length)
-                self.masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
+                masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
         return out
 
     def paged(

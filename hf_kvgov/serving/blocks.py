@@ -79,20 +79,22 @@ class SealedBlockCodec(FullPrecisionBlocks):
         assert isinstance(pool, QuantizedBlockPool) and request.tables is not None
         if request.computed < len(request.prompt):
             return
-        ready = max(0, request.stored - self.quant.residual) // pool.block_size
-        first = max(request.sealed_blocks, self.quant.sink_blocks)
-        if ready <= first:
-            return
-        for table in request.tables.tables:  # a prefix hit may be codes already; a sliding group freed its first
+        tables = request.tables
+        stored = tables.indices(request.computed, request.evicted_tokens)
+        for g, (table, end) in enumerate(zip(tables.tables, stored, strict=True)):
+            ready = max(0, end - self.quant.residual) // pool.block_size
+            first = max(tables.sealed[g], self.quant.sink_blocks, table.freed)  # a sliding group freed its first
+            if ready <= first:
+                continue
             ids = table.block_ids
-            columns = [c for c in range(max(first, table.freed), ready) if not is_sealed(ids[c])]
+            columns = [c for c in range(first, ready) if not is_sealed(ids[c])]  # a prefix hit may be codes already
             try:
                 sealed = pool.seal([ids[c] for c in columns])
             except PoolExhausted:  # no room for the codes now: the blocks stay in full precision until a later step
                 return
             for column, block in zip(columns, sealed, strict=True):
                 ids[column] = block
-        request.sealed_blocks = ready
+            tables.sealed[g] = ready
 
     def growth_blocks(self, blocks: int, pool: BlockPool) -> int:
         """A block a request fills is sealed at once: what growth keeps is codes, a fraction of a block each."""
@@ -112,7 +114,8 @@ class SealedBlockCodec(FullPrecisionBlocks):
         return pool.max_bytes if pool.max_bytes is not None else super().bytes_cap(pool)
 
     def publishable(self, request: Request, block_size: int) -> int:
-        return request.sealed_blocks * block_size  # past the sinks once anything is sealed, 0 before
+        assert request.tables is not None
+        return min(request.tables.sealed) * block_size  # past the sinks once anything is sealed, 0 before
 
     def describe(self) -> str:
         return self.quant.describe()

@@ -100,7 +100,8 @@ class ServingEngine:
         policy: `HeavyHitter(budget, recent)`: each request keeps ``budget`` of its prompt in blocks, the recent
             ones and those that collected the most attention (H2O over whole blocks, `hf_kvgov.serving.eviction`),
             so more requests fit the cap; lossy. Its prompt streams without prefix sharing, and is held whole until
-            computed with it. None keeps every token. Not with sliding-window models.
+            computed with it. None keeps every token. On a hybrid model it evicts from the full-attention layers;
+            sliding ones keep their window.
     """
 
     def __init__(
@@ -123,8 +124,7 @@ class ServingEngine:
             raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
-        kinds = layer_kinds(config)  # refuses layer types it cannot serve
-        eviction.check(any(kind.sliding_window is not None for kind in kinds))
+        windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         self.model = model
         self._previous_attention = attention_implementation(model.config)
         if self._previous_attention == RAGGED_ATTENTION_NAME:
@@ -140,8 +140,9 @@ class ServingEngine:
         geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
-        groups = layer_groups([kind.sliding_window for kind in kinds])  # a sliding layer frees what left its window
-        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, groups)
+        # A sliding layer frees what left its window; a policy evicts from full-attention layers only.
+        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, layer_groups(windows))
+        eviction.check(self.pool.groups, windows)
         self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
         self.swap = None if spill is None else SwapSpace(self.pool, spill)
         self.scheduler = Scheduler(

@@ -1,7 +1,8 @@
 """Heavy-hitter eviction in the serving engine: each request keeps a budget of blocks, so more requests fit the pool.
 
 `ServingEngine(policy=HeavyHitter(0.2))` applies H2O at the engine's granularity, the block: every layer and KV head
-shares a request's block table, so what is evicted is a whole block, and its memory goes back to the pool at once.
+shares a request's block table, so what is evicted is a whole block, and its memory goes back to the pool at once
+(on a hybrid model, the full-attention layers' tables; sliding layers keep their window and are not scored).
 A request keeps at most ``budget`` of its prompt in blocks: the most recent share (``recent``) always, the rest the
 blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed over queries, heads and
 layers, as H2O accumulates it). Without a prefix tree the prompt streams (every `PREFILL_SLACK_BLOCKS` blocks past
@@ -15,12 +16,14 @@ tree keeps those blocks as a cache, reclaimed when the pool needs room). `NoEvic
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from hf_kvgov.engine.parts import HeavyHitter
 from hf_kvgov.serving.request import Request
+from hf_kvgov.storage.layer_groups import LayerGroup
 
 # A streamed prompt is computed this many blocks past the budget before the weakest blocks go, so a request never
 # holds more than its budget and these, and its prefill runs in chunks of this many blocks at least.
@@ -32,8 +35,8 @@ class NoEviction:
 
     observes = False  # whether steps must score blocks
 
-    def check(self, sliding_windows: bool) -> None:
-        """Nothing to refuse."""
+    def check(self, groups: Sequence[LayerGroup], windows: Sequence[int | None]) -> None:
+        """Refuse a pool of layer `groups` (layer l sliding over `windows[l]`) the policy cannot evict from."""
 
     def chunk_limit(self, request: Request, block_size: int, stored: int | None = None) -> int | None:
         """Tokens of its prompt the request may compute in its next step (None: no limit of the policy's)."""
@@ -71,12 +74,19 @@ class BlockEviction(NoEviction):
         self.policy = policy
         self.slack = slack
 
-    def check(self, sliding_windows: bool) -> None:
-        if sliding_windows:
+    def check(self, groups: Sequence[LayerGroup], windows: Sequence[int | None]) -> None:
+        if not any(group.window is None for group in groups):
             raise ValueError(
-                "HeavyHitter in the serving engine needs a model whose layers all attend in full: a sliding window "
-                "counts positions, and eviction leaves a request's kept blocks fewer than the positions they span. "
-                "Serve this model without a policy, or use HeavyHitterCache with generate."
+                "HeavyHitter in the serving engine evicts from full-attention layers, and every layer of this model "
+                "slides over a window (which already bounds what it keeps); serve it without a policy."
+            )
+        mixed = [i for group in groups if group.window is None for i in group.layers if windows[i] is not None]
+        if mixed:
+            raise ValueError(
+                f"HeavyHitter in the serving engine cannot evict here: sliding-window layers {mixed} share tables "
+                "with full-attention layers (the codec's per-layer formats keep one layer group), and a window "
+                "counts positions that eviction leaves fewer blocks to span. Give the sliding layers the full "
+                "layers' format, or serve without a policy."
             )
 
     def budget_blocks(self, prompt: int, block_size: int) -> int:

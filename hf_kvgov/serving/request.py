@@ -92,7 +92,6 @@ class Request:
     tables: SequenceTables | None = None  # its block tables, one per layer group of the pool
     locks: list[int] = field(default_factory=list)  # prefix-tree blocks to unlock when it leaves the pool
     published: int = 0  # tokens offered to the prefix tree so far
-    sealed_blocks: int = 0  # leading blocks of its table past which nothing is sealed yet (with a codec)
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None  # when it first entered the pool (the end of its queue time)
@@ -102,7 +101,7 @@ class Request:
     prefix_hit_tokens: int = 0
     swapped: Swapped | None = None  # where its blocks wait on disk while it is preempted (an engine with spill=)
     prompt_logprobs: list[float] = field(default_factory=list)  # with `SamplingParams.prompt_logprobs`
-    evicted_tokens: int = 0  # tokens of the blocks a policy evicted from its table (whole blocks)
+    evicted_tokens: int = 0  # tokens of the blocks a policy evicted from its full-attention tables (whole blocks)
     block_mass: torch.Tensor | None = None  # per column of its table, the attention it collected (with a policy)
 
     @property
@@ -115,7 +114,8 @@ class Request:
 
     @property
     def stored(self) -> int:
-        """Tokens its tables hold: the computed ones the policy kept. Its next token goes at this index."""
+        """Tokens its full-attention tables hold: the computed ones the policy kept. Its next token goes at this
+        index there (at its position in a sliding group's)."""
         return self.computed - self.evicted_tokens
 
     @property

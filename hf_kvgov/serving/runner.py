@@ -60,7 +60,8 @@ class ModelRunner:
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))  # the positions keys are rotated at, whatever was evicted before
             assert request.tables is not None
-            slices.append(SequenceSlice(count, request.stored + count, request.tables.block_ids))
+            stored = request.tables.indices(request.computed, request.evicted_tokens)
+            slices.append(SequenceSlice(count, [index + count for index in stored], request.tables.block_ids))
             if end == request.num_tokens:
                 sampling.append(len(ids) - 1)
                 samplers.append(request)
@@ -85,9 +86,9 @@ class ModelRunner:
         sampled = [by_request.get(id(request)) for request in step.requests]
         if masses is None:
             return sampled, [None] * len(step.requests)
-        size = self.pool.block_size
-        decoding = ragged.num_decoding
-        return sampled, list(masses.per_sequence([-(-s.kv_length // size) for s in slices[:decoding]]))
+        size, decoding = self.pool.block_size, ragged.num_decoding
+        full = next(g for g, group in enumerate(self.pool.groups) if group.window is None)  # the tables that evict
+        return sampled, list(masses.per_sequence([-(-s.kv_lengths[full] // size) for s in slices[:decoding]]))
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:

@@ -163,9 +163,9 @@ class Scheduler:
     def _grow(self, request: Request, count: int) -> bool:
         """Blocks for the request's next `count` tokens, after its sliding groups gave back what left their window."""
         assert request.tables is not None
-        request.tables.slide(request.stored)
+        request.tables.slide(request.computed)
         try:
-            request.tables.prepare_write(request.stored, request.stored + count)
+            request.tables.prepare_write(request.computed, request.computed + count, request.evicted_tokens)
         except PoolExhausted:
             return False
         return True
@@ -224,9 +224,9 @@ class Scheduler:
             return self._admit(request)
         if tables is None:
             return False
-        end = request.num_tokens - request.evicted_tokens
+        end, ahead = request.num_tokens, request.computed + self.max_batched_tokens
         try:
-            tables.prepare_write(request.stored, end, sliding_end=request.stored + self.max_batched_tokens)
+            tables.prepare_write(request.computed, end, request.evicted_tokens, sliding_end=ahead)
         except PoolExhausted:
             tables.release()
             return False
@@ -278,7 +278,6 @@ class Scheduler:
             self.prefix.unlock(request.locks)
             request.locks = []
         request.tables.drop(columns)
-        request.sealed_blocks -= sum(1 for column in columns if column < request.sealed_blocks)
         request.evicted_tokens += len(columns) * self.pool.block_size
         self.counters.evicted_blocks += len(columns)
 
@@ -331,7 +330,7 @@ class Scheduler:
         if request.tables is not None:
             self._drop(request.tables, request.locks)
         request.tables, request.locks, request.computed, request.published = None, [], 0, 0
-        request.sealed_blocks = request.evicted_tokens = 0
+        request.evicted_tokens = 0
         request.block_mass = None
 
     def check_fits(self, request: Request) -> None:
@@ -340,8 +339,9 @@ class Scheduler:
         if cap is None:
             return
         size = self.pool.block_size
-        per_table = self.eviction.blocks_needed(len(request.prompt), request.params.max_new_tokens, size)
-        needed = sum(self._most_held(group.window, per_table) for group in self.pool.groups)
+        prompt, new = len(request.prompt), request.params.max_new_tokens
+        kept, whole = self.eviction.blocks_needed(prompt, new, size), -(-(prompt + new) // size)
+        needed = sum(kept if g.window is None else self._most_held(g.window, whole) for g in self.pool.groups)
         if needed > cap:
             groups = f" over {len(self.pool.groups)} layer groups" if len(self.pool.groups) > 1 else ""
             raise ValueError(
@@ -350,11 +350,9 @@ class Scheduler:
                 f"{cap}; shorten it or give the engine a larger max_bytes."
             )
 
-    def _most_held(self, window: int | None, blocks: int) -> int:
-        """The most blocks a table of a group with this window holds at once, for a request of `blocks` blocks: a
-        sliding group's hold its window and one step's tokens."""
-        if window is None:
-            return blocks
+    def _most_held(self, window: int, blocks: int) -> int:
+        """The most blocks a sliding group's table holds at once, for a request of `blocks` blocks: its window and
+        one step's tokens."""
         return min(blocks, -(-(window + self.max_batched_tokens - 1) // self.pool.block_size) + 1)
 
 

@@ -29,7 +29,7 @@ class Swapped:
 
     columns: int  # live blocks swapped
     parts: dict[bool, tuple[list[int], list[int]]]
-    shape: tuple[tuple[int, int], ...] = ()
+    shape: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass

@@ -99,16 +99,17 @@ class BlockTable:
         self.freed = 0
 
 
-def prepare_writes(tables: Sequence[BlockTable], start: int, end: int | Sequence[int]) -> bool:
-    """`BlockTable.prepare_write` for several tables with one allocation: all succeed or none changes. `end` is
-    one for every table, or one per table."""
+def prepare_writes(tables: Sequence[BlockTable], start: int | Sequence[int], end: int | Sequence[int]) -> bool:
+    """`BlockTable.prepare_write` for several tables with one allocation: all succeed or none changes. `start` and
+    `end` are one for every table, or one per table."""
     if not tables:
         return False
     pool = tables[0].pool
+    starts = [start] * len(tables) if isinstance(start, int) else list(start)
     ends = [end] * len(tables) if isinstance(end, int) else list(end)
     with pool.lock:
         copied_away: dict[int, int] = {}
-        plans = [table.write_plan(start, stop, copied_away) for table, stop in zip(tables, ends, strict=True)]
+        plans = [table.write_plan(a, b, copied_away) for table, a, b in zip(tables, starts, ends, strict=True)]
         total = sum(len(shared) + appended for shared, appended in plans)
         if total == 0:
             return False
@@ -124,9 +125,11 @@ def prepare_writes(tables: Sequence[BlockTable], start: int, end: int | Sequence
 
 
 class SequenceTables:
-    """One sequence's block tables, one per layer group of its pool, all listing the same token positions: a
-    full-attention group's holds every block, a sliding group's gives back the blocks its window left (`slide`;
-    their leading entries stay, stale). A pool without groups gives one table.
+    """One sequence's block tables, one per layer group of its pool: a full-attention group's holds every block
+    it keeps, a sliding group's gives back the blocks its window left (`slide`; their leading entries stay, stale).
+    A pool without groups gives one table. An eviction policy drops blocks of the full-attention tables only
+    (`drop`), so there a token's index is its position less the tokens evicted before it; a sliding table's index
+    is the position.
 
     Args:
         hit: per group, the blocks of a matched prefix (`PrefixCache.match_tables`; None before a sliding group's
@@ -137,43 +140,52 @@ class SequenceTables:
         self.pool = pool
         self.groups = pool.groups
         self.tables = [BlockTable(pool) for _ in self.groups]
+        self.sealed = [0] * len(self.groups)  # per group, leading blocks past which nothing is sealed yet
         for table, blocks in zip(self.tables, hit, strict=False):
             first = next((i for i, block in enumerate(blocks) if block is not None), len(blocks))
             table.block_ids = [0] * first + [int(block) for block in blocks[first:]]  # type: ignore[arg-type]
             table.freed = first
 
     def __len__(self) -> int:
-        """Block positions listed (freed ones included)."""
-        return len(self.tables[0])
+        """Block columns of the full-attention tables (of the first table when all slide)."""
+        full = [table for table, group in zip(self.tables, self.groups, strict=True) if group.window is None]
+        return len((full or self.tables)[0])
 
     @property
     def block_ids(self) -> list[list[int]]:
         """Per group, its table's ids (a sliding group's freed leading entries are stale: never read them)."""
         return [table.block_ids for table in self.tables]
 
+    def indices(self, position: int, evicted: int = 0) -> list[int]:
+        """Per group, the table index of the token at `position` once `evicted` tokens before it were dropped."""
+        return [position if group.window is not None else position - evicted for group in self.groups]
+
     def live_ids(self) -> list[int]:
         """Every block the sequence holds a reference on, group after group."""
         return [block for table in self.tables for block in table.live_ids]
 
-    def shape(self) -> tuple[tuple[int, int], ...]:
-        """Per group, (positions listed, leading positions freed): with `live_ids`, what `from_live` rebuilds."""
-        return tuple((len(table), table.freed) for table in self.tables)
+    def shape(self) -> tuple[tuple[int, int, int], ...]:
+        """Per group, (positions listed, leading positions freed, blocks sealed): with `live_ids`, what
+        `from_live` rebuilds."""
+        return tuple((len(t), t.freed, sealed) for t, sealed in zip(self.tables, self.sealed, strict=True))
 
     @classmethod
-    def from_live(cls, pool: BlockPool, shape: Sequence[tuple[int, int]], live: Sequence[int]) -> SequenceTables:
+    def from_live(cls, pool: BlockPool, shape: Sequence[tuple[int, int, int]], live: Sequence[int]) -> SequenceTables:
         """Tables of `shape` over `live` (the order `live_ids` gives; their references pass to the tables)."""
         tables = cls(pool)
         blocks = iter(live)
-        for table, (length, freed) in zip(tables.tables, shape, strict=True):
+        for g, (table, (length, freed, sealed)) in enumerate(zip(tables.tables, shape, strict=True)):
             table.block_ids = [0] * freed + [next(blocks) for _ in range(length - freed)]
             table.freed = freed
+            tables.sealed[g] = sealed
         return tables
 
-    def prepare_write(self, start: int, end: int, sliding_end: int | None = None) -> bool:
+    def prepare_write(self, start: int, end: int, evicted: int = 0, sliding_end: int | None = None) -> bool:
         """Make positions [start, end) writable in every group (sliding groups only up to `sliding_end`: they
         allocate the rest as they go), all or nothing (`PoolExhausted`)."""
-        ends = [end if g.window is None or sliding_end is None else min(end, sliding_end) for g in self.groups]
-        return prepare_writes(self.tables, start, ends)
+        stop = end if sliding_end is None else min(end, sliding_end)
+        ends = [stop if g.window is not None else end - evicted for g in self.groups]
+        return prepare_writes(self.tables, self.indices(start, evicted), ends)
 
     def slide(self, position: int) -> None:
         """Queries start at `position`: sliding groups give back the blocks no such query can see."""
@@ -194,9 +206,12 @@ class SequenceTables:
                     table.block_ids[i] = block
 
     def drop(self, columns: Sequence[int]) -> None:
-        """Give back the blocks at `columns` (an eviction policy's; a pool without sliding groups)."""
-        for table in self.tables:
-            table.drop(columns)
+        """Give back the blocks at `columns` of the full-attention tables (an eviction policy's); later columns
+        move up, the sealed ones with them."""
+        for g, (table, group) in enumerate(zip(self.tables, self.groups, strict=True)):
+            if group.window is None:
+                table.drop(columns)
+                self.sealed[g] -= sum(1 for column in columns if column < self.sealed[g])
 
     def release(self) -> None:
         for table in self.tables:

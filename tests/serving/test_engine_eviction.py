@@ -34,8 +34,9 @@ def greedy(new: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=new, ignore_eos=True)
 
 
-def eager_block_mass(model, prompt: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """Per block of the prompt, the attention every query paid it, summed over layers and heads (eager weights)."""
+def eager_block_mass(model, prompt: list[int], layers: list[int] | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Per block of the prompt, the attention every query paid it, summed over `layers` (default: all) and heads
+    (eager weights)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:
@@ -43,7 +44,8 @@ def eager_block_mass(model, prompt: list[int]) -> torch.Tensor:  # type: ignore[
             out = model(torch.tensor([prompt]), output_attentions=True)
     finally:
         model.set_attn_implementation(previous)
-    per_key = sum(a[0].sum(dim=(0, 1)) for a in out.attentions)  # [keys]
+    chosen = range(len(out.attentions)) if layers is None else layers
+    per_key = sum(out.attentions[i][0].sum(dim=(0, 1)) for i in chosen)  # [keys]
     blocks = -(-len(prompt) // BLOCK)
     return torch.nn.functional.pad(per_key, (0, blocks * BLOCK - len(prompt))).view(blocks, BLOCK).sum(-1)
 
@@ -90,13 +92,15 @@ def test_block_scores_are_the_attention_an_eager_forward_measures(llama, max_bat
         torch.testing.assert_close(recorder.at_prompt[request_id][kept], expected[kept], rtol=1e-4, atol=1e-4)
 
 
-def test_a_budget_above_every_length_changes_no_token(llama) -> None:
-    prompts = random_prompts(llama.config.vocab_size, (50, 90, 33, 17))
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_a_budget_above_every_length_changes_no_token(build) -> None:  # type: ignore[no-untyped-def]
+    model = build()
+    prompts = random_prompts(model.config.vocab_size, (50, 90, 33, 17))
     for codec in (None, "int8"):
-        with ServingEngine(llama, block_size=BLOCK, codec=codec) as engine:
+        with ServingEngine(model, block_size=BLOCK, codec=codec) as engine:
             full = engine.generate(prompts, greedy(20))
         with ServingEngine(
-            llama, block_size=BLOCK, codec=codec, policy=HeavyHitter(100_000), max_batched_tokens=32
+            model, block_size=BLOCK, codec=codec, policy=HeavyHitter(100_000), max_batched_tokens=32
         ) as engine:
             assert engine.generate(prompts, greedy(20)) == full
             assert engine.stats().evicted_blocks == 0
@@ -112,20 +116,8 @@ def test_a_request_attends_to_exactly_the_blocks_it_kept(llama) -> None:
     with engine:
         (tokens,) = engine.generate([prompt], greedy(new))
         assert engine.stats().evicted_blocks == -(-len(prompt) // BLOCK) - len(recorder.kept[0])
-    kept_tokens = torch.tensor([c * BLOCK + i for c in recorder.kept[0] for i in range(BLOCK) if c * BLOCK + i < 67])
-    cache = DynamicCache(config=llama.config)
-    with torch.no_grad():
-        logits = llama(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
-        for layer in cache.layers:
-            layer.keys = layer.keys[:, :, kept_tokens]
-            layer.values = layer.values[:, :, kept_tokens]
-        expected = [int(logits.argmax())]
-        for step in range(new - 1):
-            position = torch.tensor([[len(prompt) + step]])
-            out = llama(torch.tensor([[expected[-1]]]), cache=cache, position_ids=position, use_cache=True)
-            expected.append(int(out.logits[0, -1].argmax()))
     assert len(recorder.kept[0]) == BlockEviction(policy).budget_blocks(len(prompt), BLOCK)
-    assert tokens == expected
+    assert tokens == pruned_dynamic_cache_tokens(llama, prompt, recorder.kept[0], new)
 
 
 def test_requests_evict_alike_together_or_alone(llama) -> None:
@@ -157,19 +149,22 @@ def test_tables_stay_within_budget_and_every_block_comes_back(llama) -> None:
         assert engine.pool.num_used == 0 and stats.kv_bytes_used == 0
 
 
-def test_a_small_cap_preempts_and_every_request_finishes(llama, tmp_path) -> None:
-    prompts = random_prompts(llama.config.vocab_size, (20, 22, 18, 25, 21, 19, 23, 20), seed=9)
+@pytest.mark.parametrize(("build", "cap"), [(tiny_llama, 16), (tiny_gemma3, 40)], ids=["llama", "gemma3"])
+def test_a_small_cap_preempts_and_every_request_finishes(build, cap: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`cap` blocks (a gemma3 block is one layer's, so it takes more); the swapped run answers as the uncapped."""
+    model = build()
+    prompts = random_prompts(model.config.vocab_size, (20, 22, 18, 25, 21, 19, 23, 20), seed=9)
     policy = HeavyHitter(16)  # two blocks a request
-    with ServingEngine(llama, block_size=BLOCK, policy=policy, prefix_sharing=False) as engine:
+    with ServingEngine(model, block_size=BLOCK, policy=policy, prefix_sharing=False) as engine:
         alone = engine.generate(prompts, greedy(48))
         per_block = engine.pool.bytes_per_block
     for spill in (None, Disk(str(tmp_path))):
         with ServingEngine(
-            llama,
+            model,
             block_size=BLOCK,
             policy=policy,
             prefix_sharing=False,
-            max_bytes=16 * per_block,
+            max_bytes=cap * per_block,
             reserve_blocks=0,  # decoders grow into a full pool
             max_batched_tokens=16,  # prefills hold their blocks over several steps
             spill=spill,
@@ -177,7 +172,7 @@ def test_a_small_cap_preempts_and_every_request_finishes(llama, tmp_path) -> Non
             outputs = engine.generate(prompts, greedy(48))
             stats = engine.stats()
         assert stats.finished == len(prompts) and stats.preemptions > 0
-        assert stats.kv_bytes_peak <= 16 * per_block
+        assert stats.kv_bytes_peak <= cap * per_block
         if spill is not None:  # swapped back with the blocks it kept and their scores, a request goes on as before
             assert stats.swapped_blocks > 0
             assert outputs == alone
@@ -214,13 +209,66 @@ def test_blocks_an_evicting_request_still_reads_are_not_counted_free(llama) -> N
         engine.pool.decref(blocks)
 
 
+def pruned_dynamic_cache_tokens(model, prompt: list[int], kept: list[int], new: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Greedy tokens of a `DynamicCache` whose full-attention layers keep only the blocks `kept` of the prompt (keys
+    at their own positions); sliding layers keep their window."""
+    kept_tokens = torch.tensor([c * BLOCK + i for c in kept for i in range(BLOCK) if c * BLOCK + i < len(prompt)])
+    full = [i for i, kind in enumerate(getattr(model.config, "layer_types", None) or []) if kind == "full_attention"]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        for i in full or range(len(cache.layers)):
+            cache.layers[i].keys = cache.layers[i].keys[:, :, kept_tokens]
+            cache.layers[i].values = cache.layers[i].values[:, :, kept_tokens]
+        expected = [int(logits.argmax())]
+        for step in range(new - 1):
+            position = torch.tensor([[len(prompt) + step]])
+            out = model(torch.tensor([[expected[-1]]]), cache=cache, position_ids=position, use_cache=True)
+            expected.append(int(out.logits[0, -1].argmax()))
+    return expected
+
+
+def test_a_hybrid_model_evicts_from_its_full_layers_only() -> None:
+    """Gemma-3 in miniature (layers 0 and 2 slide over 8 tokens, layer 1 attends in full): blocks are scored by the
+    full layer's attention alone, its tables lose the evicted blocks while the sliding ones keep their window, and
+    the greedy tokens equal a DynamicCache whose full layer was pruned to the same blocks."""
+    gemma = tiny_gemma3()
+    prompts = random_prompts(gemma.config.vocab_size, (45, 67), seed=3)
+    engine, recorder = recording_engine(gemma, HeavyHitter(100_000), prefix_sharing=False, max_batched_tokens=24)
+    with engine:
+        engine.generate(prompts, greedy(2))
+    for request_id, prompt in enumerate(prompts):
+        expected = eager_block_mass(gemma, prompt, layers=[1])
+        kept = recorder.kept[request_id]
+        torch.testing.assert_close(recorder.at_prompt[request_id][kept], expected[kept], rtol=1e-4, atol=1e-4)
+    prompt, new = prompts[1], BLOCK - 3 - 1  # 8 full blocks + 3 tokens; the tail block fills to one short of full
+    policy = HeavyHitter(0.5, recent=0.25)
+    engine, recorder = recording_engine(gemma, policy, prefix_sharing=False)
+    with engine:
+        request_id = engine.add_request(prompt, greedy(new))
+        tokens = []
+        while engine.has_work:
+            tokens += [event.token for event in engine.step()]
+            request = engine.request(request_id)
+            if request is not None and request.evicted_tokens:
+                assert request.tables is not None
+                full, *sliding = [request.tables.tables[g] for g in (2, 0, 1)]  # groups: (0,) 8, (2,) 8, (1,) full
+                assert len(full) == len(recorder.kept[request_id]) and full.freed == 0
+                assert all(len(table) == -(-request.computed // BLOCK) for table in sliding)  # every position
+                assert all(len(table.live_ids) <= -(-(8 + 512 - 1) // BLOCK) + 1 for table in sliding)  # one step ahead
+        assert engine.stats().evicted_blocks == -(-len(prompt) // BLOCK) - len(recorder.kept[request_id])
+        assert engine.pool.num_used == 0
+    assert len(recorder.kept[request_id]) == BlockEviction(policy).budget_blocks(len(prompt), BLOCK)
+    assert tokens == pruned_dynamic_cache_tokens(gemma, prompt, recorder.kept[request_id], new)
+
+
 def test_what_the_engine_cannot_evict_is_refused_at_construction(llama) -> None:
     with pytest.raises(TypeError, match="HeavyHitter"):
         ServingEngine(llama, policy=Sink())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"heads=\.\.\.") as refused:
         ServingEngine(llama, policy=HeavyHitter(0.2, heads=HeadAdaptive()))
     assert "every layer and KV head" in str(refused.value)
-    for model in (tiny_gemma3(), tiny_mistral()):
-        with pytest.raises(ValueError, match="sliding window"):
-            ServingEngine(model, policy=HeavyHitter(0.2))
-        assert model.config._attn_implementation != "kvgov_ragged"
+    mistral = tiny_mistral()
+    with pytest.raises(ValueError, match="every layer of this model slides"):
+        ServingEngine(mistral, policy=HeavyHitter(0.2))
+    assert mistral.config._attn_implementation != "kvgov_ragged"
