@@ -34,6 +34,9 @@ class Probe:
     mask: torch.Tensor | None = None
     sealed: SealedBlocks | None = None  # the quantized path's sealed blocks
     softcap: float | None = None
+    # True when the call also gives `mask` as per-row lengths and a sliding window (`dispatch.paged_attention`),
+    # which a backend that `takes_lengths` reads instead of the mask.
+    ragged: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Backend:
             None for a backend that serves every call.
         auto_devices: device types on which the automatic choice may pick it.
         priority: among automatic candidates, the highest one that accepts a call serves it.
+        takes_lengths: attend also takes ``seq_lens=`` and ``window=`` in place of a ragged call's mask.
     """
 
     name: str
@@ -55,6 +59,7 @@ class Backend:
     refuses: Callable[[Probe], str | None] | None = None
     auto_devices: frozenset[str] = frozenset()
     priority: int = 0
+    takes_lengths: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -126,7 +131,8 @@ def _triton_quantized_refuses(probe: Probe) -> str | None:
 
 
 def _flash_refuses(probe: Probe) -> str | None:
-    return flash_paged.unsupported_reason(probe.query, probe.key_cache, probe.mask)
+    """A ragged call's mask is read as `cache_seqlens` and `window_size`; any other mask is refused."""
+    return flash_paged.unsupported_reason(probe.query, probe.key_cache, None if probe.ragged else probe.mask)
 
 
 def _sdpa_refuses(probe: Probe) -> str | None:
@@ -143,4 +149,6 @@ SDPA_QUANTIZED = Backend(
 )
 TRITON = Backend("triton", _triton_attend, _triton_refuses, frozenset({"cuda"}), priority=10)
 TRITON_QUANTIZED = Backend("triton", _triton_quantized_attend, _triton_quantized_refuses, frozenset({"cuda"}), 10)
-FLASH_ATTN = Backend("flash_attn", flash_paged.paged_attention_flash, _flash_refuses, frozenset({"cuda"}), 20)
+FLASH_ATTN = Backend(
+    "flash_attn", flash_paged.paged_attention_flash, _flash_refuses, frozenset({"cuda"}), 20, takes_lengths=True
+)

@@ -154,9 +154,10 @@ def _choose(
     mask: torch.Tensor | None,
     sealed: SealedBlocks | None,
     softcap: float | None = None,
+    ragged: bool = False,
 ) -> tuple[str, str]:
     """(backend name, why) for one call."""
-    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed, softcap)
+    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed, softcap, ragged)
     if _forced is not None:
         return _forced_choice(registry, probe)
     why = "automatic choice"
@@ -225,13 +226,24 @@ def paged_attention(
     scale: float,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    seq_lens: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """See `paged_attention_reference` for shapes; returns `[batch, q_len, q_heads, head_dim]`."""
+    """See `paged_attention_reference` for shapes; returns `[batch, q_len, q_heads, head_dim]`.
+
+    `seq_lens` (long `[batch]`) and `window` say what `mask` is, when it is only this: row b attends causally,
+    bottom-right aligned, to its first `seq_lens[b]` keys (`kv_length` without it), within the last `window`. A
+    backend that `takes_lengths` (flash-attn: `cache_seqlens`, `window_size`) reads them instead of the mask.
+    """
     registry = _registry(PAGED)
-    name, why = _choose(registry, query, key_cache, mask, None, softcap)
+    ragged = seq_lens is not None or window is not None
+    name, why = _choose(registry, query, key_cache, mask, None, softcap, ragged)
     _record(PAGED, name, why)
-    attend = registry[name].attend
-    return attend(query, key_cache, value_cache, block_table, kv_length, scale, mask=mask, softcap=softcap)
+    backend = registry[name]
+    args = (query, key_cache, value_cache, block_table, kv_length, scale)
+    if ragged and backend.takes_lengths:
+        return backend.attend(*args, softcap=softcap, seq_lens=seq_lens, window=window)
+    return backend.attend(*args, mask=mask, softcap=softcap)
 
 
 def quantized_paged_attention(

@@ -10,7 +10,9 @@ The pool's layout is flash-attn's paged layout, so the pool's tensors are handed
 `unsupported_reason` refuses what flash-attn 2 cannot serve: not CUDA on Ampere or newer, not fp16/bf16 (query as
 cache), blocks not a multiple of 256 tokens, head_dim not a multiple of 8 up to 256, q_heads not a multiple of
 kv_heads, and any explicit mask. Its own masking is causal, bottom-right aligned (the reference's convention), plus
-`cache_seqlens`; left padding would need `cache_leftpad`, which flash-attn 2 does not combine with a paged cache.
+`cache_seqlens` and `window_size`, so a ragged call (`dispatch.paged_attention` with `seq_lens` / `window`: the
+serving engine's decode rows and chunks) is served from those instead of its mask; left padding would need
+`cache_leftpad`, which flash-attn 2 does not combine with a paged cache.
 It is imported on the first call, never at import time: an optional extra that cannot be built without CUDA.
 """
 
@@ -115,6 +117,7 @@ def paged_attention_flash(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     *,
     seq_lens: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of `query` (the last q_len positions of each row) over the tokens of `block_table`.
 
@@ -127,6 +130,7 @@ def paged_attention_flash(
         softcap: optional tanh soft-capping of the logits.
         chunk_tokens: accepted for signature compatibility with the reference; unused.
         seq_lens: optional int `[batch]`: row b holds its first `seq_lens[b]` tokens (default: kv_length).
+        window: optional sliding window: a query attends to itself and the `window - 1` keys before it.
     Returns:
         `[batch, q_len, q_heads, head_dim]` in the query's dtype.
     Raises:
@@ -142,6 +146,8 @@ def paged_attention_flash(
         if seq_lens.shape != (batch,) or seq_lens.device != query.device:
             raise ValueError(f"seq_lens must be a [{batch}] tensor on {query.device}; got {tuple(seq_lens.shape)}.")
         lengths = seq_lens.clamp(0, kv_length).to(torch.int32)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (the keys a query sees, itself included); got {window!r}.")
     return load_kernel()(
         query.transpose(1, 2),
         key_cache,
@@ -151,6 +157,7 @@ def paged_attention_flash(
         softmax_scale=float(scale),
         causal=True,
         softcap=float(softcap or 0.0),  # flash-attn's "off"
+        window_size=(-1, -1) if window is None else (window - 1, 0),
     )
 
 

@@ -141,7 +141,8 @@ class RaggedStep:
         if decoding:
             rows = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [decoding, q_heads, 1, dim]
             mask = self._decode_mask(index, window)
-            result = self.paged(layer, rows, index.decode_tables, index.decode_max, scale, mask, softcap)
+            table, longest, lengths = index.decode_tables, index.decode_max, index.decode_lengths
+            result = self.paged(layer, rows, table, longest, scale, mask, softcap, lengths, window)
             out[0, :decoding] = result[:, 0]
             if masses is not None:
                 keys = self.gather_keys(layer, index.decode_tables, index.decode_max)
@@ -150,7 +151,8 @@ class RaggedStep:
         for number, (start, length, kv_length, table) in enumerate(index.chunks):
             chunk = query[:, :, start : start + length]
             mask = self._chunk_mask(start, length, kv_length, window, query.device)
-            out[0, start : start + length] = self.paged(layer, chunk, table, kv_length, scale, mask, softcap)[0]
+            result = self.paged(layer, chunk, table, kv_length, scale, mask, softcap, None, window)
+            out[0, start : start + length] = result[0]
             if masses is not None:
                 keys = self.gather_keys(layer, table, kv_length)
                 masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
@@ -165,10 +167,15 @@ class RaggedStep:
         scale: float,
         mask: torch.Tensor | None,
         softcap: float | None,
+        lengths: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """One call of paged attention over `layer`'s blocks: `[batch, q_len, q_heads, dim]`."""
+        """One call of paged attention over `layer`'s blocks: `[batch, q_len, q_heads, dim]`. `mask` is each row's
+        keys before its `lengths` (all `kv_length` when None), causal, within `window`: a backend may read those."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        return dispatch.paged_attention(query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap)
+        return dispatch.paged_attention(
+            query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap, seq_lens=lengths, window=window
+        )
 
     def _decode_mask(self, index: GroupIndex, window: int | None) -> torch.Tensor | None:
         """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
@@ -216,8 +223,10 @@ class SealedRaggedStep(RaggedStep):
         scale: float,
         mask: torch.Tensor | None,
         softcap: float | None,
+        lengths: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
-        store = self.pool.sealed
+        store = self.pool.sealed  # the quantized backends read the mask
         return dispatch.quantized_paged_attention(
             query,
             self.pool.keys[layer],

@@ -27,6 +27,8 @@ from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.kernels import dispatch, flash_paged
 from hf_kvgov.kernels.reference import paged_attention_reference
 from hf_kvgov.kernels.synthetic import PagedCase, make_case
+from hf_kvgov.serving import SamplingParams, ServingEngine
+from tests.conftest import tiny_gemma3
 
 
 @dataclasses.dataclass
@@ -53,6 +55,8 @@ class FakeFlash:
         key = torch.arange(kv_length)[None, None, :]
         last = lengths[:, None] - q_len + torch.arange(q_len)[None, :]  # bottom-right causal, per row
         mask = (key <= last[:, :, None]) & (key < lengths[:, None, None]) if causal else key < lengths[:, None, None]
+        if window_size[0] >= 0:  # a sliding window: the query and the window_size[0] keys before it
+            mask &= key >= last[:, :, None] - window_size[0]
         # flash-attn's masked keys contribute nothing; the reference reads them, so zero NaN slots first.
         out = paged_attention_reference(
             q.transpose(1, 2), k_cache.nan_to_num(), v_cache.nan_to_num(), block_table.long(), kv_length,
@@ -114,6 +118,48 @@ def test_prefill_through_the_paged_view_is_causal_from_the_bottom_right(fake_fla
     assert call["q"].shape == (2, 5, 8, 64) and call["cache_seqlens"].tolist() == [270, 270]
     assert call["softcap"] == 0.0 and call["causal"] is True  # 0.0 is flash-attn's "no softcap"
     assert_matches(out, case.dense_attention(0.125), torch.bfloat16)
+
+
+def test_a_ragged_call_reaches_flash_as_lengths_and_a_window(fake_flash: FakeFlash) -> None:
+    """A mask that is only per-row lengths and a sliding window, given as `seq_lens` and `window` too (the serving
+    engine's decode rows): flash-attn, which refuses any other mask, serves it from those, and the fake's own
+    mask from `cache_seqlens` and `window_size` gives what the explicit mask gives the reference."""
+    case = flash_case([300, 129])
+    keys, window = torch.arange(300), 100
+    mask = ((keys < case.seq_lens[:, None]) & (keys >= case.seq_lens[:, None] - window))[:, None, None, :]
+    args = (case.query, case.key_cache, case.value_cache, case.block_table, 300, 0.125)
+    out = dispatch.paged_attention(*args, mask=mask, seq_lens=case.seq_lens, window=window)
+    assert dispatch.last_backend() == "flash_attn"
+    (call,) = fake_flash.calls
+    assert call["cache_seqlens"].tolist() == [300, 129] and call["window_size"] == (window - 1, 0)
+    clean = case.key_cache.nan_to_num(), case.value_cache.nan_to_num()
+    expected = paged_attention_reference(case.query, *clean, case.block_table, 300, 0.125, mask=mask)
+    assert_matches(out, expected, torch.float16)
+    dispatch.paged_attention(*args, mask=mask)  # the same mask alone: flash cannot read it
+    assert dispatch.last_backend() != "flash_attn" and len(fake_flash.calls) == 1
+
+
+def test_the_serving_engine_decodes_through_flash(fake_flash: FakeFlash) -> None:
+    """Tiny Gemma-3 in fp16, 256-token blocks, requests of unequal lengths past the sliding window: every decode and
+    prefill call goes to flash-attn as lengths and windows (the sliding rows from their first kept block), and the
+    tokens equal the torch reference's."""
+    model = tiny_gemma3(window=8).half()
+    prompts = [torch.randint(3, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 9, 40)]
+    outputs = {}
+    for backend in ("torch", None):
+        dispatch.set_backend(backend)
+        dispatch.reset_backend_counts()
+        fake_flash.calls.clear()
+        with ServingEngine(model, block_size=256, prefix_sharing=False) as engine:
+            outputs[backend] = engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert set(dispatch.backend_counts()) == {"paged/flash_attn"}
+    decode = [call for call in fake_flash.calls if call["q"].shape[1] == 1 and call["q"].shape[0] == 3]
+    assert {tuple(call["window_size"]) for call in decode} == {(7, 0), (-1, -1)}  # the sliding and full layers
+    full = [call for call in decode if call["window_size"] == (-1, -1)]
+    assert full[0]["cache_seqlens"].tolist() == [301, 10, 41]  # each row's own length, nothing padded
+    sliding = [call for call in decode if call["window_size"] == (7, 0)]
+    assert sliding[0]["cache_seqlens"].tolist() == [301 - 256, 10, 41]  # the long row starts at its second block
+    assert outputs[None] == outputs["torch"]
 
 
 def test_what_flash_attn_refuses(fake_flash: FakeFlash, monkeypatch: pytest.MonkeyPatch) -> None:
