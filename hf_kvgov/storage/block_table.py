@@ -8,6 +8,7 @@ than one table (or by the prefix cache) is never written: `prepare_write` first 
 (`hf_kvgov.storage.layer_groups`) free, before each step, every block no query of the step can see; rows keep
 their length, and their first `freed` entries (`first_block`, the same for every row) are never read. Ids are the
 same for every layer, so with layers on several devices the table is copied once per device when it changes.
+`SequenceTables` is one sequence's table per layer group, as the serving engine keeps each request's.
 """
 
 from __future__ import annotations
