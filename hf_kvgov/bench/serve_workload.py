@@ -18,6 +18,7 @@ from hf_kvgov.bench.prefix_qa import questions
 from hf_kvgov.data_text import pride_and_prejudice
 
 PASSAGE_STRIDE = 41_000  # characters between passages: far enough apart that they share no text
+CHARS_PER_TOKEN = 8  # characters read for each passage token (generous: English runs at about 4 per token)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,11 @@ class TraceConfig:
             )
         if len(pride_and_prejudice()) < self.documents * PASSAGE_STRIDE:
             raise ValueError(f"documents must be at most {len(pride_and_prejudice()) // PASSAGE_STRIDE}.")
+        if self.document_tokens * CHARS_PER_TOKEN > PASSAGE_STRIDE:
+            raise ValueError(
+                f"document_tokens must be at most {PASSAGE_STRIDE // CHARS_PER_TOKEN} (passages start "
+                f"{PASSAGE_STRIDE:,} characters apart, so longer ones would share text); got {self.document_tokens}."
+            )
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ def build_trace(tokenizer: Any, config: TraceConfig) -> list[TraceRequest]:
     text = pride_and_prejudice()
     passages = []
     for k in range(config.documents):
-        ids = tokenizer(text[k * PASSAGE_STRIDE + 5_000 : k * PASSAGE_STRIDE + 5_000 + 8 * config.document_tokens])
+        start = k * PASSAGE_STRIDE + 5_000
+        ids = tokenizer(text[start : start + CHARS_PER_TOKEN * config.document_tokens])
         passages.append(tokenizer.decode(ids["input_ids"][: config.document_tokens]))
     weights = [1 / (k + 1) ** config.zipf for k in range(config.documents)]
     asks = questions(max(config.requests, 1))

@@ -41,6 +41,8 @@ def test_bad_settings_name_what_is_accepted() -> None:
         TraceConfig(rate=0)
     with pytest.raises(ValueError, match="1 <= min <= max"):
         TraceConfig(min_new_tokens=9, max_new_tokens=4)
+    with pytest.raises(ValueError, match="document_tokens must be at most 5125"):
+        TraceConfig(document_tokens=6000)  # passages would overlap
     with pytest.raises(ValueError, match=r"Unknown serving configuration\(s\) \['vllm'\]"):
         ServeConfig(configs=("paged", "vllm"))
 
