@@ -23,6 +23,7 @@ from hf_kvgov.kernels.block_mass import BlockMasses, attention_mass
 from hf_kvgov.kernels.gathered_sdpa import gather_blocks
 from hf_kvgov.kernels.quantized_reference import gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
+from hf_kvgov.storage.layer_groups import full_group
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 
@@ -106,9 +107,9 @@ class RaggedStep:
     def observe_masses(self) -> BlockMasses:
         """Have every full-attention layer's `attend` add the attention its blocks receive to the returned
         `BlockMasses`, per column of each sequence's full-attention tables (sliding layers take no part)."""
-        full = [g for g, group in enumerate(self.pool.groups) if group.window is None]
-        assert full, "block masses need a full-attention layer group"
-        index = self.groups[full[0]]
+        full = full_group(self.pool.groups)
+        assert full is not None, "block masses need a full-attention layer group"
+        index = self.groups[full]
         chunk_blocks = [int(table.shape[1]) for *_, table in index.chunks]
         width = int(index.decode_tables.shape[1])
         self.masses = BlockMasses(self.num_decoding, width, chunk_blocks, index.slots.device)
@@ -226,7 +227,8 @@ class SealedRaggedStep(RaggedStep):
         lengths: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        store = self.pool.sealed  # the quantized backends read the mask
+        """As `RaggedStep.paged`; the quantized backends read the mask (`lengths` and `window` are not used)."""
+        store = self.pool.sealed
         return dispatch.quantized_paged_attention(
             query,
             self.pool.keys[layer],

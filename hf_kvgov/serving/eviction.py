@@ -23,7 +23,7 @@ from torch import Tensor
 
 from hf_kvgov.engine.parts import HeavyHitter
 from hf_kvgov.serving.request import Request
-from hf_kvgov.storage.layer_groups import LayerGroup
+from hf_kvgov.storage.layer_groups import LayerGroup, full_group
 
 # A streamed prompt is computed this many blocks past the budget before the weakest blocks go, so a request never
 # holds more than its budget and these, and its prefill runs in chunks of this many blocks at least.
@@ -75,7 +75,7 @@ class BlockEviction(NoEviction):
         self.slack = slack
 
     def check(self, groups: Sequence[LayerGroup], windows: Sequence[int | None]) -> None:
-        if not any(group.window is None for group in groups):
+        if full_group(groups) is None:
             raise ValueError(
                 "HeavyHitter in the serving engine evicts from full-attention layers, and every layer of this model "
                 "slides over a window (which already bounds what it keeps); serve it without a policy."

@@ -15,6 +15,7 @@ import torch
 from hf_kvgov.kernels.ragged import RaggedStep, SequenceSlice
 from hf_kvgov.serving.request import Request
 from hf_kvgov.serving.scheduler import ScheduledStep
+from hf_kvgov.storage.layer_groups import full_group
 from hf_kvgov.storage.pool import BlockPool
 
 
@@ -87,7 +88,8 @@ class ModelRunner:
         if masses is None:
             return sampled, [None] * len(step.requests)
         size, decoding = self.pool.block_size, ragged.num_decoding
-        full = next(g for g, group in enumerate(self.pool.groups) if group.window is None)  # the tables that evict
+        full = full_group(self.pool.groups)  # the tables that evict
+        assert full is not None, "block masses are observed only with a full-attention group"
         return sampled, list(masses.per_sequence([-(-s.kv_lengths[full] // size) for s in slices[:decoding]]))
 
 

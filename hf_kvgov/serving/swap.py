@@ -29,7 +29,7 @@ class Swapped:
 
     columns: int  # live blocks swapped
     parts: dict[bool, tuple[list[int], list[int]]]
-    shape: tuple[tuple[int, int, int], ...] = ()
+    shape: tuple[tuple[int, int, int], ...]
 
 
 @dataclass
@@ -73,7 +73,7 @@ class SwapSpace:
                 ids = [block_ids[c] for c in where]
                 written[sealed] = (where, kind.tier.put(len(ids), [1] * len(ids), kind.blocks.segments(ids)))
         except (SpillSpaceExhausted, SpillFileLost):
-            self.discard(Swapped(len(block_ids), written))
+            self.discard(Swapped(len(block_ids), written, tables.shape()))
             self.counters.fallbacks += 1
             return None
         self.counters.blocks_out += len(block_ids)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_kvgov.storage.layer_groups import LayerGroup
+from hf_kvgov.storage.layer_groups import LayerGroup, full_group
 from hf_kvgov.storage.pool import BlockPool
 
 
@@ -149,8 +149,8 @@ class SequenceTables:
 
     def __len__(self) -> int:
         """Block columns of the full-attention tables (of the first table when all slide)."""
-        full = [table for table, group in zip(self.tables, self.groups, strict=True) if group.window is None]
-        return len((full or self.tables)[0])
+        full = full_group(self.groups)
+        return len(self.tables[0 if full is None else full])
 
     @property
     def block_ids(self) -> list[list[int]]:

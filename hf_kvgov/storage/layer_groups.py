@@ -38,6 +38,12 @@ class LayerGroup:
         return self.first_needed(position) // block_size * block_size
 
 
+def full_group(groups: Sequence[LayerGroup]) -> int | None:
+    """The index of the first full-attention group (whose tables an eviction policy drops blocks from; every
+    full group's tables list the same tokens), None when every group slides."""
+    return next((g for g, group in enumerate(groups) if group.window is None), None)
+
+
 def single_group(num_layers: int) -> tuple[LayerGroup, ...]:
     """Every layer in one full-attention group: one block id spans all layers (a model without windows)."""
     return (LayerGroup(tuple(range(num_layers))),)

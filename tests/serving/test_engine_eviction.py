@@ -246,7 +246,7 @@ def test_a_hybrid_model_evicts_from_its_full_layers_only() -> None:
     engine, recorder = recording_engine(gemma, policy, prefix_sharing=False)
     with engine:
         request_id = engine.add_request(prompt, greedy(new))
-        tokens = []
+        tokens, decoded = [], 0
         while engine.has_work:
             tokens += [event.token for event in engine.step()]
             request = engine.request(request_id)
@@ -255,7 +255,10 @@ def test_a_hybrid_model_evicts_from_its_full_layers_only() -> None:
                 full, *sliding = [request.tables.tables[g] for g in (2, 0, 1)]  # groups: (0,) 8, (2,) 8, (1,) full
                 assert len(full) == len(recorder.kept[request_id]) and full.freed == 0
                 assert all(len(table) == -(-request.computed // BLOCK) for table in sliding)  # every position
-                assert all(len(table.live_ids) <= -(-(8 + 512 - 1) // BLOCK) + 1 for table in sliding)  # one step ahead
+                if len(request.output) > 1:  # after a decode step: the window's 8 tokens span at most 2 blocks
+                    assert all(len(table.live_ids) <= 2 for table in sliding)
+                    decoded += 1
+        assert decoded > 0
         assert engine.stats().evicted_blocks == -(-len(prompt) // BLOCK) - len(recorder.kept[request_id])
         assert engine.pool.num_used == 0
     assert len(recorder.kept[request_id]) == BlockEviction(policy).budget_blocks(len(prompt), BLOCK)

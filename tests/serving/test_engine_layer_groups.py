@@ -113,6 +113,7 @@ def test_sealed_codes_in_every_group_answer_as_a_quantized_cache_alone(prefix_sh
         assert len(served.pool.groups) == 3
         first = served.generate(PROMPTS[:1], greedy(NEW))
         assert first + served.generate(PROMPTS[1:], greedy(NEW)) == expected
-        assert served.pool.sealed_stats().used_blocks > 0 or not prefix_sharing  # the tree keeps codes
+        if prefix_sharing:
+            assert served.pool.sealed_stats().used_blocks > 0  # the tree keeps codes
         served.close()
         assert served.pool.num_used == 0 and served.pool.sealed_stats().used_blocks == 0
