@@ -18,6 +18,7 @@ range per written page together (`Recall.kept_within`). Sliding-window layers ke
     python eval/bench_recall.py --models smollm2 --tasks stream \
         --configs expected_attention_running,expected_attention_running+recall
     python eval/bench_recall.py --models smollm2 --tasks stream --buffer shared
+    python eval/bench_recall.py --models smollm2 --tasks stream --neighbours 1 --text emma.txt --offsets 100000 400000
 
 Prints Markdown tables; ``--json`` writes every row.
 """
@@ -55,7 +56,7 @@ from hf_kvgov.hf.eviction.model_inputs import layer_windows
 from hf_kvgov.models import load_model
 from hf_kvgov.policies import make_policy
 from hf_kvgov.registry import kv_bytes
-from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER, DEFAULT_SUMMARY, Recall
+from hf_kvgov.tiers.recall_pages import DEFAULT_BUFFER, DEFAULT_NEIGHBOURS, DEFAULT_SUMMARY, Recall
 
 # The eviction policies: H2O, and Expected Attention forecasting from every query seen (the streaming setting).
 POLICIES = ("h2o", "expected_attention_running")
@@ -233,12 +234,16 @@ def main() -> None:
     parser.add_argument("--page-tokens", type=int, default=16)
     parser.add_argument("--summary", default=DEFAULT_SUMMARY, help="page summary ranking recalls: centroid or bounds")
     parser.add_argument("--buffer", default=DEFAULT_BUFFER, help="recall buffer: layer (one per layer) or shared")
+    parser.add_argument("--neighbours", type=int, default=DEFAULT_NEIGHBOURS, help="pages each side of a chosen page")
     parser.add_argument("--keep", type=float, default=KEEP, help="resident fraction (default 0.2)")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help=f"configurations among {CONFIGS}")
     parser.add_argument("--json", type=Path)
     add_passage_arguments(parser)
     args = parser.parse_args()
-    recall = Recall(pages=args.pages, page_tokens=args.page_tokens, summary=args.summary, buffer=args.buffer)
+    recall = Recall(
+        pages=args.pages, page_tokens=args.page_tokens, summary=args.summary, buffer=args.buffer,
+        neighbours=args.neighbours,
+    )  # fmt: skip
     tasks = args.tasks.split(",")
     rows: list[dict[str, Any]] = []
     configs = tuple(args.configs.split(","))
@@ -255,7 +260,7 @@ def main() -> None:
         if "stream" in tasks:
             rows += stream_rows(model, tokenizer, name, recall, args.keep, passages(args), configs)
     print(f"\n{machine_description()}; Recall(pages={args.pages}, page_tokens={args.page_tokens}, "
-          f"summary={args.summary!r}, buffer={args.buffer!r}), "
+          f"summary={args.summary!r}, buffer={args.buffer!r}, neighbours={args.neighbours}), "
           f"{100 * args.keep:g}% resident, {CHUNK}-token stream chunks\n")  # fmt: skip
     if "passkey" in tasks:
         print(passkey_table(rows) + "\n")

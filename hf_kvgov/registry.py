@@ -40,11 +40,12 @@ from hf_kvgov.hf.eviction import SLOT_CODECS, eviction_attention
 from hf_kvgov.policies import make_policy
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
+from hf_kvgov.tiers.recall_pages import DEFAULT_NEIGHBOURS
 
 RECALL_SUFFIX = "recall"
 PYRAMID_SUFFIX = "pyramid"
 ADAPTIVE_SUFFIX = "ada"
-SPANS_SUFFIX = "spans"  # recall brings each chosen page's neighbours with it (`Recall.neighbours`)
+SPANS_SUFFIX = "spans"  # a chosen page's neighbours come with it: the default since `Recall.neighbours` is 1
 
 AttentionContext = Callable[[Any], AbstractContextManager[Any]]
 ChainOf = Callable[[Any], ChainParts]  # model -> the chain a name stands for (a few depend on its geometry)
@@ -236,10 +237,11 @@ def _eviction_argument(name: str, argument: str) -> tuple[int | float, dict[str,
             examples = ", ".join(f"{family}@0.2+{'recall+' * (known == SPANS_SUFFIX)}{known}" for known in SUFFIXES)
             raise _bad_argument(name, suffix, f"{accepted} ({examples})")
     if SPANS_SUFFIX in suffixes and RECALL_SUFFIX not in suffixes:
-        needs = f"'+spans' widens recall, so it needs '+recall' ({family}@0.2+recall+spans)"
+        needs = f"'+spans' names recall's neighbouring pages, so it needs '+recall' ({family}@0.2+recall+spans)"
         raise _bad_argument(name, SPANS_SUFFIX, needs)
     text, codec = _slot_codec(name, head)
-    spill = Disk(recall_neighbours=1 if SPANS_SUFFIX in suffixes else 0) if RECALL_SUFFIX in suffixes else None
+    neighbours = 1 if SPANS_SUFFIX in suffixes else DEFAULT_NEIGHBOURS
+    spill = Disk(recall_neighbours=neighbours) if RECALL_SUFFIX in suffixes else None
     options: dict[str, Any] = {"codec": codec, "spill": spill}
     if PYRAMID_SUFFIX in suffixes:
         options["allocation"] = Pyramid()

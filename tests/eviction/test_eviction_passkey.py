@@ -9,6 +9,7 @@ Measured on the 10 prompts below (the full cache answers 8; the other two are le
     full cache (DynamicCache)                   8 / 8
     SnapKV, window 32, max pool of 7 (default)  5 / 8   the 3 misses give the first 4 digits, not the 5th
     SnapKV, window 32, max pool of 15           7 / 8
+    SnapKV, window 64, avg pool of 5            0 / 8   kvpress's settings (SnapKVPress)
     HeavyHitterCache (H2O), half recent         7 / 8
     TOVA                                        0 / 8   first 1-4 digits
     KeyNorm, 32 recent                          0 / 8

@@ -325,7 +325,8 @@ def test_the_registry_names_h2o_with_recall() -> None:
     assert spans.recall == Recall(neighbours=1)
     described = get_cache_spec("h2o@0.2+recall+spans").description
     assert "a chosen page's 1 neighbour(s) on each side coming with it" in described
-    with pytest.raises(ValueError, match="'\\+spans' widens recall, so it needs '\\+recall'"):
+    assert cache.recall.neighbours == 1  # a chosen page's neighbours come with it by default
+    with pytest.raises(ValueError, match="'\\+spans' names recall's neighbouring pages, so it needs '\\+recall'"):
         get_cache_spec("h2o@0.2+spans")
 
 
