@@ -1,20 +1,14 @@
-"""Name -> cache factory: how the CLI, the demo and the eval suite ask for a cache.
+"""Name -> cache factory: how the CLI, the demo and the eval suite ask for a cache. Every name parses into the chain
+it stands for (`ChainParts`), checked and built through `hf_kvgov.chain` (`CacheSpec`).
 
-Every name parses into the chain it stands for (`ChainParts`), which `hf_kvgov.chain` checks and builds, as
-``GovernedCache`` does for a chain written by hand: one validator, one builder. A `CacheSpec` builds a fresh
-cache for a model and says which attention context it needs around `generate`, so orchestration code never
-branches on cache types.
-
-Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches answers to
-`<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens),
-`sink@4+252` (sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`),
-H2O with what it evicts spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`) or
-its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`) or over each layer's KV heads as
-AdaKV does (`snapkv@0.2+ada`),
-any registered policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`,
-through `PolicyCache`), `int8@64` / `int4@64` / `int2@16` / `fp8@64` / `paged@64` (block size), `disk@128`
-(hot tokens), `quant@map.json` (a per-layer format map from `kvgov check-quant --recommend`). Each family is
-one `CacheFamily` whose parser turns the argument into a `CacheSpec`.
+Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches (`CacheFamily`) answers to
+`<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens), `sink@4+252`
+(sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`), H2O with what it evicts
+spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`) or its budget split over the layers as
+PyramidKV does (`h2o@0.2+pyramid`) or over each layer's KV heads as AdaKV does (`snapkv@0.2+ada`), any registered
+policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`, through
+`PolicyCache`), `int8@64` / `int4@64` / `int2@16` / `fp8@64` / `paged@64` (block size), `disk@128` (hot tokens),
+`quant@map.json` (a per-layer format map from `kvgov check-quant --recommend`).
 """
 
 from __future__ import annotations
@@ -57,7 +51,13 @@ def _no_context(model: Any) -> AbstractContextManager[Any]:
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """A cache name's chain: `build` checks and builds it through `hf_kvgov.chain` (None: `DynamicCache`)."""
+    """A cache name's chain: `build` checks and builds it through `hf_kvgov.chain` (None: `DynamicCache`).
+
+    A name parses into the chain it stands for (`ChainParts`), which `hf_kvgov.chain` checks and builds as it
+    does for ``GovernedCache`` and a chain written by hand: one validator, one builder. A spec builds a fresh
+    cache for a model and says which attention context it needs around `generate`, so orchestration code never
+    branches on cache types.
+    """
 
     name: str
     description: str

@@ -96,3 +96,23 @@ def test_no_module_reads_another_modules_private_state() -> None:
         if (name := read.rsplit(".", 1)[1]) in project_private and name not in defined_by[path]
     ]
     assert not offences, "private state read from another module:\n" + "\n".join(offences)
+
+
+MAX_MODULE_DOCSTRING_LINES = 12
+
+
+def test_module_docstrings_are_at_most_12_lines() -> None:
+    """A module docstring says what the module is and why, in a few lines; the detail of one class or function
+    belongs in that class's or function's docstring, and history in git and eval/RESULTS.md."""
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if docstring is None:
+            continue
+        lines = docstring.count("\n") + 1
+        if lines > MAX_MODULE_DOCSTRING_LINES:
+            offences.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+    assert not offences, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the detail into the class or function it "
+        "documents):\n" + "\n".join(offences)
+    )

@@ -1,16 +1,8 @@
 """`kvgov bench serve`: one trace served by several configurations under one KV byte cap, in one run.
 
-The configurations (`SERVE_CONFIGS`): static batching with `DynamicCache` (requests that have arrived are batched,
-padded, while their padded KV fits the cap, and the next batch waits for the whole batch to end); transformers'
-continuous batching with its own paged cache (`num_blocks` from the cap); hf_kvgov's `ServingEngine`, without and
-with prefix sharing, with int8 codes too, with H2O eviction on top (each request keeps 20% of its prompt in blocks;
-`h2o-stream` without the prefix tree, so prompts stream instead of being held whole), and with preempted requests
-swapped to disk instead of computed again. Each request's tokens are timed as they come (a streamer for static
-batches, the engines' own timestamps), and vLLM's metrics follow: completed and failed,
-request and output throughput, TTFT, TPOT, ITL and end-to-end latency (mean, p50, p99), goodput under an SLO;
-plus governance figures sampled every step (requests running, KV bytes in use, preemptions, recomputed tokens,
-swapped blocks, prefix hit rate, queue time), and each configuration's agreement with the full cache: the share
-of every request's greedy tokens that equal, from the start, those of the first lossless configuration run.
+The configurations (`ServeConfig`) range from static batching with `DynamicCache` to hf_kvgov's `ServingEngine` with
+prefix sharing, codes, eviction and swapping; each row (`ServeRow`) has vLLM's latency and throughput metrics,
+governance figures sampled every step, and the configuration's agreement with the full cache.
 """
 
 from __future__ import annotations
@@ -50,6 +42,16 @@ H2O_BUDGET = 0.2
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """What one run serves: the configurations, the trace, the KV byte cap and the SLOs goodput counts.
+
+    The configurations (`SERVE_CONFIGS`): static batching with `DynamicCache` (requests that have arrived are
+    batched, padded, while their padded KV fits the cap, and the next batch waits for the whole batch to end);
+    transformers' continuous batching with its own paged cache (`num_blocks` from the cap); hf_kvgov's
+    `ServingEngine`, without and with prefix sharing, with int8 codes too, with H2O eviction on top (each request
+    keeps 20% of its prompt in blocks; `h2o-stream` without the prefix tree, so prompts stream instead of being
+    held whole), and with preempted requests swapped to disk instead of computed again.
+    """
+
     configs: tuple[str, ...] = ("static", "transformers", "paged", "prefix", "int8", "h2o")
     trace: TraceConfig = field(default_factory=TraceConfig)
     kv_bytes: int = 64 << 20
@@ -107,6 +109,16 @@ class Latency:
 
 @dataclass(frozen=True)
 class ServeRow:
+    """One configuration's figures.
+
+    Each request's tokens are timed as they come (a streamer for static batches, the engines' own timestamps), and
+    vLLM's metrics follow: completed and failed, request and output throughput, TTFT, TPOT, ITL and end-to-end
+    latency (mean, p50, p99), goodput under an SLO; plus governance figures sampled every step (requests running,
+    KV bytes in use, preemptions, recomputed tokens, swapped blocks, prefix hit rate, queue time), and the
+    configuration's agreement with the full cache: the share of every request's greedy tokens that equal, from
+    the start, those of the first lossless configuration run.
+    """
+
     config: str
     completed: int
     failed: int

@@ -1,18 +1,6 @@
 """`kvgov bench NAME`: scenario benchmarks on the default (or any) model, by name.
 
-Examples::
-
-    kvgov bench prefix --requests 20
-    kvgov bench prefix --remote redis://127.0.0.1:6379/0 --workers 4   # processes sharing prefixes on Redis
-    kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
-    kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
-    kvgov bench serve --requests 32 --rate inf --kv-budget 32MiB --plots out/   # a burst, every configuration
-    kvgov bench serve --rate 2 --burstiness 0.5 --configs transformers,prefix --json serve.json
-
-Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished
-so far (prefix: the modes; speed: every cache at the (batch, context) points measured; capacity: the
-caches; serve: the configurations) and writing them to --json with "partial": true and "completed" (rows
-done, total, unit) at its top. No plots are drawn, and when no row had finished nothing is written.
+`HELP`, the `--help` text, gives examples and what Ctrl-C keeps of a run.
 """
 
 from __future__ import annotations
@@ -30,6 +18,24 @@ from hf_kvgov import models
 from hf_kvgov.cli.interrupted import run_reported
 from hf_kvgov.data_text import demo_text
 from hf_kvgov.partial import Progress, mark_partial, partial_note
+
+HELP = """\
+`kvgov bench NAME`: scenario benchmarks on the default (or any) model, by name.
+
+Examples::
+
+    kvgov bench prefix --requests 20
+    kvgov bench prefix --remote redis://127.0.0.1:6379/0 --workers 4   # processes sharing prefixes on Redis
+    kvgov bench speed --caches dynamic,paged,int8,h2o,disk --contexts 512,2048 --batches 1,8 --json speed.json
+    kvgov bench capacity --caches dynamic,paged,int8,h2o --lengths 256,512,1024,2048 --budget 1GiB --plots out/
+    kvgov bench serve --requests 32 --rate inf --kv-budget 32MiB --plots out/   # a burst, every configuration
+    kvgov bench serve --rate 2 --burstiness 0.5 --configs transformers,prefix --json serve.json
+
+Ctrl-C stops a benchmark with one line on stderr and exit status 130, after printing the rows finished
+so far (prefix: the modes; speed: every cache at the (batch, context) points measured; capacity: the
+caches; serve: the configurations) and writing them to --json with "partial": true and "completed" (rows
+done, total, unit) at its top. No plots are drawn, and when no row had finished nothing is written.
+"""
 
 DEFAULT_CACHES = "dynamic,paged,int8,h2o,disk"
 PREFIX_NEW_TOKENS = 8
@@ -287,7 +293,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "bench",
         help="scenario benchmarks (" + ", ".join(BENCHMARKS) + ")",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     names = parser.add_subparsers(dest="name", metavar="NAME", required=True)

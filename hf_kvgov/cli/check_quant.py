@@ -1,22 +1,7 @@
 """`kvgov check-quant`: how much does int8 / fp8 / int4 KV cost on this model and this text?
 
-    kvgov check-quant --model smollm2                        # int8, fp8, int4 on the built-in text, 0.5% gate
-    kvgov check-quant --model ./my-model --text domain.txt --formats int8 --max-ppl-increase 1 --json out.json
-    kvgov check-quant --full                                 # and the per-layer scan, whatever the verdict
-
-What runs, and how long it takes on a 2-core CPU with SmolLM2 (30 layers), measured 2026-12-06; one progress bar
-shows the ETA:
-  default  every format on 2,048 tokens in one batched pass, a block per step as in generation: 69 s, model load
-           included. Only when the lowest-bit format exceeds the tolerance, the one case where they change the
-           recommendation, also the per-layer scan (512 tokens, about 70 s more) and a retry with its most
-           sensitive layers in full precision.
-  --full   the scan of every layer whatever the verdict: 140 s.
-On the built-in text SmolLM2 measures int8 -0.02%, fp8 -0.04% and int4 -0.13% perplexity; int4 changes the top
-token at 3.8% of positions, so fp8 is recommended. A format is recommended only when the verdict has no warning
-about it (top-1 agreement at least 98%).
-
-Exit status: 0 when every listed format is within --max-ppl-increase (default 0.5%), 1 when one exceeds it,
-so the command can gate a deployment (list only the format you deploy); 2 on bad options.
+It scores a model's perplexity, KL and top-1 agreement with each KV format and recommends one; its exit status can
+gate a deployment. `HELP`, the `--help` text, gives examples, run times and exit statuses.
 """
 
 from __future__ import annotations
@@ -44,12 +29,34 @@ if TYPE_CHECKING:
 
 # The check itself (torch, transformers) is imported when it runs: `kvgov --help` stays instant.
 
+HELP = """\
+`kvgov check-quant`: how much does int8 / fp8 / int4 KV cost on this model and this text?
+
+    kvgov check-quant --model smollm2                        # int8, fp8, int4 on the built-in text, 0.5% gate
+    kvgov check-quant --model ./my-model --text domain.txt --formats int8 --max-ppl-increase 1 --json out.json
+    kvgov check-quant --full                                 # and the per-layer scan, whatever the verdict
+
+What runs, and how long it takes on a 2-core CPU with SmolLM2 (30 layers), measured 2026-12-06; one progress bar
+shows the ETA:
+  default  every format on 2,048 tokens in one batched pass, a block per step as in generation: 69 s, model load
+           included. Only when the lowest-bit format exceeds the tolerance, the one case where they change the
+           recommendation, also the per-layer scan (512 tokens, about 70 s more) and a retry with its most
+           sensitive layers in full precision.
+  --full   the scan of every layer whatever the verdict: 140 s.
+On the built-in text SmolLM2 measures int8 -0.02%, fp8 -0.04% and int4 -0.13% perplexity; int4 changes the top
+token at 3.8% of positions, so fp8 is recommended. A format is recommended only when the verdict has no warning
+about it (top-1 agreement at least 98%).
+
+Exit status: 0 when every listed format is within --max-ppl-increase (default 0.5%), 1 when one exceeds it,
+so the command can gate a deployment (list only the format you deploy); 2 on bad options.
+"""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "check-quant",
         help="measure the perplexity / KL / top-1 cost of int8, fp8 and int4 KV caches on a model",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

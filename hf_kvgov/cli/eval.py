@@ -1,20 +1,6 @@
 """`kvgov eval`: quality of each KV cache on perplexity, LongBench and synthetic long-context tasks.
 
-    kvgov eval ppl --caches dynamic,int8,h2o@0.2,sink@4+252 --tokens 2048 --json ppl.json --plots plots/
-    kvgov eval longbench --data ./longbench_data --tasks hotpotqa,trec --limit 20 --caches dynamic,int4
-    kvgov eval synthetic --tasks passkey,niah_single --lengths 1024,4096 --samples 5 --caches dynamic,h2o@0.2
-
-Every command prints a Markdown table, writes JSON with --json (per-sample details included) and PNG
-plots with --plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main
-eval ...` (or `torchrun --nproc_per_node N`) to split the examples over N processes; only the first
-process prints and writes.
-
-Ctrl-C stops a run with one line on stderr and exit status 130. The rows finished so far are kept: the
-table of them is printed, and --json gets the same JSON with "partial": true and "completed" (rows done,
-total, unit) at its top. A row is, for ppl, a cache scored on every document; for longbench and
-synthetic, a sample generated with every cache (the scores are over those samples). No plots are
-drawn, and when no row had finished nothing is written. Over several processes the first process
-keeps only the rows it finished itself.
+`HELP`, the `--help` text, gives examples, the outputs, how to split a run over processes and what Ctrl-C keeps.
 """
 
 from __future__ import annotations
@@ -35,6 +21,26 @@ if TYPE_CHECKING:
     from hf_kvgov.evaluation.report import EvalReport
 
 # The runners (torch, transformers) are imported when a benchmark runs: `kvgov --help` stays instant.
+
+HELP = """\
+`kvgov eval`: quality of each KV cache on perplexity, LongBench and synthetic long-context tasks.
+
+    kvgov eval ppl --caches dynamic,int8,h2o@0.2,sink@4+252 --tokens 2048 --json ppl.json --plots plots/
+    kvgov eval longbench --data ./longbench_data --tasks hotpotqa,trec --limit 20 --caches dynamic,int4
+    kvgov eval synthetic --tasks passkey,niah_single --lengths 1024,4096 --samples 5 --caches dynamic,h2o@0.2
+
+Every command prints a Markdown table, writes JSON with --json (per-sample details included) and PNG
+plots with --plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main
+eval ...` (or `torchrun --nproc_per_node N`) to split the examples over N processes; only the first
+process prints and writes.
+
+Ctrl-C stops a run with one line on stderr and exit status 130. The rows finished so far are kept: the
+table of them is printed, and --json gets the same JSON with "partial": true and "completed" (rows done,
+total, unit) at its top. A row is, for ppl, a cache scored on every document; for longbench and
+synthetic, a sample generated with every cache (the scores are over those samples). No plots are
+drawn, and when no row had finished nothing is written. Over several processes the first process
+keeps only the rows it finished itself.
+"""
 
 DEFAULT_CACHES = "dynamic,int8,int4,h2o@0.2,sink@4+252"
 
@@ -210,7 +216,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="evaluate caches: perplexity, LongBench, synthetic long-context tasks",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="eval_command", metavar="BENCHMARK")

@@ -1,6 +1,22 @@
 """`kvgov serve`: an OpenAI-compatible HTTP server on the embedded (or any) model, its requests served continuously
 from one governed KV pool.
 
+It is transformers' own server with its continuous batching run by hf_kvgov's engine, so clients get the standard
+API while the KV memory is governed. `HELP`, the `--help` text, says what the engine adds and gives examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from hf_kvgov import models
+
+HELP = """\
+`kvgov serve`: an OpenAI-compatible HTTP server on the embedded (or any) model, its requests served continuously
+from one governed KV pool.
+
 It is transformers' own server (`transformers serve --continuous-batching`: /v1/completions, /v1/chat/completions,
 /v1/responses, streaming, cancel on disconnect) with its continuous batching run by hf_kvgov's engine: admission by
 KV bytes, prefix sharing, preemption instead of out-of-memory, int8 codes with --codec, H2O eviction with --h2o
@@ -17,14 +33,6 @@ Examples::
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
 """
-
-from __future__ import annotations
-
-import argparse
-import importlib.util
-import sys
-
-from hf_kvgov import models
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "openai")
 
@@ -80,7 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="an OpenAI-compatible server whose requests share one governed KV pool",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default=models.DEFAULT_MODEL, help="embedded name, .gguf path, directory or hub id")

@@ -1,16 +1,8 @@
 """Asymmetric (min/max) integer quantization shared by the integer codecs.
 
-For each group (``grouping``) with minimum ``lo``, maximum ``hi`` and ``L`` = 2**bits - 1 intervals::
-
-    zero  = round_down_to_zero_dtype(lo)                   # the value code 0 decodes to
-    scale = round_up_to_scale_dtype((hi - zero) / L)       # 1 when hi == zero (constant group)
-    code  = clamp(round((x - zero) / scale), 0, L)         # uint8
-    x'    = code * scale + zero                            # dequant: one FMA, in float32; |x - x'| <= scale / 2
-
 Asymmetric because a key channel over a block is often not centred on zero (outlier channels carry a steady
 offset), and a symmetric ``amax/127`` scale would spend half its codes on values that never occur; the price is
-one more statistic per group. The zero is in data units, not code units (``(code - z) * scale``), because
-``z = -lo / scale`` is unbounded when a group's range excludes 0 and rounding it would shift the grid.
+one more statistic per group. `AffineCodec` gives the formulas.
 """
 
 from __future__ import annotations
@@ -26,7 +18,18 @@ from hf_kvgov.codecs.numerics import round_down, round_up, stat_to_float
 
 
 class AffineCodec(KVCodec):
-    """Asymmetric integer codec with ``levels`` = 2**bits - 1 steps per group; codes are uint8."""
+    """Asymmetric integer codec with ``levels`` = 2**bits - 1 steps per group; codes are uint8.
+
+    For each group (``grouping``) with minimum ``lo``, maximum ``hi`` and ``L`` = 2**bits - 1 intervals::
+
+        zero  = round_down_to_zero_dtype(lo)                   # the value code 0 decodes to
+        scale = round_up_to_scale_dtype((hi - zero) / L)       # 1 when hi == zero (constant group)
+        code  = clamp(round((x - zero) / scale), 0, L)         # uint8
+        x'    = code * scale + zero                            # dequant: one FMA, in float32; |x - x'| <= scale / 2
+
+    The zero is in data units, not code units (``(code - z) * scale``), because ``z = -lo / scale`` is unbounded
+    when a group's range excludes 0 and rounding it would shift the grid.
+    """
 
     levels: ClassVar[int]
     zero_axes: ClassVar[frozenset[GroupAxis]] = frozenset(GroupAxis)

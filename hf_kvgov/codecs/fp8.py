@@ -1,20 +1,8 @@
 """fp8 codecs (e4m3 and e5m2): one float8 code per element, scales that follow the data.
 
-Keys are centred per channel, values scaled symmetrically per token (``grouping``); ``m`` mantissa bits::
-
-    zero  = e4m3(clamp((lo + hi) / 2, -448, 448))     keys only, e4m3 [*lead, 1, H, D]; values: none (0)
-    scale = round_up_to_scale_dtype(amax(|x - zero|) / finfo(fp8).max)       # 1 for an all-zero group
-    code  = fp8(clamp((x - zero) / scale, -finfo.max, finfo.max))            # [*lead, T, H, D], nearest even
-    x'    = float32(code) * scale + zero,  |x - x'| <= 2**-(m+1) * |x - zero| + 2**(e_min - m - 1) * scale
-    e4m3fn : sign | 4-bit exponent (bias 7)  | 3-bit mantissa   max 448,   no inf, 0x7F/0xFF are NaN
-    e5m2   : sign | 5-bit exponent (bias 15) | 2-bit mantissa   max 57344, IEEE-style inf and NaN
-
 Codes keep the float8 dtype (``codes.view(torch.uint8)`` gives the raw bytes); per-channel scales, as int8's, cost
-fp8 no precision and share int8's contract and kernels. Keys carry a zero point because a float format's error is
-relative: a RoPE'd key channel at 15 +- 2 over a block, rounded whole, moves by up to 0.47 on every token (an error
-the query multiplies by its large weight there); centred, it is rounded as +-2. Values have no channel offsets, so
-they keep none (and the symmetric format's bytes). One e4m3 byte is enough for the zero because deviations are
-taken from the stored zero, which need only land near the middle (measured: eval/RESULTS.md).
+fp8 no precision and share int8's contract and kernels. `Float8Codec` gives the formulas and why keys carry a zero
+point and values none.
 """
 
 from __future__ import annotations
@@ -29,12 +17,28 @@ from hf_kvgov.codecs.base import KVCodec
 from hf_kvgov.codecs.grouping import GroupAxis
 from hf_kvgov.codecs.numerics import ONE_BYTE_ZERO, round_up, stat_to_float
 
-ZERO_DTYPE = ONE_BYTE_ZERO  # the keys' zero points, whatever the codes' format (see the module docstring)
+ZERO_DTYPE = ONE_BYTE_ZERO  # the keys' zero points, whatever the codes' format (see `Float8Codec`)
 _ZERO_MAX = torch.finfo(ZERO_DTYPE).max
 
 
 class Float8Codec(KVCodec):
-    """Keys centred per channel, values symmetric per token; codes stored as ``codes_dtype`` (a float8 dtype)."""
+    """Keys centred per channel, values symmetric per token; codes stored as ``codes_dtype`` (a float8 dtype).
+
+    Keys are centred per channel, values scaled symmetrically per token (``grouping``); ``m`` mantissa bits::
+
+        zero  = e4m3(clamp((lo + hi) / 2, -448, 448))     keys only, e4m3 [*lead, 1, H, D]; values: none (0)
+        scale = round_up_to_scale_dtype(amax(|x - zero|) / finfo(fp8).max)       # 1 for an all-zero group
+        code  = fp8(clamp((x - zero) / scale, -finfo.max, finfo.max))            # [*lead, T, H, D], nearest even
+        x'    = float32(code) * scale + zero,  |x - x'| <= 2**-(m+1) * |x - zero| + 2**(e_min - m - 1) * scale
+        e4m3fn : sign | 4-bit exponent (bias 7)  | 3-bit mantissa   max 448,   no inf, 0x7F/0xFF are NaN
+        e5m2   : sign | 5-bit exponent (bias 15) | 2-bit mantissa   max 57344, IEEE-style inf and NaN
+
+    Keys carry a zero point because a float format's error is relative: a RoPE'd key channel at 15 +- 2 over a
+    block, rounded whole, moves by up to 0.47 on every token (an error the query multiplies by its large weight
+    there); centred, it is rounded as +-2. Values have no channel offsets, so they keep none (and the symmetric
+    format's bytes). One e4m3 byte is enough for the zero because deviations are taken from the stored zero,
+    which need only land near the middle (measured: eval/RESULTS.md).
+    """
 
     bits: ClassVar[int] = 8
     zero_axes: ClassVar[frozenset[GroupAxis]] = frozenset({GroupAxis.CHANNEL})

@@ -1,18 +1,8 @@
 """int2 codec: asymmetric 2-bit codes (``affine``), four per byte along head_dim (KIVI's 2-bit format).
 
-Layout for a block ``[*lead, T, H, D]``, D a multiple of 4; lower bits hold lower indices, as in int4::
-
-    byte[j] = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6      c[4j+i] = (byte[j] >> 2i) & 0x3
-    codes  uint8 [*lead, T, H, D // 4]   each code 0..3
-    scale  fp16  keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
-    zero   fp16  same shape as scale     (the value code 0 decodes to)
-    x = ((codes[.., t, h, d // 4] >> 2 * (d % 4)) & 0x3) * s + z      float32; |x - x'| <= s / 2, s = (max - min) / 3
-
-``scale_dtype=LOG_SCALE`` stores each statistic in one byte (``numerics``), because at 2 bits fp16 statistics take
-half the bytes of the codes at 16-token blocks. With four levels a group's range matters most, which is why keys
-are grouped per channel (an outlier channel gets its own range), values per token, and the newest tokens stay in
-full precision (``QuantConfig.residual``): those attention leans on most are never rounded to 2 bits. KIVI also
-splits values into groups of 32 (``group_size=32``); eval/RESULTS.md measures both.
+With four levels a group's range matters most, which is why keys are grouped per channel (an outlier channel gets its
+own range), values per token, and the newest tokens stay in full precision (``QuantConfig.residual``): those attention
+leans on most are never rounded to 2 bits. `Int2Codec` gives the layout and the statistics' bytes.
 """
 
 from __future__ import annotations
@@ -47,7 +37,21 @@ def unpack_int2(packed: Tensor) -> Tensor:
 
 
 class Int2Codec(AffineCodec):
-    """Asymmetric int2: 3 steps between each group's min and max, four codes per byte."""
+    """Asymmetric int2: 3 steps between each group's min and max, four codes per byte.
+
+    Layout for a block ``[*lead, T, H, D]``, D a multiple of 4; lower bits hold lower indices, as in int4::
+
+        byte[j] = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6      c[4j+i] = (byte[j] >> 2i) & 0x3
+        codes  uint8 [*lead, T, H, D // 4]   each code 0..3
+        scale  fp16  keys [*lead, 1, H, D]  values [*lead, T, H, D // g]
+        zero   fp16  same shape as scale     (the value code 0 decodes to)
+        x = ((codes[.., t, h, d // 4] >> 2 * (d % 4)) & 0x3) * s + z      float32; |x - x'| <= s / 2,
+                                                                          s = (max - min) / 3
+
+    ``scale_dtype=LOG_SCALE`` stores each statistic in one byte (``numerics``), because at 2 bits fp16 statistics
+    take half the bytes of the codes at 16-token blocks. KIVI also splits values into groups of 32
+    (``group_size=32``); eval/RESULTS.md measures both.
+    """
 
     name: ClassVar[str] = "int2"
     bits: ClassVar[int] = 2

@@ -7,11 +7,7 @@ holds to any request that matches, so a block it holds must stay resident; a row
              |        stay resident             spill to disk           stay resident
              +-- first block: read by every query, never worth a round trip
 
-Tree-held blocks are locked by this cache until released, so the tree can neither evict nor reuse them, and they
-are hot in aggregate (every matching request reads them). A publish first brings the row's spilled private blocks
-back (all, or `PoolExhausted` and nothing changed), so the tree only references resident blocks; publishing just
-the resident leading run would stop at block 0, as a document spills during its first request's own decode. With a
-codec they come back as codes into the sealed store, under the same cap as the full-precision blocks.
+`private_blocks` keeps the tree's blocks resident; `bring_back_offered` says what a publish brings back first.
 """
 
 from __future__ import annotations
@@ -114,7 +110,11 @@ def tree_held(cache: BlockStore) -> frozenset[int]:
 
 
 def private_blocks(kind: TierBlocks, shared: Collection[int]) -> TierBlocks:
-    """`kind`, except that the blocks in `shared` (the tree's, see `tree_held`) never move to disk."""
+    """`kind`, except that the blocks in `shared` (the tree's, see `tree_held`) never move to disk.
+
+    Tree-held blocks are locked by this cache until released, so the tree can neither evict nor reuse them, and
+    they are hot in aggregate (every matching request reads them).
+    """
     return dataclasses.replace(kind, movable=lambda entry: entry not in shared and kind.movable(entry))
 
 
@@ -143,8 +143,11 @@ def bring_back_offered(
 ) -> None:
     """Before `publish`: the spilled blocks it would offer come back (`bring_back(first, stop)` on block columns).
 
-    All of them at once, or `bring_back` raises and nothing has changed. Nothing to do without a tree or
-    rows, or with a row count `publish` refuses (it says why).
+    All of them at once, or `bring_back` raises (`PoolExhausted`) and nothing has changed, so the tree only
+    references resident blocks; publishing just the resident leading run would stop at block 0, as a document
+    spills during its first request's own decode. With a codec they come back as codes into the sealed store,
+    under the same cap as the full-precision blocks. Nothing to do without a tree or rows, or with a row count
+    `publish` refuses (it says why).
 
     Args:
         sequences: long `[batch, length]`, as for `publish`.

@@ -1,15 +1,8 @@
 """The parts a governed cache is built from, as frozen records validated on construction.
 
-The brief's chain, and the part that stands for each link::
-
-    request -> prefix hash -> paged blocks -> int8 -> heavy-hitter selection -> spill to SSD
-               prefix=       pool=           codec=  policy=                   spill=
-               PrefixCache   Paging/BlockPool str /  HeavyHitter / Sink /      Disk
-                                                     Evict (any policy)
-                                             QuantConfig
-
-plus per-layer overrides (`Layer`). Nothing here holds K/V; `hf_kvgov.hf.governed.GovernedCache` turns a
-`ChainParts` into a working cache and `hf_kvgov.engine.rules` refuses the combinations that cannot work.
+One part stands for each link of the brief's chain (`ChainParts` maps them), plus per-layer overrides (`Layer`).
+Nothing here holds K/V; `hf_kvgov.hf.governed.GovernedCache` turns a `ChainParts` into a working cache and
+`hf_kvgov.engine.rules` refuses the combinations that cannot work.
 """
 
 from __future__ import annotations
@@ -212,6 +205,16 @@ class Layer:
 @dataclass(frozen=True)
 class ChainParts:
     """Every part of one governed cache; None for a link the chain leaves out.
+
+    The brief's chain, and the part that stands for each link::
+
+        request -> prefix hash -> paged blocks -> int8 -> heavy-hitter selection -> spill to SSD
+                   prefix=       pool=           codec=  policy=                   spill=
+                   PrefixCache   Paging/BlockPool str /  HeavyHitter / Sink /      Disk
+                                                         Evict (any policy)
+                                                 QuantConfig
+
+    plus per-layer overrides (`Layer`, in `layers`).
 
     `attention` is how a block-storing cache hands K/V to attention: "contiguous" (any attention
     implementation) or "paged" (the hf_kvgov paged attention reads blocks in place, under

@@ -3,10 +3,8 @@
 `PagedCache(attention="paged")` stores new K/V and puts a `PagedView` into the kwargs dict that
 transformers later splats into the attention call; this function finds it there and attends over the
 block tables directly. Without a view (any other cache) it falls back to sdpa on the K/V it was given,
-so switching a model to this implementation never breaks other caches.
-
-`kvgov_ragged` is the serving engine's: one packed row of many sequences, whose `RaggedStep` (in the kwargs, as the
-view is) stores each layer's K/V and tells the sequences apart, so no mask is built for it.
+so switching a model to this implementation never breaks other caches. `kvgov_ragged` is the serving engine's
+(`ragged_attention_forward`).
 
 Registration adds new names to transformers' registries through their public `register` API; it never replaces an
 existing entry. `paged_attention(model)` switches one model and restores its previous implementation on exit.
@@ -64,7 +62,11 @@ def ragged_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention signature over a packed step; returns `([1, tokens, q_heads, head_dim], None)`."""
+    """transformers attention signature over a packed step; returns `([1, tokens, q_heads, head_dim], None)`.
+
+    `kvgov_ragged` is the serving engine's: one packed row of many sequences, whose `RaggedStep` (in the kwargs, as
+    the paged view is) stores each layer's K/V and tells the sequences apart, so no mask is built for it.
+    """
     step: RaggedStep | None = kwargs.get(RAGGED_STEP_KEY)
     if step is None:
         raise RuntimeError(

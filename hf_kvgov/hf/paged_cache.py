@@ -1,14 +1,5 @@
 """`PagedCache`: a lossless transformers `Cache` whose K/V live in blocks of a shared `BlockPool`.
 
-Two attention paths (see `hf_kvgov.hf.attention`):
-
-- ``attention="contiguous"`` (default): `update` gathers the layer's blocks into contiguous K/V, so any
-  attention implementation (sdpa, eager, flash) runs unchanged. Cost: one copy per layer per step, the
-  same as DynamicCache's `torch.cat`.
-- ``attention="paged"``: `update` only stores the new tokens and hands attention a view of the block
-  tables; the hf_kvgov attention implementation reads blocks directly. Requires
-  ``hf_kvgov.paged_attention(model)`` (or ``use_paged_attention``) so the model calls that attention.
-
 The store itself, its layer groups and its codec, disk and prefix links are `hf_kvgov.engine.block_store`'s;
 this class reads the model's geometry and puts transformers' `Cache` interface on it. The named caches are its
 configurations: `QuantizedCache` sets a codec, `DiskOffloadCache` a disk tier, `QuantizedDiskCache` both.
@@ -49,6 +40,15 @@ class PagedCache(GovernedCacheBase, BlockStore):
     The chain with paged blocks only (and prefix sharing when `prefix` is given): a `GovernedCache` preset. With
     ``codec=`` and / or ``spill=`` it is the block store of every chain without an eviction policy.
 
+    Two attention paths (see `hf_kvgov.hf.attention`):
+
+    - ``attention="contiguous"`` (default): `update` gathers the layer's blocks into contiguous K/V, so any
+      attention implementation (sdpa, eager, flash) runs unchanged. Cost: one copy per layer per step, the
+      same as DynamicCache's `torch.cat`.
+    - ``attention="paged"``: `update` only stores the new tokens and hands attention a view of the block
+      tables; the hf_kvgov attention implementation reads blocks directly. Requires
+      ``hf_kvgov.paged_attention(model)`` (or ``use_paged_attention``) so the model calls that attention.
+
     Args:
         model_or_config: the model (its dtype and device are used) or its config (dtype and device are
             then taken from the first K/V the model stores).
@@ -56,7 +56,7 @@ class PagedCache(GovernedCacheBase, BlockStore):
             from the pool the cache draws from is refused.
         max_tokens / max_bytes: cap of the pool it creates; exceeding it raises `PoolExhausted`.
         pool: an existing pool to draw blocks from (shared by many caches); its geometry must match.
-        attention: "contiguous" or "paged" (see the module docstring).
+        attention: "contiguous" or "paged" (see above).
         prefix: a `PrefixCache` shared across requests; enables `match` and `publish` (its pool is used).
         namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
         codec: the codec link, a `QuantConfig` (what `QuantizedCache` sets): full blocks are sealed into codes

@@ -1,17 +1,7 @@
 """`QuantizedCache`: the block store with a codec link, whose full blocks are sealed into int8 / int4 / fp8 codes.
 
-Keys are quantized per channel over a block's tokens, values per token (KIVI, `hf_kvgov.codecs`). Per row::
-
-    block:    0        1        2       ...      n-2      n-1       n
-           [ sink ][ sealed ][ sealed ]  ...  [ sealed ][ resid. ][ tail ]
-             fp       codes + scales (one id: a group's layers)     fp      fp: being written
-
-A full block older than `residual` is sealed after the last layer of the step that filled it, so every layer of a
-step sees the same K/V; until then it is full precision, so ``prefill_chunk_size`` bounds a long prompt's peak
-(`max_tokens` caps those blocks; `max_bytes` every byte, codes included). The sink is each row's first block, so
-a row with over a block of left padding has its first real tokens quantized. Sealing is deterministic, so over a
-prefix tree a request reads what a chunked prefill at the match boundary would; caches sharing a tree share its
-pool, hence its formats.
+Keys are quantized per channel over a block's tokens, values per token (KIVI, `hf_kvgov.codecs`); `QuantizedCache`
+gives a row's layout and when a block is sealed.
 """
 
 from __future__ import annotations
@@ -47,6 +37,19 @@ def quant_config_for(
 
 class QuantizedCache(PagedCache):
     """KV cache in blocks; full blocks are stored as int8 / int4 / fp8 codes plus scales.
+
+    Per row::
+
+        block:    0        1        2       ...      n-2      n-1       n
+               [ sink ][ sealed ][ sealed ]  ...  [ sealed ][ resid. ][ tail ]
+                 fp       codes + scales (one id: a group's layers)     fp      fp: being written
+
+    A full block older than `residual` is sealed after the last layer of the step that filled it, so every layer
+    of a step sees the same K/V; until then it is full precision, so ``prefill_chunk_size`` bounds a long prompt's
+    peak (`max_tokens` caps those blocks; `max_bytes` every byte, codes included). The sink is each row's first
+    block, so a row with over a block of left padding has its first real tokens quantized. Sealing is
+    deterministic, so over a prefix tree a request reads what a chunked prefill at the match boundary would;
+    caches sharing a tree share its pool, hence its formats.
 
     Args:
         model_or_config: the model (its dtype and device are used) or its config.

@@ -1,15 +1,7 @@
 """`QuantizedDiskCache`: the block store with a codec and a disk link; sealed blocks past a hot window spill as codes.
 
-    block:    0        1  ..  k-1      k  ..  n-2       n-1
-           [ sink ][ spilled codes ][ sealed codes ][ resid. ][ tail ]
-             fp       disk tier       sealed store     fp       fp
-                   (older than hot_tokens)  (the hot window)
-
-At each step's start the sealed blocks that left the hot window are written once, as stored (`tiers.sealed_segments`).
-Blocks read back are appended after the store's pieces for their layer, so every attention path decodes them as
-sealed blocks: the output is `QuantizedCache`'s bit for bit, at a fraction of a full-precision spill's bytes
-(`spill_ratio`, eval/RESULTS.md). Under a prefix tree only private blocks spill, and `publish` brings spilled ones
-back first, so the tree never points at disk (`hf_kvgov.engine.disk_prefix`).
+Spilled blocks are written as stored and read back as sealed blocks, so the output is `QuantizedCache`'s bit for bit
+at a fraction of a full-precision spill's bytes (`QuantizedDiskCache` gives the layout).
 """
 
 from __future__ import annotations
@@ -31,7 +23,18 @@ __all__ = ["QuantizedDiskCache", "QuantizedDiskCacheStats"]
 class QuantizedDiskCache(QuantizedCache):
     """int8 / int4 / fp8 KV cache whose sealed blocks older than a hot window live in a file on disk.
 
-    A `QuantizedCache` with a disk link (`hf_kvgov.engine.block_tier.BlockTier`) over its sealed blocks.
+    A `QuantizedCache` with a disk link (`hf_kvgov.engine.block_tier.BlockTier`) over its sealed blocks::
+
+        block:    0        1  ..  k-1      k  ..  n-2       n-1
+               [ sink ][ spilled codes ][ sealed codes ][ resid. ][ tail ]
+                 fp       disk tier       sealed store     fp       fp
+                       (older than hot_tokens)  (the hot window)
+
+    At each step's start the sealed blocks that left the hot window are written once, as stored
+    (`tiers.sealed_segments`). Blocks read back are appended after the store's pieces for their layer, so every
+    attention path decodes them as sealed blocks: the output is `QuantizedCache`'s bit for bit, at a fraction of a
+    full-precision spill's bytes (`spill_ratio`, eval/RESULTS.md). Under a prefix tree only private blocks spill,
+    and `publish` brings spilled ones back first, so the tree never points at disk (`hf_kvgov.engine.disk_prefix`).
 
     Args:
         model_or_config: as for `QuantizedCache`.

@@ -1,18 +1,7 @@
 """flash-attn 2's paged path: `flash_attn_with_kvcache(q, k_cache, v_cache, block_table=...)`.
 
-The pool's layout is flash-attn's paged layout, so the pool's tensors are handed over as they are::
-
-    pool (one layer)        key_cache [num_blocks, block_size, kv_heads, head_dim]
-    flash_attn_with_kvcache k_cache   (num_blocks, page_block_size, nheads_k, headdim)
-                            block_table (batch, max_blocks_per_seq) int32; cache_seqlens (batch,) int32
-    query (transformers)    [batch, q_heads, q_len, head_dim]  ->  q (batch, seqlen_q, nheads, headdim)
-
-`unsupported_reason` refuses what flash-attn 2 cannot serve: not CUDA on Ampere or newer, not fp16/bf16 (query as
-cache), blocks not a multiple of 256 tokens, head_dim not a multiple of 8 up to 256, q_heads not a multiple of
-kv_heads, and any explicit mask. Its own masking is causal, bottom-right aligned (the reference's convention), plus
-`cache_seqlens` and `window_size`, so a ragged call (`dispatch.paged_attention` with `seq_lens` / `window`: the
-serving engine's decode rows and chunks) is served from those instead of its mask; left padding would need
-`cache_leftpad`, which flash-attn 2 does not combine with a paged cache.
+The pool's layout is flash-attn's paged layout, so the pool's tensors are handed over as they are
+(`paged_attention_flash` maps the shapes); `unsupported_reason` refuses what flash-attn 2 cannot serve.
 It is imported on the first call, never at import time: an optional extra that cannot be built without CUDA.
 """
 
@@ -53,7 +42,15 @@ def load_kernel() -> Callable[..., torch.Tensor]:
 
 
 def unsupported_reason(query: torch.Tensor, key_cache: torch.Tensor, mask: torch.Tensor | None) -> str | None:
-    """A sentence saying why flash-attn cannot serve these inputs, or None when it can (cheap, no sync)."""
+    """A sentence saying why flash-attn cannot serve these inputs, or None when it can (cheap, no sync).
+
+    Refused: not CUDA on Ampere or newer, not fp16/bf16 (query as cache), blocks not a multiple of 256 tokens,
+    head_dim not a multiple of 8 up to 256, q_heads not a multiple of kv_heads, and any explicit mask.
+    flash-attn's own masking is causal, bottom-right aligned (the reference's convention), plus `cache_seqlens`
+    and `window_size`, so a ragged call (`dispatch.paged_attention` with `seq_lens` / `window`: the serving
+    engine's decode rows and chunks) is served from those instead of its mask; left padding would need
+    `cache_leftpad`, which flash-attn 2 does not combine with a paged cache.
+    """
     return _shape_problem(query, key_cache) or _placement_problem(query, key_cache) or _mask_problem(mask)
 
 
@@ -121,12 +118,19 @@ def paged_attention_flash(
 ) -> torch.Tensor:
     """Causal attention of `query` (the last q_len positions of each row) over the tokens of `block_table`.
 
+    The pool's tensors are passed as they are; only the query is transposed::
+
+        pool (one layer)        key_cache [num_blocks, block_size, kv_heads, head_dim]
+        flash_attn_with_kvcache k_cache   (num_blocks, page_block_size, nheads_k, headdim)
+                                block_table (batch, max_blocks_per_seq) int32; cache_seqlens (batch,) int32
+        query (transformers)    [batch, q_heads, q_len, head_dim]  ->  q (batch, seqlen_q, nheads, headdim)
+
     Args:
         query: `[batch, q_heads, q_len, head_dim]`, fp16/bf16 on CUDA.
         key_cache, value_cache: `[num_blocks, block_size, kv_heads, head_dim]`, block_size % 256 == 0.
         block_table: int `[batch, blocks]` with `blocks * block_size >= kv_length` (cast to int32).
         kv_length: tokens per row (the longest row when `seq_lens` is given).
-        mask: must be None (see the module docstring); accepted for the dispatch signature.
+        mask: must be None (see `unsupported_reason`); accepted for the dispatch signature.
         softcap: optional tanh soft-capping of the logits.
         chunk_tokens: accepted for signature compatibility with the reference; unused.
         seq_lens: optional int `[batch]`: row b holds its first `seq_lens[b]` tokens (default: kv_length).

@@ -1,15 +1,7 @@
 """Attention over block tables in plain torch: the specification every fast kernel is tested against.
 
 Keys are never gathered into one copy of the whole cache: they are read in chunks of whole blocks (at most
-`chunk_tokens` tokens) and combined with an online softmax, as FlashAttention does across tiles::
-
-    for each chunk c of blocks:
-        s_c   = q · k_cᵀ · scale            (masked entries = -inf)
-        m_new = max(m, rowmax(s_c))
-        l     = l · e^(m - m_new) + rowsum(e^(s_c - m_new))
-        acc   = acc · e^(m - m_new) + e^(s_c - m_new) · v_c
-    out = acc / l
-
+`chunk_tokens` tokens) and combined with an online softmax, as FlashAttention does across tiles (`chunked_attention`),
 so peak extra memory is O(batch × heads × queries × chunk_tokens) whatever the context length. GQA groups the
 query heads of each KV head, never repeating K/V.
 """
@@ -70,7 +62,14 @@ def chunked_attention(
     chunk_tokens: int,
 ) -> torch.Tensor:
     """The online softmax over chunks of whole blocks that every torch reference shares; how a chunk's
-    K/V are read (full-precision blocks, or sealed ones decoded) is `read_chunk`'s business.
+    K/V are read (full-precision blocks, or sealed ones decoded) is `read_chunk`'s business::
+
+        for each chunk c of blocks:
+            s_c   = q · k_cᵀ · scale            (masked entries = -inf)
+            m_new = max(m, rowmax(s_c))
+            l     = l · e^(m - m_new) + rowsum(e^(s_c - m_new))
+            acc   = acc · e^(m - m_new) + e^(s_c - m_new) · v_c
+        out = acc / l
 
     Returns `[batch, q_len, q_heads, head_dim]` in the query's dtype (math in float32).
     """

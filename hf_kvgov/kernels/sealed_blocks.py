@@ -1,18 +1,7 @@
 """One layer's sealed blocks as a kernel reads them: the format's name and its stored pieces.
 
-The pieces are `storage.sealed_store`'s tensors for one layer, named as `storage.sealed_formats` names them::
-
-    codec formats ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"):
-        key_codes    [capacity, block_size, H, D * bits // 8]   uint8, or float8 for fp8
-        key_scale    [capacity, 1, H, D]                        one per channel per block (fp16 or fp32)
-        key_zero     same as key_scale                          int formats and fp8
-        value_codes  [capacity, block_size, H, D * bits // 8]
-        value_scale  [capacity, block_size, H, D // group]       one per token and head_dim group
-        value_zero   same as value_scale                        int formats only
-    "full" (a layer kept in full precision):  keys, values [capacity, block_size, H, D]
-
-A table entry `b < 0` names sealed id `-1 - b`. Kernels take every dtype and group size from these tensors, never
-from constants, so a change of the stored layout needs no kernel change.
+Kernels take every dtype and group size from these tensors (`SealedBlocks` lists them), never from constants, so a
+change of the stored layout needs no kernel change.
 """
 
 from __future__ import annotations
@@ -29,9 +18,22 @@ RAW_FORMAT = "full"
 class SealedBlocks:
     """The sealed blocks of one layer.
 
+    The pieces are `storage.sealed_store`'s tensors for one layer, named as `storage.sealed_formats` names them::
+
+        codec formats ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"):
+            key_codes    [capacity, block_size, H, D * bits // 8]   uint8, or float8 for fp8
+            key_scale    [capacity, 1, H, D]                        one per channel per block (fp16 or fp32)
+            key_zero     same as key_scale                          int formats and fp8
+            value_codes  [capacity, block_size, H, D * bits // 8]
+            value_scale  [capacity, block_size, H, D // group]       one per token and head_dim group
+            value_zero   same as value_scale                        int formats only
+        "full" (a layer kept in full precision):  keys, values [capacity, block_size, H, D]
+
+    A table entry `b < 0` names sealed id `-1 - b`.
+
     Attributes:
         format: the sealed format's name ("int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2" or "full").
-        pieces: piece name -> tensor, as in the module docstring (copied: the store may grow later).
+        pieces: piece name -> tensor, as listed above (copied: the store may grow later).
     """
 
     format: str

@@ -1,17 +1,12 @@
 """Triton kernels for paged decode attention: one query token per row, keys read through a block table.
 
-The split kernel, grid `(batch, kv_heads, splits)`: a program owns one KV head of one row and `split_tokens` key
-positions, and attends with all `GROUP` query heads sharing that KV head at once, so each K/V tile is read once
-per group, not once per query head::
+The split kernel (`paged_decode_split_kernel`) attends with all `GROUP` query heads sharing a KV head at once, so each
+K/V tile is read once per group, not once per query head; a combine kernel merges the splits' online-softmax states.
+`triton_quantized_kernel.py` shares the tile math and only loads and dequantizes its tiles differently.
 
-    key positions of row b:  | split 0         | split 1         | ...     (split_tokens each)
-                             | tile | tile | ..                            (BLOCK_N tokens each)
-    token t  ->  block_table[b, t // PAGE]  ->  key_cache[block, t % PAGE, kv_head, :]
-
-A combine kernel merges the splits' online-softmax states. Reductions use `tl.reduce` with triton's combine
-functions, not `tl.max` / `tl.sum`, because the interpreter cannot call those when triton was imported before
-`TRITON_INTERPRET=1` was set (transformers imports it through torch._dynamo). `triton_quantized_kernel.py` shares
-the tile math and only loads and dequantizes its tiles differently.
+Reductions use `tl.reduce` with triton's combine functions, not `tl.max` / `tl.sum`, because the interpreter cannot
+call those when triton was imported before `TRITON_INTERPRET=1` was set (transformers imports it through
+torch._dynamo).
 """
 
 from __future__ import annotations
@@ -192,7 +187,15 @@ def paged_decode_split_kernel(
     WIDEN_BF16: tl.constexpr,
 ):
     """Partial attention of one (row, KV head, split); writes m, l `[batch, q_heads, splits]` and acc
-    `[batch, q_heads, splits, HEAD_DIM]` (contiguous fp32 buffers)."""
+    `[batch, q_heads, splits, HEAD_DIM]` (contiguous fp32 buffers).
+
+    Grid `(batch, kv_heads, splits)`: a program owns one KV head of one row and `split_tokens` key positions, and
+    attends with all `GROUP` query heads sharing that KV head at once::
+
+        key positions of row b:  | split 0         | split 1         | ...     (split_tokens each)
+                                 | tile | tile | ..                            (BLOCK_N tokens each)
+        token t  ->  block_table[b, t // PAGE]  ->  key_cache[block, t % PAGE, kv_head, :]
+    """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     q, q_head, head_ok = _load_query(q_ptr, row, kv_head, stride_qb, stride_qh, stride_qd, GROUP, BLOCK_H, HEAD_DIM)

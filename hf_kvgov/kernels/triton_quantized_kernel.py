@@ -1,19 +1,8 @@
 """Triton paged decode over a block table whose entries mix full-precision and sealed (quantized) blocks.
 
-Grid, split-K and attention math are `paged_decode_split_kernel`'s; only tiles load differently. Every token reads
-its table entry and then one of two places, with masked loads, so no byte is read twice::
-
-    entry >= 0  ->  k_cache[entry, t % PAGE, head, :]                     (query's dtype: sink, tail)
-    entry <  0  ->  sealed id s = -1 - entry:
-                    key   = codes[s, t % PAGE, head, d] * key_scale[s, 0, head, d] (+ key_zero[s, 0, head, d])
-                    value = codes[s, t % PAGE, head, d] * value_scale[s, t % PAGE, head, d // VALUE_GROUP] (+ zero)
-    codes: int8 c;  int4 (byte >> 4 * (d % 2)) & 0xF;  int2 (byte >> 2 * (d % 4)) & 0x3;  raw: no scale
-    BYTE_ZEROS: a zero is an e4m3 byte, decoded like a code;  LOG_SCALES: a scale byte b is 2 ** ((b - 144) / 12)
-
-Dequantization is in registers, in fp32, exactly as the codecs decode (`quantized_reference.py` is the spec). fp8
-goes through fp16 with integer ops, so no fp8 hardware is needed: an e5m2 byte is the top byte of the equal fp16
-(`bits << 8`); an e4m3fn byte `s eeee mmm` as fp16 `s 0eeee mmm0000000` is the value times 2**-8, so it is widened
-and multiplied by 256, exactly. e4m3fn's NaN (0x7F / 0xFF) would read as 480; the codec never stores it.
+Grid, split-K and attention math are `paged_decode_split_kernel`'s; only tiles load differently
+(`paged_decode_sealed_split_kernel` gives the loads). Dequantization is in registers, in fp32, exactly as the codecs
+decode (`quantized_reference.py` is the spec), so sealed blocks are read in place, never expanded in memory.
 """
 
 from __future__ import annotations
@@ -44,14 +33,20 @@ _LOG_SCALE_STEPS = tl.constexpr(float(LOG_SCALE_STEPS))
 
 @triton.jit
 def _fp8_e4m3_to_float(bits):
-    """int32 tile of e4m3fn bytes (0..255) -> fp32 values (see the module docstring)."""
+    """int32 tile of e4m3fn bytes (0..255) -> fp32 values.
+
+    fp8 goes through fp16 with integer ops, so no fp8 hardware is needed: an e4m3fn byte `s eeee mmm` as fp16
+    `s 0eeee mmm0000000` is the value times 2**-8, so it is widened and multiplied by 256, exactly. e4m3fn's NaN
+    (0x7F / 0xFF) would read as 480; the codec never stores it.
+    """
     half = ((bits & 0x80) << 8) | ((bits & 0x7F) << 7)
     return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
 def _fp8_e5m2_to_float(bits):
-    """int32 tile of e5m2 bytes (0..255) -> fp32 values (see the module docstring)."""
+    """int32 tile of e5m2 bytes (0..255) -> fp32 values, with integer ops (no fp8 hardware needed): an e5m2 byte
+    is the top byte of the equal fp16 (`bits << 8`)."""
     return (bits << 8).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -139,6 +134,17 @@ def paged_decode_sealed_split_kernel(
     k/v_ptr: full-precision caches `[blocks, PAGE, H, D]`; kc/vc_ptr: sealed codes `[sealed, PAGE, H, D']`
     (both with the `stride_c*` strides, last dim contiguous); ks/kz_ptr: key statistics `[sealed, 1, H, D]`;
     vs/vz_ptr: value statistics `[sealed, PAGE, H, D // VALUE_GROUP]` (last dims contiguous).
+
+    Every token reads its table entry and then one of two places, with masked loads, so no byte is read twice::
+
+        entry >= 0  ->  k_cache[entry, t % PAGE, head, :]                     (query's dtype: sink, tail)
+        entry <  0  ->  sealed id s = -1 - entry:
+                        key   = codes[s, t % PAGE, head, d] * key_scale[s, 0, head, d] (+ key_zero[s, 0, head, d])
+                        value = codes[s, t % PAGE, head, d]
+                                * value_scale[s, t % PAGE, head, d // VALUE_GROUP] (+ zero)
+        codes: int8 c;  int4 (byte >> 4 * (d % 2)) & 0xF;  int2 (byte >> 2 * (d % 4)) & 0x3;  raw: no scale
+        BYTE_ZEROS: a zero is an e4m3 byte, decoded like a code;
+        LOG_SCALES: a scale byte b is 2 ** ((b - 144) / 12)
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)

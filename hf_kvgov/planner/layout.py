@@ -1,19 +1,6 @@
 """Bytes of one KV block in each storage format, mirroring the packed layouts of ``hf_kvgov.codecs``.
 
-Per block (T = ``block_size`` tokens of one layer) and KV head, with D = head_dim, ``s`` the scale's bytes (fp16:
-2) and ``g`` the value group (default D)::
-
-    full precision (e bytes):     K codes T*D*e   + V codes T*D*e
-    int8 / int4 / int2 (b bits):  K codes T*D*b/8 + V codes T*D*b/8 + K scale & zero per channel: D x 2 x s
-                                                                    + V scale & zero per token:   T x D/g x 2 x s
-    fp8 (e4m3):                   K codes T*D     + V codes T*D     + K scale & zero per channel: D x (s + 1)
-                                                                    + V scale per token:          T x D/g x s
-
-An eviction cache keeps per-head slots dropped one at a time, so a codec groups each slot on its own, keys as
-values (`SlotCodes`; hence no zero point for fp8 slots). Per kept slot and KV head::
-
-    int8/4/2:  K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
-    fp8:       K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
+`BlockFormat` gives the byte counts of a block in each format, `SlotLayout` those of an eviction cache's kept slots.
 """
 
 from __future__ import annotations
@@ -35,7 +22,17 @@ def _check_group(group_size: int | None, head_dim: int) -> int:
 
 
 class BlockFormat(Protocol):
-    """Bytes that one block of one layer and one KV head takes in some storage format."""
+    """Bytes that one block of one layer and one KV head takes in some storage format.
+
+    Per block (T = ``block_size`` tokens of one layer) and KV head, with D = head_dim, ``s`` the scale's bytes
+    (fp16: 2) and ``g`` the value group (default D)::
+
+        full precision (e bytes):     K codes T*D*e   + V codes T*D*e
+        int8 / int4 / int2 (b bits):  K codes T*D*b/8 + V codes T*D*b/8 + K scale & zero per channel: D x 2 x s
+                                                                        + V scale & zero per token:   T x D/g x 2 x s
+        fp8 (e4m3):                   K codes T*D     + V codes T*D     + K scale & zero per channel: D x (s + 1)
+                                                                        + V scale per token:          T x D/g x s
+    """
 
     @property
     def name(self) -> str:
@@ -123,7 +120,14 @@ def check_scale_bytes(scale_bytes: object) -> None:
 
 
 class SlotLayout(Protocol):
-    """Bytes of an eviction cache's kept slots of one layer and one KV head."""
+    """Bytes of an eviction cache's kept slots of one layer and one KV head.
+
+    An eviction cache keeps per-head slots dropped one at a time, so a codec groups each slot on its own, keys as
+    values (`SlotCodes`; hence no zero point for fp8 slots). Per kept slot and KV head::
+
+        int8/4/2:  K codes D*b/8 + V codes D*b/8 + (K, V) scale & zero per slot and group: 2 x D/g x 2 x s
+        fp8:       K codes D     + V codes D     + (K, V) scale per slot and group:         2 x D/g x s
+    """
 
     @property
     def name(self) -> str: ...

@@ -1,20 +1,8 @@
 """The contract every eviction policy follows, and the input checks they share.
 
 A policy is a pure function from per-slot facts to the slots worth keeping, never touching K/V memory: the cache
-calls ``select``, then moves its tensors (:func:`hf_kvgov.policies.selection.gather_kept`). The cache computes only
-the facts a policy ``needs``: ``mass`` (attention over every query so far), ``recent_attention`` (of the step's last
-``needs.recent_queries`` queries; in decode, the one new query), ``key_norm`` (as cached: RoPE preserves norms) and
-``expected_attention`` (:mod:`hf_kvgov.policies.query_forecast`). Attention facts are summed over the query heads
-sharing a KV head, so GQA groups rank as one. The arguments and result of ``select``::
-
-    facts      a SlotFacts: each fact float [batch, kv_heads, slots], None where not needed
-    positions  long [batch, kv_heads, slots]: each slot's absolute position; slots may be stored in any order, so
-               a policy ranks by position, never by slot index
-    valid      bool [batch, kv_heads, slots]: False for left padding and empty slots, never kept, facts ignored
-    budget     int: how many slots each (row, head) may keep
-    result     long [batch, kv_heads, min(budget, slots)]: one count for every row and head, so K/V stay one dense
-               tensor; a row short of valid slots gets invalid fillers first (lowest indices, masked by the caller
-               through gather_kept(valid, keep_idx)), then its valid slots in ascending position: left-padded
+calls ``select``, then moves its tensors (:func:`hf_kvgov.policies.selection.gather_kept`), so a policy never depends
+on how a cache stores its slots. `FactNeeds` lists the facts, `EvictionPolicy.select` the arguments and result.
 """
 
 from __future__ import annotations
@@ -30,7 +18,12 @@ from hf_kvgov.policies.query_forecast import QueryForecast
 
 @dataclass(frozen=True)
 class FactNeeds:
-    """Which per-slot facts a policy reads (see the module doc); the cache computes nothing else.
+    """Which per-slot facts a policy reads; the cache computes nothing else.
+
+    The facts: ``mass`` (attention over every query so far), ``recent_attention`` (of the step's last
+    ``recent_queries`` queries; in decode, the one new query), ``key_norm`` (as cached: RoPE preserves norms)
+    and ``expected_attention`` (:mod:`hf_kvgov.policies.query_forecast`). Attention facts are summed over the
+    query heads sharing a KV head, so GQA groups rank as one.
 
     Args:
         mass: accumulated attention mass, kept per slot across steps.
@@ -88,7 +81,21 @@ class EvictionPolicy(Protocol):
         ...
 
     def select(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
-        """Return long ``[batch, kv_heads, min(budget, slots)]`` slot indices to keep (see module doc)."""
+        """Return long ``[batch, kv_heads, min(budget, slots)]`` slot indices to keep.
+
+        The arguments and result::
+
+            facts      a SlotFacts: each fact float [batch, kv_heads, slots], None where not needed
+            positions  long [batch, kv_heads, slots]: each slot's absolute position; slots may be stored in
+                       any order, so a policy ranks by position, never by slot index
+            valid      bool [batch, kv_heads, slots]: False for left padding and empty slots, never kept,
+                       facts ignored
+            budget     int: how many slots each (row, head) may keep
+            result     long [batch, kv_heads, min(budget, slots)]: one count for every row and head, so K/V
+                       stay one dense tensor; a row short of valid slots gets invalid fillers first (lowest
+                       indices, masked by the caller through gather_kept(valid, keep_idx)), then its valid
+                       slots in ascending position: left-padded
+        """
         ...
 
 
@@ -103,7 +110,8 @@ class RankingPolicy(EvictionPolicy, Protocol):
     """
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
-        """Float ``[batch, kv_heads, slots]`` priorities for a selection under ``budget`` (see module doc)."""
+        """Float ``[batch, kv_heads, slots]`` priorities for a selection under ``budget`` (arguments as
+        `EvictionPolicy.select`)."""
         ...
 
 
@@ -119,7 +127,7 @@ def ranking_of(policy: object, owner: str) -> RankingPolicy:
 
 
 def check_slot_tensors(facts: SlotFacts, positions: Tensor, valid: Tensor) -> None:
-    """Raise a ``TypeError``/``ValueError`` unless the per-slot tensors follow the contract above."""
+    """Raise a ``TypeError``/``ValueError`` unless the per-slot tensors follow `EvictionPolicy.select`'s contract."""
     if not isinstance(facts, SlotFacts):
         raise TypeError(f"facts must be a SlotFacts; got {facts!r} of type {type(facts).__name__}.")
     if positions.dim() != 3:

@@ -1,15 +1,10 @@
 """Expected attention: the attention the queries still to come will pay each slot, estimated from past ones.
 
 Expected Attention (Devoto et al., 2025; kvpress's `ExpectedAttentionPress`) models a future query as a Gaussian:
-the mean ``mu`` and covariance ``Sigma`` of the queries seen, before RoPE, rotated to the next ``horizon`` positions
-by the average rotation ``R``, so the expected attention of the slots is a softmax of (``s`` the logit scale)::
-
-    s * (R mu) . k  +  s^2 / 2 * k^T (R Sigma R^T) k
-
-per KV head, optionally times the slot's value norm (a small value changes the output little). ``running=True`` uses
-every query seen (`QueryStatistics`), since a decode step's one query has no covariance. Queries come after RoPE and
-any QK norm (why this works on Gemma-3, unlike kvpress, which re-projects hidden states) and are turned back by their
-position (`rerotate`); ``attention_scaling`` stays on both sides, so it needs no special case.
+the mean and covariance of the queries seen, before RoPE, rotated to the next ``horizon`` positions
+(`expected_attention` gives the score). Queries come after RoPE and any QK norm (why this works on Gemma-3, unlike
+kvpress, which re-projects hidden states) and are turned back by their position (`rerotate`); ``attention_scaling``
+stays on both sides, so it needs no special case.
 """
 
 from __future__ import annotations
@@ -133,6 +128,15 @@ def expected_attention(
     statistics: QueryStatistics | None = None,
 ) -> Tensor:
     """Float ``[batch, kv_heads, slots]``: the expected attention of the queries to come to each slot.
+
+    A future query is a Gaussian: the mean ``mu`` and covariance ``Sigma`` of the queries seen, before RoPE,
+    rotated to the next ``horizon`` positions by the average rotation ``R``, so the expected attention of the
+    slots is a softmax of (``s`` the logit scale)::
+
+        s * (R mu) . k  +  s^2 / 2 * k^T (R Sigma R^T) k
+
+    per KV head, optionally times the slot's value norm (a small value changes the output little).
+    ``running=True`` uses every query seen (`QueryStatistics`), since a decode step's one query has no covariance.
 
     Args:
         forecast: the estimate's configuration.

@@ -1,17 +1,7 @@
 """Tree entries over a pool with layer groups: one entry per block position, one pool block per group.
 
 A pool with layer groups (`hf_kvgov.storage.layer_groups`) stores a block position in one pool block per group;
-the radix tree caches one id per position, so `PrefixCache` gives it entry ids and this table maps them::
-
-    tokens:   [ block 0 ][ block 1 ] ... [ block 40 ][ block 41 ]  ...
-    entry:        e0         e1              e40        e41
-    full:         f0         f1              f40        f41          every block, once published
-    sliding:      -          -               s40        s41          only while the tree keeps them
-
-A hit needs every full-attention block before it, and a sliding block only if its window covers it. An entry lacks
-a full block until its request publishes it (`hf_kvgov.engine.prefix_groups`), a sliding block once its request
-freed it or the tree let it go (`trim`); `servable` says whether every group can serve a hit. Each pool block is
-in at most one entry, and the tree holds one pool reference on each.
+the radix tree caches one id per position, so `PrefixCache` gives it entry ids and `GroupedBlocks` maps them.
 """
 
 from __future__ import annotations
@@ -25,7 +15,20 @@ Blocks = list[int | None]  # one pool block per layer group (None: a sliding gro
 
 
 class GroupedBlocks:
-    """Entry id -> its pool blocks per layer group, and each pool block -> its entry."""
+    """Entry id -> its pool blocks per layer group, and each pool block -> its entry.
+
+    ::
+
+        tokens:   [ block 0 ][ block 1 ] ... [ block 40 ][ block 41 ]  ...
+        entry:        e0         e1              e40        e41
+        full:         f0         f1              f40        f41          every block, once published
+        sliding:      -          -               s40        s41          only while the tree keeps them
+
+    A hit needs every full-attention block before it, and a sliding block only if its window covers it. An entry
+    lacks a full block until its request publishes it (`hf_kvgov.engine.prefix_groups`), a sliding block once its
+    request freed it or the tree let it go (`trim`); `servable` says whether every group can serve a hit. Each pool
+    block is in at most one entry, and the tree holds one pool reference on each.
+    """
 
     def __init__(self, groups: Sequence[LayerGroup], block_size: int) -> None:
         self.groups = tuple(groups)

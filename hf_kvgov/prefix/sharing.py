@@ -1,15 +1,8 @@
 """`PrefixCache`: the radix tree bound to a block pool, so requests share the KV of common prefixes.
 
-    pool ref count of a block = (1 if the tree caches it) + (number of block tables holding it)
-    tree lock count of a block = number of caches that matched or published it and are not released
-
 The tree's reference keeps a block alive after its sequences finish; the pool's reclaimer evicts unlocked leaves
-(LRU) only when an allocation would fail. The tree takes ids >= 0 only, so sealed (negative) ids are folded above
-every pool id (`tree_id`); a sealed leaf frees no full-precision block, so the reclaimer evicts until the allocator
-has what it asked for. With layer groups an entry stands for a block per group (`hf_kvgov.prefix.grouped_blocks`).
-Locks nest only pool -> tree (the reclaimer runs under the pool's lock, as do group updates around their tree call)
-and `match` locks what it finds with the lookup, so threads can share one `PrefixCache` and pool. A remote tier
-shares prefixes across processes (`hf_kvgov.prefix.remote_fill`).
+(LRU) only when an allocation would fail. With layer groups an entry stands for a block per group
+(`hf_kvgov.prefix.grouped_blocks`). A remote tier shares prefixes across processes (`hf_kvgov.prefix.remote_fill`).
 """
 
 from __future__ import annotations
@@ -55,6 +48,16 @@ class SharingStats:
 
 class PrefixCache:
     """A radix tree over full token blocks whose ids live in `pool`.
+
+    ::
+
+        pool ref count of a block = (1 if the tree caches it) + (number of block tables holding it)
+        tree lock count of a block = number of caches that matched or published it and are not released
+
+    The tree takes ids >= 0 only, so sealed (negative) ids are folded above every pool id (`tree_id`); a sealed
+    leaf frees no full-precision block, so the reclaimer evicts until the allocator has what it asked for. Locks
+    nest only pool -> tree (the reclaimer runs under the pool's lock, as do group updates around their tree call)
+    and `match` locks what it finds with the lookup, so threads can share one `PrefixCache` and pool.
 
     Args:
         pool: the block pool whose blocks are shared; its block size is the tree's.
@@ -102,7 +105,7 @@ class PrefixCache:
         the first token the next query sees (None before it). The caller holds one pool reference on each.
         """
         grouped = self._require_groups(True, "match_groups", "match")
-        with self.pool.lock:  # see the module docstring
+        with self.pool.lock:  # see the class docstring
             found = self.tree.match(token_ids, namespace, max_tokens=max_tokens, lock=True, servable=grouped.servable)
             entries = list(found.block_ids)
             tables = self.hit_tables(grouped, entries)
@@ -152,7 +155,7 @@ class PrefixCache:
         for them; a sliding block the cached entry lacks is taken from the caller.
         """
         grouped = self._require_groups(True, "publish_groups", "publish")
-        with self.pool.lock:  # see the module docstring
+        with self.pool.lock:  # see the class docstring
             return self._publish_groups(grouped, token_ids, tables, namespace)
 
     def _publish_groups(
@@ -245,7 +248,7 @@ class PrefixCache:
     def _reclaim(self, wanted: int) -> int:
         """Pool hook: evict until `wanted` more of the pool's allocatable blocks are free; returns how many are.
 
-        Runs with the pool's lock held (see the module docstring), so `num_used` cannot move under it. An
+        Runs with the pool's lock held (see the class docstring), so `num_used` cannot move under it. An
         evicted block may free nothing the allocator hands out (a sealed block, or one a sequence still
         holds), hence the loop rather than one `evict(wanted)`.
         """

@@ -2,15 +2,7 @@
 
 `ServingEngine(policy=HeavyHitter(0.2))` applies H2O at the engine's granularity, the block: every layer and KV head
 shares a request's block table, so what is evicted is a whole block, and its memory goes back to the pool at once
-(on a hybrid model, the full-attention layers' tables; sliding layers keep their window and are not scored).
-A request keeps at most ``budget`` of its prompt in blocks: the most recent share (``recent``) always, the rest the
-blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed over queries, heads and
-layers, as H2O accumulates it). Without a prefix tree the prompt streams (every `PREFILL_SLACK_BLOCKS` blocks past
-the budget the weakest go); with one it is held whole, so the tree gets it whole. Once the prompt is computed (its
-first token sampled), and each time decoding fills a block, the request is cut back to its budget. Keys keep the
-positions they were rotated at, so later tokens are written after the kept blocks and attend to exactly them. A
-prefix hit's blocks are scored by the queries after them; a request that evicts gives up its prefix-tree locks (the
-tree keeps those blocks as a cache, reclaimed when the pool needs room). `NoEviction`: the engine without a policy.
+(`BlockEviction` gives the rules). `NoEviction`: the engine without a policy.
 """
 
 from __future__ import annotations
@@ -52,7 +44,19 @@ class NoEviction:
 
 
 class BlockEviction(NoEviction):
-    """H2O over whole blocks (see the module docstring)."""
+    """H2O over whole blocks.
+
+    On a hybrid model the full-attention layers' tables are evicted from; sliding layers keep their window and are
+    not scored. A request keeps at most ``budget`` of its prompt in blocks: the most recent share (``recent``)
+    always, the rest the blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed
+    over queries, heads and layers, as H2O accumulates it). Without a prefix tree the prompt streams (every
+    `PREFILL_SLACK_BLOCKS` blocks past the budget the weakest go); with one it is held whole, so the tree gets it
+    whole. Once the prompt is computed (its first token sampled), and each time decoding fills a block, the
+    request is cut back to its budget. Keys keep the positions they were rotated at, so later tokens are written
+    after the kept blocks and attend to exactly them. A prefix hit's blocks are scored by the queries after them;
+    a request that evicts gives up its prefix-tree locks (the tree keeps those blocks as a cache, reclaimed when
+    the pool needs room).
+    """
 
     observes = True
 

@@ -1,16 +1,8 @@
 """Which requests run in the next step, and with how many tokens: admission by blocks, preemption, prefix sharing.
 
-Each step has a token budget. Running requests go first, oldest first: one token each when decoding, the next chunk
-of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted in arrival
-order while the budget lasts: a request enters when the blocks of its prompt, after the longest prefix the tree
-holds, can be allocated and `reserve_blocks` per running request stay free for their decode growth (with a codec,
-the codes those blocks become; the prefix tree's unlocked blocks count as free, the pool's reclaimer evicts them on
-demand, unless an evicting request still reads them); a request whose prefix another
-is still prefilling waits for it, so the prefix is computed once. A decode step that finds the
-pool full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
-tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed), or, with a
-swap space (`hf_kvgov.serving.swap`), its blocks are written to disk and read back. The caller never sees
-`PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
+Each step has a token budget: running requests go first, then waiting requests are admitted while their blocks fit,
+and a decode step that finds the pool full preempts the newest running request (`Scheduler` gives the rules). The
+caller never sees `PoolExhausted`; a request that could not fit in the whole pool is refused when it is added.
 """
 
 from __future__ import annotations
@@ -59,6 +51,17 @@ class SchedulerCounters:
 
 class Scheduler:
     """The waiting queue, the running set and their blocks in one pool.
+
+    Each step has a token budget. Running requests go first, oldest first: one token each when decoding, the next
+    chunk of their prompt when in prefill (chunked prefill mixed with decode). Then waiting requests are admitted
+    in arrival order while the budget lasts: a request enters when the blocks of its prompt, after the longest
+    prefix the tree holds, can be allocated and `reserve_blocks` per running request stay free for their decode
+    growth (with a codec, the codes those blocks become; the prefix tree's unlocked blocks count as free, the
+    pool's reclaimer evicts them on demand, unless an evicting request still reads them); a request whose prefix
+    another is still prefilling waits for it, so the prefix is computed once. A decode step that finds the pool
+    full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
+    tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed), or, with
+    a swap space (`hf_kvgov.serving.swap`), its blocks are written to disk and read back.
 
     Args:
         pool: the block pool every request's table draws from (its cap is the engine's KV budget).

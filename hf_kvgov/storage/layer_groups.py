@@ -3,12 +3,8 @@
 A hybrid model mixes full-attention layers with layers sliding over the last `w` tokens; one table for every layer
 would keep every token in every layer, so layers are grouped by what they keep, each group with its own tables over
 the one pool. Groups all have `s` layers, the gcd of each kind's count (as in vLLM's hybrid allocator), so a block
-id means the same memory in every group and the pool keeps one free list, one byte cap and one kind of block::
-
-    Gemma-3-270M: 15 sliding layers, 3 full (5, 11, 17)  ->  s = 3, six groups of three layers
-        sliding 512: (0 1 2)  (3 4 6)  (7 8 9)  (10 12 13)  (14 15 16)        full: (5 11 17)
-    pool tensors: keys[position j] : [capacity, block_size, kv_heads, head_dim], j = 0, 1, 2
-    layer l  ->  (its group, its position j): its K/V live in keys[j][block ids of its group's tables]
+id means the same memory in every group and the pool keeps one free list, one byte cap and one kind of block
+(`GroupLayout` gives an example).
 
 A block costs `s` layers' bytes whatever its group; a sliding layer holds at most about `w + block_size` tokens.
 """
@@ -87,7 +83,13 @@ def check_groups(groups: Sequence[LayerGroup], num_layers: int) -> None:
 @dataclass(frozen=True)
 class GroupLayout:
     """Where each layer's blocks live when a block holds one group's layers: its group and its position in it.
-    The layers at one position share memory; group 0's layers (`heads`) stand for the positions."""
+    The layers at one position share memory; group 0's layers (`heads`) stand for the positions::
+
+        Gemma-3-270M: 15 sliding layers, 3 full (5, 11, 17)  ->  s = 3, six groups of three layers
+            sliding 512: (0 1 2)  (3 4 6)  (7 8 9)  (10 12 13)  (14 15 16)        full: (5 11 17)
+        pool tensors: keys[position j] : [capacity, block_size, kv_heads, head_dim], j = 0, 1, 2
+        layer l  ->  (its group, its position j): its K/V live in keys[j][block ids of its group's tables]
+    """
 
     groups: tuple[LayerGroup, ...]
     group_of: tuple[int, ...]  # per layer: its index in `groups`

@@ -1,28 +1,7 @@
 """The block pool: the one object that owns physical KV memory.
 
-Memory layout, per layer (the layout flash-attn's paged kernel reads, so no conversion is needed)::
-
-    keys[layer]   : [capacity_blocks, block_size, num_kv_heads, head_dim]
-    values[layer] : [capacity_blocks, block_size, num_kv_heads, head_dim]
-
-    block id b  ->  keys[l][b] for every layer l      (one id spans all layers)
-    slot s      ->  block s // block_size, offset s % block_size
-
-With layer groups (`hf_kvgov.storage.layer_groups`, for hybrid sliding-window models) a block id spans the
-`s` layers of one group instead: layers at the same position j of their groups share one tensor, so
-`keys[l]` of those layers is the same tensor object and the ids of different groups' tables never collide
-(they come from the one free list). Without groups there is one group of every layer, as above.
-
-Everything else in hf_kvgov holds block ids. A block's metadata is a reference count; the free list is a
-FIFO queue, so a freed block is reused last (the order the prefix cache later relies on for LRU).
-
-Several devices: each layer's tensors live on that layer's device (`KVGeometry.layer_devices`, a model
-split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
-arrive elsewhere raises, and only index tensors (slots, block tables) are copied between devices.
-
-Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
-Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
-(copy-on-write guarantees that), and shared blocks are immutable.
+Everything else in hf_kvgov holds block ids, so sharing, forking and freeing KV is reference counting on
+one pool (`BlockPool` gives the memory layout, devices and thread safety).
 """
 
 from __future__ import annotations
@@ -64,6 +43,30 @@ Reclaimer = Callable[[int], int]
 
 class BlockPool:
     """Fixed-size KV blocks with reference counts, copy-on-write and growth up to an optional cap.
+
+    Memory layout, per layer (the layout flash-attn's paged kernel reads, so no conversion is needed)::
+
+        keys[layer]   : [capacity_blocks, block_size, num_kv_heads, head_dim]
+        values[layer] : [capacity_blocks, block_size, num_kv_heads, head_dim]
+
+        block id b  ->  keys[l][b] for every layer l      (one id spans all layers)
+        slot s      ->  block s // block_size, offset s % block_size
+
+    With layer groups (`hf_kvgov.storage.layer_groups`, for hybrid sliding-window models) a block id spans the
+    `s` layers of one group instead: layers at the same position j of their groups share one tensor, so
+    `keys[l]` of those layers is the same tensor object and the ids of different groups' tables never collide
+    (they come from the one free list). Without groups there is one group of every layer, as above.
+
+    A block's metadata is a reference count; the free list is a FIFO queue, so a freed block is reused last
+    (the order the prefix cache later relies on for LRU).
+
+    Several devices: each layer's tensors live on that layer's device (`KVGeometry.layer_devices`, a model
+    split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
+    arrive elsewhere raises, and only index tensors (slots, block tables) are copied between devices.
+
+    Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
+    Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
+    (copy-on-write guarantees that), and shared blocks are immutable.
 
     Args:
         geometry: layers, KV heads, head dim, dtype and device(s) of the blocks (one device per layer when

@@ -1,34 +1,8 @@
 """A block pool whose full blocks can be *sealed*: encoded into a `SealedBlockStore`, their
 full-precision memory handed back to the free list.
 
-Block ids, as block tables hold them::
-
-    id >= 0  : a full-precision block of the pool, keys[l][id] / values[l][id]   (sink, tail, residual)
-    id <  0  : sealed block s = -1 - id of the sealed store (codes + scales, or raw K/V for a layer
-               kept in full precision)
-
-Both kinds carry reference counts, and `incref` / `decref` / `ref_count` accept either, so `BlockTable`s
-hold mixed lists and fork, truncate and release them unchanged. A sealed block is immutable: writes only
-touch full-precision blocks, and `copy_on_write` (alias `unseal`) decodes a sealed block into a fresh
-full-precision one::
-
-    seal([7, 7, 9]) -> [-1, -1, -2]    block 7 (shared by two rows) is encoded once and sealed id 0 takes
-                                        both references; blocks 7 and 9 drop them (freed at count 0)
-
-The cap: `max_bytes` bounds every byte of the pool's tensors, full-precision blocks (free ones included)
-plus the sealed store (`stats().bytes_held`). Each part grows lazily, its step clamped to the budget left.
-Freeing a block returns no bytes (ids are stable), so a part short of budget first takes back the other
-part's free blocks at the end of its tensors, then asks the reclaimers, then raises `PoolExhausted` having
-done nothing. Sealing rule: the blocks an operation frees count as freed before it takes new ones, so `seal`
-may grow the store into the full-precision blocks it frees at the end (encoding them before they go), and
-`unseal` into the sealed block it drops; either is refused only when its net effect does not fit. A resize
-copies, briefly holding both copies, as `BlockPool`'s growth does. `max_tokens` still caps the
-full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget
-being shared.
-
-Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
-id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing
-a block encodes one tensor per position, so those layers must share a sealed format.
+Block tables hold full-precision and sealed ids side by side (`QuantizedBlockPool` gives the convention), so
+they fork, truncate and release mixed lists unchanged, and one byte cap bounds both kinds of memory together.
 """
 
 from __future__ import annotations
@@ -109,14 +83,43 @@ class _Room:
 
 
 class QuantizedBlockPool(BlockPool):
-    """Full-precision blocks plus a sealed store; see the module docstring for the id convention.
+    """Full-precision blocks plus a sealed store.
+
+    Block ids, as block tables hold them::
+
+        id >= 0  : a full-precision block of the pool, keys[l][id] / values[l][id]   (sink, tail, residual)
+        id <  0  : sealed block s = -1 - id of the sealed store (codes + scales, or raw K/V for a layer
+                   kept in full precision)
+
+    Both kinds carry reference counts, and `incref` / `decref` / `ref_count` accept either, so `BlockTable`s
+    hold mixed lists and fork, truncate and release them unchanged. A sealed block is immutable: writes only
+    touch full-precision blocks, and `copy_on_write` (alias `unseal`) decodes a sealed block into a fresh
+    full-precision one::
+
+        seal([7, 7, 9]) -> [-1, -1, -2]    block 7 (shared by two rows) is encoded once and sealed id 0 takes
+                                            both references; blocks 7 and 9 drop them (freed at count 0)
+
+    The cap: `max_bytes` bounds every byte of the pool's tensors, full-precision blocks (free ones included)
+    plus the sealed store (`stats().bytes_held`). Each part grows lazily, its step clamped to the budget left.
+    Freeing a block returns no bytes (ids are stable), so a part short of budget first takes back the other
+    part's free blocks at the end of its tensors, then asks the reclaimers, then raises `PoolExhausted` having
+    done nothing. Sealing rule: the blocks an operation frees count as freed before it takes new ones, so
+    `seal` may grow the store into the full-precision blocks it frees at the end (encoding them before they
+    go), and `unseal` into the sealed block it drops; either is refused only when its net effect does not fit.
+    A resize copies, briefly holding both copies, as `BlockPool`'s growth does. `max_tokens` still caps the
+    full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget
+    being shared.
+
+    Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
+    id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing
+    a block encodes one tensor per position, so those layers must share a sealed format.
 
     Args:
         geometry, block_size, growth_blocks, preallocate: as `BlockPool`, for the full-precision blocks
             (`growth_blocks` defaults to 8: a quantized cache keeps only each row's sink and tail blocks there).
         max_tokens: cap on the full-precision blocks, in tokens (the sealed store is then not capped).
-        max_bytes: cap on every byte the pool holds, full-precision blocks and sealed store together (see the
-            module docstring); not with `preallocate`.
+        max_bytes: cap on every byte the pool holds, full-precision blocks and sealed store together (see
+            "The cap" above); not with `preallocate`.
         formats: one `SealedFormat` per layer: how sealed blocks of that layer are stored.
         sealed_growth_blocks: blocks added per growth step of the sealed store.
         groups: layer groups, as `BlockPool`'s (None: one group of every layer); the layers at one position of
@@ -288,7 +291,7 @@ class QuantizedBlockPool(BlockPool):
         a block listed by k rows is encoded once and its sealed copy has k references. A full-precision
         block still referenced elsewhere afterwards keeps its memory; the others return to the free list.
         Under a byte cap the sealed blocks may take the bytes of those freed at the end of the tensors
-        (module docstring); `PoolExhausted` leaves every block as it was.
+        (the sealing rule of the class docstring); `PoolExhausted` leaves every block as it was.
 
         A block whose statistics do not fit its format (one-byte statistics past e4m3's +-448, an fp16 scale
         overflow) stays in full precision, the widest statistics there are: its own id comes back, its

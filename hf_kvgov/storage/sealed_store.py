@@ -1,27 +1,7 @@
 """The sealed-block store: encoded K/V blocks indexed by a sealed id, with reference counts.
 
-Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (int8 shown)::
-
-    pieces[layer]["key_codes"]   : uint8 [capacity, block_size, H, D]
-    pieces[layer]["key_scale"]   : fp16  [capacity, 1, H, D]          one scale per channel per block
-    pieces[layer]["key_zero"]    : fp16  [capacity, 1, H, D]
-    pieces[layer]["value_codes"] : uint8 [capacity, block_size, H, D]
-    pieces[layer]["value_scale"] : fp16  [capacity, block_size, H, D // g]
-    pieces[layer]["value_zero"]  : fp16  [capacity, block_size, H, D // g]
-
-(fp8: float8 codes, a one-byte e4m3 `key_zero` and no `value_zero`.)
-
-    sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
-
-With layer groups (`BlockPool(groups=...)`, hybrid sliding-window models) a sealed id spans the layers of
-one group, as a pool block does: the layers at one position of their groups share one dict of pieces
-(`pieces[l]` aliases), so they must share a format, and `bytes_per_block` counts one group's layers.
-
-Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
-different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
-mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
-`QuantizedBlockPool`, calls it under the pool's lock. Left alone it grows as `allocate` needs; an owner with
-a byte cap grows it first (`grow`, within the cap) and may take back free ids at its end (`release_tail`).
+It holds the compressed half of a `QuantizedBlockPool`, mirroring `BlockPool`'s metadata (a reference count
+per id, a FIFO free list) so sealed ids are shared, forked and freed as pool blocks are.
 """
 
 from __future__ import annotations
@@ -54,6 +34,30 @@ class SealedStats:
 
 class SealedBlockStore:
     """Sealed blocks of every layer, encoded by each layer's `SealedFormat`.
+
+    Memory layout, per layer, one tensor per piece of that layer's `SealedFormat` (int8 shown)::
+
+        pieces[layer]["key_codes"]   : uint8 [capacity, block_size, H, D]
+        pieces[layer]["key_scale"]   : fp16  [capacity, 1, H, D]          one scale per channel per block
+        pieces[layer]["key_zero"]    : fp16  [capacity, 1, H, D]
+        pieces[layer]["value_codes"] : uint8 [capacity, block_size, H, D]
+        pieces[layer]["value_scale"] : fp16  [capacity, block_size, H, D // g]
+        pieces[layer]["value_zero"]  : fp16  [capacity, block_size, H, D // g]
+
+    (fp8: float8 codes, a one-byte e4m3 `key_zero` and no `value_zero`.)
+
+        sealed id s  ->  pieces[l][name][s] for every layer l and piece     (one id spans all layers)
+
+    With layer groups (`BlockPool(groups=...)`, hybrid sliding-window models) a sealed id spans the layers of
+    one group, as a pool block does: the layers at one position of their groups share one dict of pieces
+    (`pieces[l]` aliases), so they must share a format, and `bytes_per_block` counts one group's layers.
+
+    Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
+    different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
+    mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
+    `QuantizedBlockPool`, calls it under the pool's lock. Left alone it grows as `allocate` needs; an owner
+    with a byte cap grows it first (`grow`, within the cap) and may take back free ids at its end
+    (`release_tail`).
 
     Args:
         formats: one format per layer.

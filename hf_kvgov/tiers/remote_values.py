@@ -1,17 +1,8 @@
 """Between the pool's blocks and the remote tier's values: snapshot, encode with a checksum, verify, load.
 
-One value per block, every layer, as the pool stores it (sealed blocks as codes and scales, never decoded)::
-
-    offset 0   b"KVGR"                     magic
-           4   u8  FORMAT_VERSION
-           5   u8  kind                    0: raw K/V, 1: sealed pieces, 2: a grouped entry (`remote_entries`)
-           6   32 bytes  sha256(key, bytes 0..5, payload)
-          38   payload: per position of a block (`pool.layout.heads`), per part, the part's bytes:
-                 raw:    keys[l][b], values[l][b]               block_size x kv_heads x head_dim, pool dtype
-                 sealed: each piece of layer l's SealedFormat   in the store's piece order
-
-The checksum covers the key, so a value under another key (or a truncated, bit-flipped one) is a miss. Byte
-order is the machine's (every x86 and ARM host is little-endian).
+One value per block, every layer, as the pool stores it (sealed blocks as codes and scales, never decoded); `framed`
+gives the byte layout. The checksum covers the key, so a value under another key (or a truncated, bit-flipped one) is
+a miss. Byte order is the machine's (every x86 and ARM host is little-endian).
 """
 
 from __future__ import annotations
@@ -85,7 +76,18 @@ class BlockSnapshot:
 
 
 def framed(key: bytes, kind: int, payload: bytes) -> bytes:
-    """A value: the header, the checksum of key, header and payload, the payload."""
+    """A value: the header, the checksum of key, header and payload, the payload.
+
+    One value per block, every layer, as the pool stores it::
+
+        offset 0   b"KVGR"                     magic
+               4   u8  FORMAT_VERSION
+               5   u8  kind                    0: raw K/V, 1: sealed pieces, 2: a grouped entry (`remote_entries`)
+               6   32 bytes  sha256(key, bytes 0..5, payload)
+              38   payload: per position of a block (`pool.layout.heads`), per part, the part's bytes:
+                     raw:    keys[l][b], values[l][b]               block_size x kv_heads x head_dim, pool dtype
+                     sealed: each piece of layer l's SealedFormat   in the store's piece order
+    """
     header = MAGIC + bytes((FORMAT_VERSION, kind))
     return header + hashlib.sha256(key + header + payload).digest() + payload
 

@@ -1,17 +1,9 @@
 """One preallocated file of fixed-size block slots: where spilled KV blocks live on disk.
 
 A block is one segment per layer, so the layer about to run is read without the others; the file grows by extents
-reserved with ``posix_fallocate``, so a full disk shows up when an extent is added, not halfway through a block::
-
-    extent e    = layer 0 | layer 1 | ... | layer L-1                  (C slots each)
-    layer l     = part 0 of slots eC .. eC+C-1 | part 1 of the same slots | ...
-    (slot s, layer l, part p) -> (s // C) * C*(S_0 + .. + S_{L-1}) + C * (S_0 + .. + S_{l-1})
-                                 + C * (P_l0 + .. + P_l(p-1)) + (s % C) * P_lp
-    C = extent_slots, P_lp = bytes of part p of layer l, S_l = P_l0 + P_l1 + ... (one segment)
-
-This order because reads are per layer, over many blocks, into one buffer per part: part p of consecutive slots is
-one range, so a run of blocks is one ``preadv`` per part. The file comes from ``mkstemp`` (mode 0600), so two caches
-never share one; `close()` or garbage collection deletes it.
+reserved with ``posix_fallocate``, so a full disk shows up when an extent is added, not halfway through a block
+(`SlotFile` gives the layout). The file comes from ``mkstemp`` (mode 0600), so two caches never share one; `close()`
+or garbage collection deletes it.
 """
 
 from __future__ import annotations
@@ -42,6 +34,17 @@ def _close_and_remove(fd: int, path: str, remove_dir: str | None) -> None:
 
 class SlotFile:
     """Fixed-size slots of `layers` segments made of parts of `part_bytes`, in one growing file.
+
+    The file is a sequence of extents reserved with ``posix_fallocate``::
+
+        extent e    = layer 0 | layer 1 | ... | layer L-1                  (C slots each)
+        layer l     = part 0 of slots eC .. eC+C-1 | part 1 of the same slots | ...
+        (slot s, layer l, part p) -> (s // C) * C*(S_0 + .. + S_{L-1}) + C * (S_0 + .. + S_{l-1})
+                                     + C * (P_l0 + .. + P_l(p-1)) + (s % C) * P_lp
+        C = extent_slots, P_lp = bytes of part p of layer l, S_l = P_l0 + P_l1 + ... (one segment)
+
+    This order because reads are per layer, over many blocks, into one buffer per part: part p of consecutive
+    slots is one range, so a run of blocks is one ``preadv`` per part.
 
     Args:
         directory: where the file is created (must exist).

@@ -1,16 +1,8 @@
 """`EvictionCache`: the transformers `Cache` that H2O and StreamingLLM share.
 
-Each layer (`EvictionLayer`) holds per-slot tensors; a slot is one kept token of one (sequence, KV head)::
-
-    K/V            [batch, kv_heads, slots, head_dim]   as cached (after RoPE); dense, or codes + scales (``codec=``)
-    positions      long  [batch, kv_heads, slots]         the RoPE position each key was rotated at
-    valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
-    scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
-
-Heads keep different tokens, so ``update`` stages a step for the eviction attention (`slot_attention`), whose commit
-keeps ``policy.select(...)`` (``decode_policy`` after the first chunk, if given): at most ``budget + q_len`` slots
-per (sequence, head) in a step, ``budget`` between. ``update`` returns only the new K/V and ``get_mask_sizes(q)``
-says so, which makes transformers' mask exactly the causal + padding mask of the new tokens.
+Each layer (`EvictionLayer`) holds per-slot tensors, a slot being one kept token of one (sequence, KV head). Heads keep
+different tokens, so attention runs through the eviction attention (`slot_attention`); `EvictionCache` gives the
+layout and how a step is committed.
 """
 
 from __future__ import annotations
@@ -67,6 +59,20 @@ class EvictionCache(GovernedCacheBase):
     """A fixed budget of slots per (sequence, KV head), kept by an eviction policy.
 
     Use a subclass (`HeavyHitterCache`, `SinkCache`) under ``with hf_kvgov.eviction_attention(model):``.
+
+    Each layer (`EvictionLayer`) holds per-slot tensors; a slot is one kept token of one (sequence, KV head)::
+
+        K/V            [batch, kv_heads, slots, head_dim]   as cached (after RoPE); dense, or codes + scales
+                                                            (``codec=``)
+        positions      long  [batch, kv_heads, slots]         the RoPE position each key was rotated at
+        valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
+        scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
+
+    Heads keep different tokens, so ``update`` stages a step for the eviction attention (`slot_attention`), whose
+    commit keeps ``policy.select(...)`` (``decode_policy`` after the first chunk, if given): at most
+    ``budget + q_len`` slots per (sequence, head) in a step, ``budget`` between. ``update`` returns only the new
+    K/V and ``get_mask_sizes(q)`` says so, which makes transformers' mask exactly the causal + padding mask of the
+    new tokens.
 
     Args:
         model: the transformers model the cache serves (an attention-only decoder). Sliding-window layers

@@ -1,15 +1,8 @@
 """Kept slots in pool blocks: eviction caches that draw from one shared, capped `BlockPool`.
 
 An eviction pool has one layer group per layer, so a block id is one layer's block, read as ``block_size x
-kv_heads`` slot records; each row of a layer stores only its valid slots, as one stream::
-
-    row r's stream     head 0's valid slots in slot order, then head 1's, ...    (c_0 + c_1 + ... records)
-    record j           block tables[r][j // (block_size x kv_heads)], record j % (block_size x kv_heads)
-
-A stream, because heads keep different tokens (and numbers of them, under `HeadAdaptive`): padding takes no memory
-or per-head table, and a smaller layer budget holds fewer blocks. Records are bytes (model dtype, or codes then
-scales), so one pool serves dense and quantized caches. Blocks are allocated before any write, so `PoolExhausted`
-changes nothing; writes hold the pool's lock (another request may grow its tensors), reads need none (one owner).
+kv_heads`` slot records. Records are bytes (model dtype, or codes then scales), so one pool serves dense and
+quantized caches; `PooledSlotHome` gives how a layer's slots are laid out in them.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
 
 def per_layer_groups(windows: Sequence[int | None]) -> tuple[LayerGroup, ...]:
-    """One group per layer: a block id is one layer's block (see the module docstring)."""
+    """One group per layer: a block id is one layer's block (see `PooledSlotHome`)."""
     return tuple(LayerGroup((layer,), window) for layer, window in enumerate(windows))
 
 
@@ -110,7 +103,18 @@ def eviction_pool(
 
 
 class PooledSlotHome:
-    """Where one eviction layer's slots live between steps: block tables over a pool, one per batch row."""
+    """Where one eviction layer's slots live between steps: block tables over a pool, one per batch row.
+
+    Each row of a layer stores only its valid slots, as one stream::
+
+        row r's stream     head 0's valid slots in slot order, then head 1's, ...    (c_0 + c_1 + ... records)
+        record j           block tables[r][j // (block_size x kv_heads)], record j % (block_size x kv_heads)
+
+    A stream, because heads keep different tokens (and numbers of them, under `HeadAdaptive`): padding takes no
+    memory or per-head table, and a smaller layer budget holds fewer blocks. Blocks are allocated before any write,
+    so `PoolExhausted` changes nothing; writes hold the pool's lock (another request may grow its tensors), reads
+    need none (one owner).
+    """
 
     def __init__(self, pool: BlockPool, layer: int, records: SlotRecords) -> None:
         self.pool = pool
