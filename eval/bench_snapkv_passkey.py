@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
 
 import torch
 
@@ -22,29 +24,20 @@ from hf_kvgov.data_text import pride_and_prejudice
 from hf_kvgov.models import load_model
 from hf_kvgov.policies import SnapKV
 
-FILLER_TOKENS, DEPTH, FULL_WRONG = 900, 0.1, {2, 7}  # as the test draws them
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the prompts are the passkey test's own
+from tests.eviction.test_eviction_passkey import FULL_WRONG, passkey_prompt
 
 
 def prompts(tokenizer) -> list[tuple[int, dict[str, torch.Tensor]]]:  # type: ignore[no-untyped-def]
-    text, rng = pride_and_prejudice(), random.Random(0)
+    """The test's draws: (key, prompt) for the 8 of 10 the full cache answers."""
+    rng = random.Random(0)
     draws = [(rng.randrange(10000, 99999), rng.randrange(10000, 600000)) for _ in range(10)]
-    out = []
-    for i, (key, start) in enumerate(draws):
-        if i in FULL_WRONG:
-            continue
-        filler = tokenizer(text[start : start + 8000])["input_ids"][:FILLER_TOKENS]
-        cut = int(len(filler) * DEPTH)
-        needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-        body = (
-            "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-            "I will quiz you about the important information there.\n"
-            + tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + "\nWhat is the pass key?"
-        )  # fmt: skip
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
-        )
-        out.append((key, tokenizer(chat + "The pass key is", return_tensors="pt")))
-    return out
+    text = pride_and_prejudice()
+    return [
+        (key, passkey_prompt(tokenizer, text, key, start))
+        for i, (key, start) in enumerate(draws)
+        if i not in FULL_WRONG
+    ]
 
 
 def main() -> None:
