@@ -57,8 +57,8 @@ class BlockPool:
     `keys[l]` of those layers is the same tensor object and the ids of different groups' tables never collide
     (they come from the one free list). Without groups there is one group of every layer, as above.
 
-    A block's metadata is a reference count; the free list is a FIFO queue, so a freed block is reused last
-    (the order the prefix cache later relies on for LRU).
+    A block's metadata is a reference count; the free list is a FIFO queue (a prefix tree keeps the blocks it
+    caches by holding a reference, so it does not depend on that order).
 
     Several devices: each layer's tensors live on that layer's device (`KVGeometry.layer_devices`, a model
     split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
