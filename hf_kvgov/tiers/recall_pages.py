@@ -37,8 +37,9 @@ DEFAULT_SUMMARY = "centroid"
 # Where recalled pages are held between reads: one buffer per layer, or one buffer every layer takes in turn.
 BUFFERS = ("layer", "shared")
 DEFAULT_BUFFER = "shared"
-# A chosen page's neighbours come with it, so a needle split over a page boundary returns whole (it answered one
-# such Gemma-3 case and moved streaming perplexity by +0.05 points on average over eight unseen passages).
+# A chosen page's neighbours come with it, so a needle split over a page boundary returns whole. It answered one
+# such Gemma-3 case; streaming perplexity moved by +0.13 points on average over ten passages, up to +1.0 on one
+# (eval/RESULTS.md, "Recall brings a chosen page's neighbours by default").
 DEFAULT_NEIGHBOURS = 1
 
 
