@@ -19,14 +19,22 @@ class PoolExhausted(KVGovError):
     sequences) and retry.
     """
 
-    def __init__(self, requested: int, free: int, capacity: int, block_size: int) -> None:
+    def __init__(self, requested: int, free: int, capacity: int, block_size: int, beside: int | None = None) -> None:
         self.requested = requested
         self.free = free
         self.capacity = capacity
         self.block_size = block_size
+        self.beside = beside  # bytes a holder asked to keep beside the blocks (`BlockPool.charge`), if that
+        if beside is None:
+            asked = f"{requested} block(s) of {block_size} tokens were requested but only {free} of its {capacity} "
+            asked += "blocks are free"
+        else:
+            asked = (
+                f"{beside} bytes of slot metadata, statistics or recall pages need {requested} block(s)' worth of "
+                f"the cap, but only {free} free block(s) at the end of its memory can give their bytes back"
+            )
         super().__init__(
-            f"The KV block pool is exhausted: {requested} block(s) of {block_size} tokens were requested but "
-            f"only {free} of its {capacity} blocks are free (cap reached). Release finished sequences, raise "
+            f"The KV block pool is exhausted: {asked} (cap reached). Release finished sequences, raise "
             "max_tokens/max_bytes, or lower the batch size or generation length."
         )
 

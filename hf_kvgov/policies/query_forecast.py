@@ -87,6 +87,10 @@ class QueryStatistics:
         covariance = self.outer / count[:, None, None, None] - mean[..., :, None] * mean[..., None, :]
         return mean, covariance
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.count, self.total, self.outer))
+
     def select_rows(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beam search, batch expansion)."""
         rows = rows.to(self.count.device)

@@ -47,9 +47,11 @@ class FullPrecisionBlocks:
 
     def bytes_held(self, pool: BlockPool) -> int:
         """Bytes of the pool's tensors, free blocks included: what the engine holds of the device's memory."""
-        return pool.capacity * pool.bytes_per_block
+        return pool.bytes_held()
 
     def bytes_cap(self, pool: BlockPool) -> int | None:
+        if pool.max_bytes is not None:
+            return pool.max_bytes
         return None if pool.max_blocks is None else pool.max_blocks * pool.bytes_per_block
 
     def describe(self) -> str:
@@ -104,14 +106,6 @@ class SealedBlockCodec(FullPrecisionBlocks):
     def bytes_used(self, pool: BlockPool) -> int:
         assert isinstance(pool, QuantizedBlockPool)
         return super().bytes_used(pool) + pool.sealed_stats().bytes_used
-
-    def bytes_held(self, pool: BlockPool) -> int:
-        assert isinstance(pool, QuantizedBlockPool)
-        return pool.bytes_held()
-
-    def bytes_cap(self, pool: BlockPool) -> int | None:
-        assert isinstance(pool, QuantizedBlockPool)
-        return pool.max_bytes if pool.max_bytes is not None else super().bytes_cap(pool)
 
     def publishable(self, request: Request, block_size: int) -> int:
         assert request.tables is not None

@@ -34,6 +34,11 @@ class PoolStats:
     bytes_reserved: int
     bytes_used: int
     bytes_per_block: int
+    # Bytes holders keep beside the blocks and count against the cap (`BlockPool.charge`): an eviction cache's
+    # per-slot metadata, running statistics and recall state.
+    bytes_charged: int
+    bytes_held: int  # every byte the cap bounds: the pool's tensors (free blocks included) + bytes_charged
+    max_bytes: int | None  # the byte cap; None without one (max_tokens caps blocks only)
 
 
 # A reclaimer frees up to n blocks held by someone other than a sequence (e.g. the prefix cache's
@@ -64,6 +69,10 @@ class BlockPool:
     split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
     arrive elsewhere raises, and only index tensors (slots, block tables) are copied between devices.
 
+    Bytes beside the blocks: a holder that keeps tensors of its own for what it stores in the pool (an eviction
+    cache's slot positions, attention mass, running statistics, recall pages) `charge`s them, and under
+    ``max_bytes`` they count against the cap with the blocks, so the cap bounds every byte the pool's users hold.
+
     Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
     Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
     (copy-on-write guarantees that), and shared blocks are immutable.
@@ -73,7 +82,8 @@ class BlockPool:
             `geometry.layer_devices` is set).
         block_size: tokens per block (any positive int; flash-attn 2 needs a multiple of 256).
         max_tokens / max_bytes: optional cap on the pool's size (at most one). Asking for more blocks than
-            the cap allows raises `PoolExhausted`; nothing is ever overwritten.
+            the cap allows raises `PoolExhausted`; nothing is ever overwritten. ``max_bytes`` also bounds the
+            bytes charged beside the blocks (`charge`); ``max_tokens`` counts blocks only.
         growth_blocks: blocks added per growth step (the pool at least doubles, so growth is amortised).
         preallocate: allocate the whole cap up front (requires a cap), as a serving engine would.
         groups: layer groups of one size (see `layer_groups`); None: one group of every layer. A block then
@@ -107,6 +117,7 @@ class BlockPool:
         self.layers_per_block = len(self.layout.heads)
         self.bytes_per_block = geometry.bytes_per_token // geometry.num_layers * self.layers_per_block * block_size
         self.max_blocks = self._cap_in_blocks(max_tokens, max_bytes)
+        self.max_bytes = max_bytes
         if preallocate and self.max_blocks is None:
             raise ValueError("preallocate=True needs a cap: pass max_tokens or max_bytes.")
         self._growth = growth_blocks
@@ -114,6 +125,8 @@ class BlockPool:
         self._ref: list[int] = []
         self._free: deque[int] = deque()
         self._reclaimers: list[Reclaimer] = []
+        self._charges: dict[object, int] = {}  # holder -> bytes it keeps beside the blocks (`charge`)
+        self._charged = 0
         self._version = 0
         self._written = [False] * geometry.num_layers  # a layer that never stored K/V may still be placed
         shape = (0, block_size, geometry.num_kv_heads, geometry.head_dim)
@@ -169,8 +182,15 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks that can be handed out without exceeding the cap (free list + room to grow)."""
         with self._lock:
-            room = math.inf if self.max_blocks is None else self.max_blocks - self.capacity
+            cap = self._block_cap()
+            room = math.inf if cap is None else max(0, cap - self.capacity)
             return int(min(len(self._free) + room, 2**62))
+
+    def _block_cap(self) -> int | None:
+        """The most blocks the tensors may reach: the cap in blocks, less what is charged under a byte cap."""
+        if self.max_bytes is None:
+            return self.max_blocks
+        return (self.max_bytes - self._charged) // self.bytes_per_block
 
     @property
     def num_used(self) -> int:
@@ -194,6 +214,59 @@ class BlockPool:
         with self._lock:
             self._reclaimers.remove(reclaimer)
 
+    # ------------------------------------------------------------------ bytes beside the blocks
+
+    @property
+    def bytes_charged(self) -> int:
+        """Bytes every holder has charged (`charge`)."""
+        return self._charged
+
+    def charged(self, holder: object) -> int:
+        """The bytes ``holder`` has charged (0 if none)."""
+        with self._lock:
+            return self._charges.get(holder, 0)
+
+    def bytes_held(self) -> int:
+        """Every byte the byte cap bounds: the block tensors (free blocks included) and the bytes charged."""
+        with self._lock:
+            return self.capacity * self.bytes_per_block + self._charged
+
+    def charge(self, holder: object, nbytes: int) -> None:
+        """Count ``nbytes`` that ``holder`` keeps beside the blocks, replacing what it charged before (0 ends it).
+
+        Under ``max_bytes`` a charge that grows must fit: free blocks at the end of the tensors give their bytes
+        back (ids are stable, so a free block before a live one keeps its bytes), the reclaimers are asked
+        next, and otherwise `PoolExhausted` is raised with the charge unchanged. Without a byte cap the bytes
+        are counted only.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"A charge is a non-negative int number of bytes; got {nbytes!r}.")
+        with self._lock:
+            grows = nbytes - self._charges.get(holder, 0)
+            if grows > 0 and self.max_bytes is not None:
+                self._give_bytes(grows)
+            if nbytes:
+                self._charges[holder] = nbytes
+            else:
+                self._charges.pop(holder, None)
+            self._charged += grows
+
+    def _give_bytes(self, extra: int) -> None:
+        """Make ``extra`` more bytes fit under the byte cap by shrinking the tensors' free tail, or raise."""
+        assert self.max_bytes is not None
+        over = self.bytes_held() + extra - self.max_bytes
+        if over <= 0:
+            return
+        blocks = -(-over // self.bytes_per_block)
+        for reclaim in list(self._reclaimers):
+            if self._free_tail() >= blocks:
+                break
+            reclaim(blocks - self._free_tail())
+        tail = self._free_tail()
+        if tail < blocks:
+            raise PoolExhausted(blocks, tail, self._block_cap() or self.capacity, self.block_size, beside=extra)
+        self._release_tail(blocks)
+
     def allocate(self, n: int) -> list[int]:
         """Hand out `n` blocks with reference count 1, or raise `PoolExhausted` and change nothing."""
         if n < 0:
@@ -211,11 +284,12 @@ class BlockPool:
         short = n - len(self._free)
         if short <= 0:
             return
-        room = short if self.max_blocks is None else min(short, self.max_blocks - self.capacity)
+        cap = self._block_cap()
+        room = short if cap is None else min(short, cap - self.capacity)
         if room > 0:
             target = self._growth_step(room)
-            if self.max_blocks is not None:
-                target = min(target, self.max_blocks - self.capacity)
+            if cap is not None:
+                target = min(target, cap - self.capacity)
             self._grow(target)
             short = n - len(self._free)
         for reclaim in list(self._reclaimers):
@@ -224,7 +298,7 @@ class BlockPool:
             reclaim(short)
             short = n - len(self._free)  # trust the free list, not the reclaimer's count
         if short > 0:
-            raise PoolExhausted(n, len(self._free), self.max_blocks or self.capacity, self.block_size)
+            raise PoolExhausted(n, len(self._free), cap or self.capacity, self.block_size)
 
     def _growth_step(self, short: int) -> int:
         """Blocks to add when `short` more are needed, before any cap is applied.
@@ -445,6 +519,9 @@ class BlockPool:
                 bytes_reserved=self.capacity * self.bytes_per_block,
                 bytes_used=used * self.bytes_per_block,
                 bytes_per_block=self.bytes_per_block,
+                bytes_charged=self._charged,
+                bytes_held=self.bytes_held(),
+                max_bytes=self.max_bytes,
             )
 
     def free_ids(self) -> Sequence[int]:

@@ -53,12 +53,10 @@ def _repeats(ids: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class QuantizedPoolStats(PoolStats):
-    """`PoolStats` of the full-precision blocks (its fields count those only), plus the sealed store and the
-    total the byte cap bounds."""
+    """`PoolStats` (its block fields count the full-precision blocks; ``bytes_held`` every byte the cap bounds),
+    plus the sealed store."""
 
-    sealed: SealedStats
-    bytes_held: int  # bytes_reserved + sealed.bytes_reserved: every byte of the pool's tensors
-    max_bytes: int | None  # the cap on bytes_held; None without a byte cap (max_tokens bounds full precision only)
+    sealed: SealedStats  # bytes_held adds its bytes_reserved
     overflow_blocks: int  # blocks `seal` kept in full precision: their statistics did not fit the format
 
 
@@ -153,7 +151,6 @@ class QuantizedBlockPool(BlockPool):
         self.sealed = SealedBlockStore(
             formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
         )
-        self.max_bytes = max_bytes  # None: no byte cap (max_tokens, if given, caps the full-precision blocks)
         self.overflow_blocks = 0  # blocks kept in full precision because their statistics overflowed (`seal`)
         if max_bytes is not None and max_bytes < self.sealed.bytes_per_block:
             raise ValueError(
@@ -201,9 +198,10 @@ class QuantizedBlockPool(BlockPool):
     # ------------------------------------------------------------------ the byte cap
 
     def bytes_held(self) -> int:
-        """Bytes of the pool's tensors: full-precision blocks (free ones included) + the sealed store's pieces."""
+        """Bytes the cap bounds: full-precision blocks (free ones included), the sealed store's pieces and the
+        bytes charged beside them."""
         with self._lock:
-            return self.capacity * self.bytes_per_block + self.sealed.capacity * self.sealed.bytes_per_block
+            return super().bytes_held() + self.sealed.capacity * self.sealed.bytes_per_block
 
     @property
     def num_free(self) -> int:
@@ -449,7 +447,5 @@ class QuantizedBlockPool(BlockPool):
             return QuantizedPoolStats(
                 **{f.name: getattr(full, f.name) for f in fields(full)},
                 sealed=sealed,
-                bytes_held=full.bytes_reserved + sealed.bytes_reserved,
-                max_bytes=self.max_bytes,
                 overflow_blocks=self.overflow_blocks,
             )

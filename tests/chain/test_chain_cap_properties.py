@@ -4,9 +4,10 @@
 Each example draws the chain's parts (codec x policy x recall/disk x prefix tree x layer groups: a tiny Llama, or a
 tiny Gemma-3 whose sliding layers make groups), a cap of a few blocks' worth, a batch of random prompt lengths with
 left padding, and a number of new tokens. After every forward (a hook on the model) the pool's tensors, measured,
-are at most the cap. Generation either completes, raises `PoolExhausted`, or the chain is refused up front
-(`ChainRefused` / a ValueError naming the cap); then a fresh cache with the pool's cap lifted gives the tokens a
-completed run must equal (nothing was overwritten on the way).
+plus what an eviction cache keeps beside its slots in the pool (positions, mass, recall pages and tables, measured
+from its tensors, which the pool must count as charged), are at most the cap. Generation either completes, raises
+`PoolExhausted`, or the chain is refused up front (`ChainRefused` / a ValueError naming the cap); then a fresh cache
+with the pool's cap lifted gives the tokens a completed run must equal (nothing was overwritten on the way).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from hf_kvgov import Disk, GovernedCache, HeavyHitter, Paging, eviction_attention, prefix_tree
 from hf_kvgov.chain import ChainRefused
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.storage.pool import BlockPool
 from tests.conftest import tiny_gemma3, tiny_llama
 
@@ -38,6 +40,14 @@ def held_bytes(pool: BlockPool) -> int:
         tensors += [t for layer in sealed.pieces for t in layer.values()]
     distinct = {id(t): t for t in tensors}.values()
     return sum(t.numel() * t.element_size() for t in distinct)
+
+
+def beside(cache: Any, pool: BlockPool) -> int:
+    """Bytes an eviction cache keeps beside its slots in ``pool``, measured from its tensors (0 for other caches)."""
+    if not isinstance(cache, EvictionCache) or cache.pool is not pool:
+        return 0
+    stats = cache.stats()
+    return stats.metadata_bytes + stats.recall_bytes
 
 
 def build(model: Any, parts: dict[str, Any], cap: int | None, spill_dir: str) -> tuple[Any, list[BlockPool]]:
@@ -119,7 +129,9 @@ def test_a_chain_never_holds_more_than_its_pool_cap(
 
         def watch() -> None:
             for pool in pools:
-                held = held_bytes(pool)
+                extra = beside(cache, pool)
+                assert pool.bytes_charged == extra  # the pool counts what is beside its blocks
+                held = held_bytes(pool) + extra
                 peak[0] = max(peak[0], held)
                 assert held <= cap, f"a pool holds {held} bytes under max_bytes={cap}"
 

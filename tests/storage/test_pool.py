@@ -297,6 +297,9 @@ def test_stats_numbers_exact() -> None:
         bytes_reserved=4 * 768,
         bytes_used=3 * 768,
         bytes_per_block=768,
+        bytes_charged=0,
+        bytes_held=4 * 768,
+        max_bytes=None,  # a token cap bounds blocks only
     )
     pool.decref([0, 1])
     stats = pool.stats()
@@ -312,6 +315,52 @@ def test_stats_of_uncapped_pool() -> None:
     assert stats.bytes_per_block == 2 * 2 * 4  # K and V x 2 tokens x 4 bytes
     assert (stats.bytes_reserved, stats.bytes_used) == (8 * 16, 5 * 16)
     assert stats.free_blocks > 2**40  # unbounded room to grow
+
+
+# ---------------------------------------------------------------- bytes charged beside the blocks
+
+
+def test_charges_count_against_a_byte_cap_and_shrink_the_room_to_grow() -> None:
+    # 768 bytes per block; the cap is 10 blocks' worth.
+    pool = BlockPool(FP16_GEOMETRY, block_size=4, max_bytes=10 * 768, growth_blocks=4)
+    pool.charge("a", 1000)  # 1000 bytes: two blocks' worth of the cap gone, 8 left (7680 - 1000 = 6680 // 768)
+    assert (pool.bytes_charged, pool.charged("a"), pool.num_free) == (1000, 1000, 8)
+    assert pool.allocate(8) == list(range(8))
+    with pytest.raises(PoolExhausted):
+        pool.allocate(1)
+    assert pool.bytes_held() == 8 * 768 + 1000 <= 10 * 768
+    pool.charge("a", 200)  # a smaller charge always fits
+    assert pool.num_free == 1 and pool.stats().bytes_charged == 200 and pool.stats().bytes_held == 8 * 768 + 200
+
+
+def test_a_charge_takes_the_bytes_of_free_blocks_at_the_end_and_nothing_else() -> None:
+    pool = BlockPool(FP16_GEOMETRY, block_size=4, max_bytes=6 * 768, growth_blocks=6)
+    pool.allocate(6)
+    pool.decref([0, 4, 5])  # free [0, 4, 5]: blocks 4 and 5 are the tensors' end, block 0 is not
+    pool.charge("a", 768 + 1)  # two blocks' bytes: the free tail gives them back
+    assert pool.capacity == 4 and pool.keys[0].shape[0] == 4 and pool.free_ids() == (0,)
+    assert pool.bytes_held() == 4 * 768 + 769
+    with pytest.raises(PoolExhausted, match="bytes of slot metadata"):
+        pool.charge("b", 768)  # block 0 is free, but not at the end: its bytes cannot be given back
+    assert (pool.capacity, pool.charged("b"), pool.bytes_charged) == (4, 0, 769)  # nothing changed
+    pool.charge("a", 0)  # ending a charge frees its bytes: the pool may grow again
+    assert pool.bytes_charged == 0 and pool.num_free == 3
+
+
+def test_a_charge_asks_the_reclaimers_when_the_tail_is_live() -> None:
+    pool = BlockPool(FP16_GEOMETRY, block_size=4, max_bytes=4 * 768, growth_blocks=4)
+    pool.allocate(4)
+    pool.add_reclaimer(lambda n: pool.decref([3]) or 1)  # e.g. a prefix tree dropping a cached block
+    pool.charge("a", 700)
+    assert pool.capacity == 3 and pool.bytes_held() == 3 * 768 + 700
+
+
+def test_without_a_byte_cap_charges_are_counted_only() -> None:
+    pool = BlockPool(TINY, block_size=2, max_tokens=4)
+    pool.charge("a", 10**9)
+    assert pool.num_free == 2 and pool.bytes_charged == 10**9 and pool.stats().max_bytes is None
+    with pytest.raises(ValueError, match="non-negative int"):
+        pool.charge("a", -1)
 
 
 # ---------------------------------------------------------------- bad arguments

@@ -111,9 +111,10 @@ def test_max_bytes_bounds_full_precision_and_sealed_blocks_together() -> None:
         bytes_reserved=192,
         bytes_used=0,
         bytes_per_block=64,
-        sealed=SealedStats(capacity_blocks=3, used_blocks=3, bytes_per_block=40, bytes_used=120, bytes_reserved=120),
+        bytes_charged=0,
         bytes_held=312,
         max_bytes=320,
+        sealed=SealedStats(capacity_blocks=3, used_blocks=3, bytes_per_block=40, bytes_used=120, bytes_reserved=120),
         overflow_blocks=0,
     )
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from hf_kvgov.engine.slots.recall_buffer import RecallBuffer
 from hf_kvgov.policies import gather_kept
 from hf_kvgov.policies.page_bounds import page_centroid_scores, page_upper_bounds
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.recall_pages import SUMMARY_ROWS, PageTier, Recall
 
 GROWTH_PAGES = 16
@@ -313,21 +314,28 @@ class LayerRecall:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: pending pages, page summaries, page table and the recall buffer's pages of this
-        layer (a shared buffer is counted by the layer whose pages it holds)."""
+        """Bytes held in memory: `own_bytes` and the recall buffer's pages of this layer (a shared buffer is
+        counted by the layer whose pages it holds)."""
+        return self.own_bytes + self.buffer.held_bytes(self.layer)
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes of the pending pages, page summaries and page table (the buffer charges its pages itself)."""
         tensors = [
             self.pending_keys, self.pending_values, self.pending_positions, self.pending_count, self.handles,
             self.page_summary, self.page_last, self.page_count,
         ]  # fmt: skip
-        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-        return held + self.buffer.held_bytes(self.layer)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def layer_recalls(tier: PageTier, layers: list[int], recall: Recall, counters: RecallCounters) -> list[LayerRecall]:
-    """The recall state of each of a cache's ``layers``: each with its own buffer, or all taking one in turn."""
-    shared = RecallBuffer()
+def layer_recalls(
+    tier: PageTier, layers: list[int], recall: Recall, counters: RecallCounters, pool: BlockPool | None = None
+) -> list[LayerRecall]:
+    """The recall state of each of a cache's ``layers``: each with its own buffer, or all taking one in turn (the
+    buffers charge their pages to ``pool``, when the cache has one)."""
+    shared = RecallBuffer(pool)
     return [
-        LayerRecall(tier, layer, recall, counters, shared if recall.buffer == "shared" else RecallBuffer())
+        LayerRecall(tier, layer, recall, counters, shared if recall.buffer == "shared" else RecallBuffer(pool))
         for layer in layers
     ]
 

@@ -12,38 +12,53 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.recall_pages import PageTier
 
 Page = tuple[Tensor, Tensor, Tensor]  # keys [page_tokens, d], values [page_tokens, d], positions long [page_tokens]
 
 
 class RecallBuffer:
-    """Pages (by tier handle) of the layer served last."""
+    """Pages (by tier handle) of the layer served last; with a pool, their bytes are charged to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BlockPool | None = None) -> None:
+        self.pool = pool  # the eviction cache's pool: the pages count against its cap
         self.layer: int | None = None
         self.pages: dict[int, Page] = {}
 
     def take(self, tier: PageTier, layer: int, wanted: list[int]) -> tuple[dict[int, Page], int]:
         """The ``wanted`` pages of ``layer`` (handles), reading (and verifying) those not held; the pages
-        now held, and how many were read. Pages not wanted are dropped."""
+        now held, and how many were read. Pages not wanted are dropped. With a pool, `PoolExhausted` is raised
+        before anything is read when the pages do not fit under its cap."""
         held = self.pages if self.layer == layer else {}
         missing = [handle for handle in wanted if handle not in held]
+        if self.pool is not None:
+            self.pool.charge(self, max(len(wanted) * tier.page_bytes, self._bytes()))
         fresh: dict[int, Page] = {}
         if missing:
             keys, values, positions = tier.read(missing, layer)  # raises before the buffer changes
-            fresh = {handle: (keys[i], values[i], positions[i]) for i, handle in enumerate(missing)}
+            # One copy per page: a page kept at a later step must not keep the whole read alive.
+            fresh = {
+                handle: (keys[i].clone(), values[i].clone(), positions[i].clone()) for i, handle in enumerate(missing)
+            }
         self.pages = {handle: held.get(handle) or fresh[handle] for handle in wanted}
         self.layer = layer
+        self._charge()
         return self.pages, len(missing)
 
     def forget(self, layer: int) -> None:
         """Drop the pages of ``layer`` (a reset; another layer's pages in a shared buffer stay)."""
         if self.layer == layer:
             self.layer, self.pages = None, {}
+            self._charge()
 
     def held_bytes(self, layer: int) -> int:
         """Bytes of pages held for ``layer`` (summed over a cache's layers, a shared buffer counts once)."""
-        if self.layer != layer:
-            return 0
+        return self._bytes() if self.layer == layer else 0
+
+    def _bytes(self) -> int:
         return sum(t.numel() * t.element_size() for page in self.pages.values() for t in page)
+
+    def _charge(self) -> None:
+        if self.pool is not None:
+            self.pool.charge(self, self._bytes())

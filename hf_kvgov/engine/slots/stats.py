@@ -12,12 +12,14 @@ from hf_kvgov.stats_repr import rounded_repr
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.slots.recall import RecallStats
+    from hf_kvgov.policies.query_forecast import QueryStatistics
 
 
 class _Layer(Protocol):
     positions: Tensor | None
     valid: Tensor | None
     scores: Tensor | None
+    query_stats: QueryStatistics | None
     seen: int
 
     @property
@@ -104,8 +106,7 @@ def layer_stats(
 
 def _statistics_bytes(layer: _Layer) -> int:
     """Bytes of a layer's running query statistics (`QueryForecast(running=True)`), 0 without them."""
-    statistics = getattr(layer, "query_stats", None)
-    return 0 if statistics is None else sum(_nbytes(t) for t in (statistics.count, statistics.total, statistics.outer))
+    return 0 if layer.query_stats is None else layer.query_stats.nbytes
 
 
 def _kept(valid: Tensor | None, kv_heads: int) -> tuple[int, ...]:

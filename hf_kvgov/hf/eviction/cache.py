@@ -177,14 +177,6 @@ class EvictionCache(GovernedCacheBase):
         self._user_defined = False
         pairs = enumerate(zip(windows, formats, strict=True))
         super().__init__(layers=[EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs])
-        self.recall = recall
-        self._recall_counters = RecallCounters()
-        self._page_tier = None if recall is None else page_tier_for(recall, model, self.head_dim, read_keys, name)
-        if self._page_tier is not None and recall is not None:
-            indices = [layer.index for layer in self._eviction_layers]
-            recalls = layer_recalls(self._page_tier, indices, recall, self._recall_counters)
-            for layer, layer_recall in zip(self._eviction_layers, recalls, strict=True):
-                layer.recall = layer_recall
         self.head_budgets = check_head_budgets(name, head_budgets, policy_for, self.min_budget, decode_policy)
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)
@@ -193,6 +185,14 @@ class EvictionCache(GovernedCacheBase):
             homes = pooled_homes(pool, model, windows, formats, self.num_kv_heads, self.head_dim, name)
             for layer, home in zip(self._eviction_layers, homes, strict=True):
                 layer.home = home
+        self.recall = recall
+        self._recall_counters = RecallCounters()
+        self._page_tier = None if recall is None else page_tier_for(recall, model, self.head_dim, read_keys, name)
+        if self._page_tier is not None and recall is not None:
+            indices = [layer.index for layer in self._eviction_layers]
+            recalls = layer_recalls(self._page_tier, indices, recall, self._recall_counters, pool)
+            for layer, layer_recall in zip(self._eviction_layers, recalls, strict=True):
+                layer.recall = layer_recall
         self.prefix = None if prefix is None else check_prefix(prefix, name)
         if self.prefix is not None:
             check_prefix_geometry(self.prefix, windows, self.num_kv_heads, self.head_dim, name)

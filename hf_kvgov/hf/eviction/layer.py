@@ -67,12 +67,17 @@ class EvictionLayer(CacheLayerMixin):
         """Keep ``store``'s slots with their positions, validity and mass, ``[batch, kv_heads, slots]`` each.
 
         With a pool, only the valid slots are written to the layer's blocks (see ``pooled_slots``): the
-        padding of a batch and the entries a head-adaptive budget leaves unused take no memory.
+        padding of a batch and the entries a head-adaptive budget leaves unused take no memory. What the layer
+        keeps beside them (these tensors, running statistics, recall's pages and tables) is charged to the pool,
+        so its cap bounds every byte the cache holds.
         """
         if self.home is None:
             self._store = store
         else:
-            self.home.put(store, valid)  # raises PoolExhausted, changing nothing, when the pool is full
+            beside = sum(t.numel() * t.element_size() for t in (positions, valid, scores) if t is not None)
+            beside += 0 if self.query_stats is None else self.query_stats.nbytes
+            beside += 0 if self.recall is None else self.recall.own_bytes
+            self.home.put(store, valid, beside)  # raises PoolExhausted, changing nothing, when the pool is full
         self.positions, self.valid, self.scores = positions, valid, scores
 
     def _drop_slots(self) -> None:
@@ -184,16 +189,16 @@ class EvictionLayer(CacheLayerMixin):
             return
         assert self.valid is not None
         rows = rows.to(self.positions.device)
-        self.hold(
+        if self.recall is not None:
+            self.recall.select_rows(rows)
+        if self.query_stats is not None:
+            self.query_stats.select_rows(rows)
+        self.hold(  # after recall and statistics: the pool is charged what they hold now
             self.store.select_rows(rows),
             self.positions.index_select(0, rows),
             self.valid.index_select(0, rows),
             None if self.scores is None else self.scores.index_select(0, rows),
         )
-        if self.recall is not None:
-            self.recall.select_rows(rows)
-        if self.query_stats is not None:
-            self.query_stats.select_rows(rows)
         shared = self.owner.shared
         if self.index == 0 and shared is not None:  # the matched prefix is the cache's, reindexed once
             shared.select_rows(rows)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hf_kvgov.engine.slots.coded_slots import CodedSlots
 from hf_kvgov.engine.slots.slot_store import DenseSlots, QuantizedFormat, QuantizedSlots, SlotFormat, SlotStore
+from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 
@@ -148,10 +149,11 @@ class PooledSlotHome:
             self._cached = self._read()
         return self._cached
 
-    def put(self, store: SlotStore, valid: Tensor) -> None:
-        """Keep the ``valid`` slots of ``store`` (bool ``[batch, kv_heads, slots]``) in this layer's blocks.
+    def put(self, store: SlotStore, valid: Tensor, beside: int = 0) -> None:
+        """Keep the ``valid`` slots of ``store`` (bool ``[batch, kv_heads, slots]``) in this layer's blocks, and
+        charge the pool ``beside`` bytes the layer keeps next to them (positions, mass, statistics, recall).
 
-        Raises `PoolExhausted` and changes nothing when the pool cannot hand out the blocks.
+        Raises `PoolExhausted` and changes nothing when the pool cannot hand out the blocks or bytes.
         """
         if valid.shape != (store.batch, self.pool.geometry.num_kv_heads, store.count):
             raise ValueError(
@@ -163,7 +165,13 @@ class PooledSlotHome:
         needs = [-(-int(held) // self.per_block) for held in valid.sum(dim=(1, 2)).tolist()]
         old = self.tables + [[] for _ in range(rows - len(self.tables))]
         missing = sum(max(0, need - len(table)) for need, table in zip(needs, old, strict=False))
-        fresh = iter(self.pool.allocate(missing))  # raises before anything is written
+        charged = self.pool.charged(self)
+        self.pool.charge(self, beside)  # raises before anything changes
+        try:
+            fresh = iter(self.pool.allocate(missing))  # raises before anything is written
+        except PoolExhausted:
+            self.pool.charge(self, charged)
+            raise
         tables = [
             table[:need] + [next(fresh) for _ in range(need - len(table[:need]))]
             for need, table in zip(needs, old, strict=False)
@@ -178,9 +186,10 @@ class PooledSlotHome:
             self.pool.decref(spare)
 
     def release(self) -> None:
-        """Give every block back to the pool."""
+        """Give every block and charged byte back to the pool."""
         held = [block for table in self.tables for block in table]
         self.tables, self.count, self.valid, self._places, self._cached = [], 0, None, None, None
+        self.pool.charge(self, 0)
         if held:
             self.pool.decref(held)
 
