@@ -135,6 +135,9 @@ class ChainStep:
     reuses: str | None = None
     refusals: Callable[[Context], list[Parts]] = lambda ctx: []
     side: bool = False
+    # Capacity is filled by allocation, each request's own tokens in `chunk`-token steps: the pool holds the
+    # newest request's step as written (in full precision until a codec seals it), so the planner counts it.
+    fills_in_steps: bool = False
 
 
 _SHARED_EVICTION = (
@@ -155,11 +158,12 @@ STEPS: tuple[ChainStep, ...] = (
     ChainStep(
         "prefix", "+ prefix sharing ({shared_tokens:,} of {length:,} tokens)", shared(None),
         shared_pool_refused(None), "pool refused, one prefix tree", shares_document=True, reuses="paged",
+        fills_in_steps=True,
     ),
     ChainStep(
         "int8", "+ int8 (keys per channel, values per token)", shared("int8"), shared_pool_refused("int8"),
         "pool refused, one prefix tree; cap on full-precision + sealed bytes (bench accounting)",
-        shares_document=True, numerics="int8@{block_size}",
+        shares_document=True, numerics="int8@{block_size}", fills_in_steps=True,
     ),
     ChainStep(
         "h2o", "+ H2O {h2o_budget:.0%} of own tokens (int8 slots in pool blocks)", evicting(h2o_parts),
@@ -187,7 +191,7 @@ STEPS: tuple[ChainStep, ...] = (
         "prefix_disk",
         "side row: prefix sharing + disk spill (hot {spill_hot_tokens_shared:,} tokens: own blocks spill)",
         shared(None, shared_disk_parts), shared_spill_refused(None, shared_disk_parts), _SHARED_DISK,
-        shares_document=True, reuses="paged", side=True,  # tree blocks stay, own blocks return bit for bit
+        shares_document=True, reuses="paged", side=True, fills_in_steps=True,  # own blocks return bit for bit
     ),
     ChainStep(
         "prefix_int8_disk",

@@ -111,6 +111,13 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
         ("--residual", int, None, f"newest tokens a quantized cache keeps in full precision {MEASURED}"),
         ("--group-size", int, None, f"quantization group along head_dim (head_dim: one per head) {MEASURED}"),
         ("--scale-bytes", int, None, f"scale and zero bytes: 2 (fp16), 4 (fp32), 1 (one byte) {MEASURED}"),
+        (
+            "--step-tokens",
+            int,
+            0,
+            "tokens a request writes in one step (your prefill chunk): a quantized cache holds them in full "
+            "precision until the step seals them (0: steady state only)",
+        ),
     ]
     group.add_argument("--chain", help=f"comma-separated steps [{','.join(DEFAULT_CHAIN)}]")
     for flag, kind, default, text in knobs:
@@ -160,6 +167,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
         recall_summary=args.recall_summary,
         recall_buffer=args.recall_buffer,
         sink_blocks=args.sink_blocks,
+        step_tokens=args.step_tokens,
         **codec_settings(chain, geometry.head_dim, args.residual, args.group_size, args.scale_bytes),
     )
     plan = make_plan(PlanInputs(geometry, budget, lengths, disk), chain, options)
@@ -169,7 +177,7 @@ def build_plan(args: argparse.Namespace) -> tuple[Plan, list[Claim]]:
 def _check_counts(args: argparse.Namespace) -> None:
     """Refuse a count out of range by the option the user typed (not by the planner's field behind it)."""
     least = {"block_size": 1, "recall_pages": 1, "recall_page_tokens": 1, "group_size": 1}
-    least |= {"h2o_recent": 0, "spill_hot": 0, "sink_blocks": 0, "residual": 0}
+    least |= {"h2o_recent": 0, "spill_hot": 0, "sink_blocks": 0, "residual": 0, "step_tokens": 0}
     for name, minimum in least.items():
         value = getattr(args, name)
         if value is not None and value < minimum:

@@ -188,6 +188,24 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
 
 
+def staging_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
+    """Bytes one step of the newest sequence holds beyond its steady state: the ``step_tokens`` a quantized
+    setup writes in full precision before the step seals them, as full-precision blocks instead of sealed ones
+    (its per-head slots encode at once: an eviction setup stages nothing)."""
+    if not setup.step_tokens or not setup.paged or setup.eviction_slots:
+        return 0
+    bs, head_dim = setup.block_size, geometry.head_dim
+    blocks = math.ceil(setup.step_tokens / bs)
+    total = 0
+    for count, _, layer_setup in layer_setups(geometry, setup):
+        if layer_setup.codec is not None:
+            extra = layer_setup.full_format.block_bytes(bs, head_dim) - layer_setup.sealed_format.block_bytes(
+                bs, head_dim
+            )
+            total += count * geometry.num_kv_heads * blocks * extra
+    return total
+
+
 def _own_layer_bytes(
     setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int
 ) -> tuple[int, int, int]:

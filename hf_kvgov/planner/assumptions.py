@@ -82,6 +82,11 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             f"scale per token and head group; first{residual} and tail blocks stay in full precision. Quality "
             "loss is not modelled."
         )
+    if codec is not None and o.step_tokens:
+        lines.append(
+            f"One step of {o.step_tokens:,} tokens (--step-tokens) is written in {o.kv_dtype} before it is sealed: "
+            "the budget keeps room for it once, for the sequence being admitted."
+        )
     if "h2o" in names:
         lines.append(
             f"H2O keeps {o.h2o_budget:.0%} of each layer's own tokens (never fewer than the "

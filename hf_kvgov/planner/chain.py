@@ -60,6 +60,7 @@ class ChainOptions:
     recall_page_tokens: int = DEFAULT_RECALL_PAGE_TOKENS
     recall_summary: str = DEFAULT_RECALL_SUMMARY
     recall_buffer: str = DEFAULT_RECALL_BUFFER
+    step_tokens: int = 0
 
     def __post_init__(self) -> None:
         # Every knob is checked up front, even for techniques the chain leaves out.
@@ -76,6 +77,7 @@ class ChainOptions:
             residual=self.residual,
             scale_bytes=self.scale_bytes,
             group_size=self.group_size,
+            step_tokens=self.step_tokens,
         )
         # The recall knobs are checked as a recalling setup takes them.
         CacheSetup(
@@ -118,6 +120,7 @@ def _codec(name: str) -> Callable[[CacheSetup, ChainOptions], CacheSetup]:
             residual=o.residual,
             scale_bytes=o.scale_bytes,
             group_size=o.group_size,
+            step_tokens=o.step_tokens,
         )
 
     return apply

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from hf_kvgov.planner.accounting import sequence_bytes, shared_prefix_tokens, shared_store_bytes
+from hf_kvgov.planner.accounting import sequence_bytes, shared_prefix_tokens, shared_store_bytes, staging_bytes
 from hf_kvgov.planner.chain import ChainOptions, build_chain, parse_chain
 from hf_kvgov.planner.geometry import ModelGeometry
 from hf_kvgov.planner.lengths import LengthDistribution
@@ -31,6 +31,7 @@ class SetupCost:
     device: float
     disk: float
     shared_store: int
+    staging: int = 0  # one step of the newest sequence beyond its steady state (`staging_bytes`), counted once
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def setup_cost(geometry: ModelGeometry, setup: CacheSetup, lengths: LengthDistri
     n = len(lengths.lengths)
     # A radix tree holds the union of nested prefixes of one document: the longest one.
     store = shared_store_bytes(geometry, setup, shared_prefix_tokens(setup, lengths.max)) if setup.paged else 0
-    return SetupCost(device=device / n, disk=disk / n, shared_store=store)
+    return SetupCost(device=device / n, disk=disk / n, shared_store=store, staging=staging_bytes(geometry, setup))
 
 
 def _share_groups(n: int, group: int | None) -> int:
@@ -113,7 +114,7 @@ def concurrency(kv_bytes: int, cost: SetupCost, group: int | None) -> int:
 def evaluate(inputs: PlanInputs, setup: CacheSetup, name: str = "", label: str = "") -> StepResult:
     """One row of the plan for ``setup`` (ratios to other steps left unset)."""
     cost = setup_cost(inputs.geometry, setup, inputs.lengths)
-    n, limit = concurrency(inputs.budget.kv_bytes, cost, setup.share_group), "accelerator"
+    n, limit = concurrency(max(0, inputs.budget.kv_bytes - cost.staging), cost, setup.share_group), "accelerator"
     if inputs.disk_bytes is not None and cost.disk > 0 and inputs.disk_bytes / cost.disk < n:
         n, limit = math.floor(inputs.disk_bytes / cost.disk), "disk"
     shared = _share_groups(n, setup.share_group) * cost.shared_store / n if n else cost.shared_store

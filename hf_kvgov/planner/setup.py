@@ -74,6 +74,9 @@ class CacheSetup:
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
         spill_buffer_bytes: the most read-ahead memory a spilling sequence holds besides its blocks: it
             holds one layer of its spilled blocks (as the disk caches' rows do), up to this.
+        step_tokens: tokens the newest sequence writes in one step (a prefill chunk; 0: count the steady state
+            only). A quantized setup writes them in full precision and seals them when the step ends, so for
+            that step their blocks cost full precision rather than codes: once, for the sequence being admitted.
         window_frees: sliding-window layers free what falls out of their window (True), or keep every
             token like a full layer (False: hf_kvgov's block-storing caches, whose one block id spans all
             layers). Eviction setups always keep at most ``window - 1`` slots in a sliding layer.
@@ -103,6 +106,7 @@ class CacheSetup:
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0
+    step_tokens: int = 0
     window_frees: bool = True
 
     def __post_init__(self) -> None:
@@ -149,6 +153,7 @@ class CacheSetup:
         non_negative = {"sink_blocks": self.sink_blocks, "residual": self.residual, "h2o_recent": self.h2o_recent}
         non_negative.update(h2o_score_bytes=self.h2o_score_bytes, h2o_metadata_bytes=self.h2o_metadata_bytes)
         non_negative.update(spill_pinned_blocks=self.spill_pinned_blocks, spill_buffer_bytes=self.spill_buffer_bytes)
+        non_negative.update(step_tokens=self.step_tokens)
         for name, value in positive.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"CacheSetup.{name} must be a positive int or None; got {value!r}.")

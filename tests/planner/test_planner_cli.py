@@ -109,6 +109,7 @@ def test_plot_without_matplotlib_gives_the_install_hint(
         (["--model", "llama-13b", "--shared-fraction", "1.2"], "must lie in [0, 1)"),
         (["--model", "llama-13b", "--scale-bytes", "3"], "fp32 (4) or one byte (1: a logarithmic scale"),
         (["--model", "llama-13b", "--residual", "-1"], "residual must be"),
+        (["--model", "llama-13b", "--step-tokens", "-1"], "--step-tokens must be at least 0; got -1"),
         (["--model", "llama-13b", "--chain", "paged,int8,h2o,recall", "--scale-bytes", "1"], "keep fp16 statistics"),
     ],
 )

@@ -79,3 +79,19 @@ def test_llama_13b_on_80gib_a100_holds_30_full_length_users() -> None:
 def test_static_buffer_shorter_than_longest_sequence_is_an_error(unit: ModelGeometry) -> None:
     with pytest.raises(ValueError, match=r"longest sequence \(20 tokens\) is longer than the static buffer"):
         _plan(unit, fixed(20), "static,paged")
+
+
+def test_one_step_written_in_full_precision_is_kept_room_for_once(unit: ModelGeometry) -> None:
+    # unit, block 4: fp16 block 2 x 4 x 8 x 2 = 128 B, int8 block 64 codes + 32 key + 16 value statistics = 112 B.
+    # 40 tokens int8: the sink block in fp16, 9 sealed: 128 + 9 x 112 = 1,136 B -> floor(10000 / 1136) = 8 (9,088 B).
+    # A step of S tokens stays in fp16 until sealed: ceil(S / 4) blocks x 16 B more, once.
+    steady = _plan(unit, fixed(40), "paged,int8")
+    assert steady.step("int8").concurrent == 8
+    fits = _plan(unit, fixed(40), "paged,int8", step_tokens=228)  # 57 x 16 = 912 B: 9,088 + 912 = 10,000
+    assert fits.step("int8").concurrent == 8
+    over = _plan(unit, fixed(40), "paged,int8", step_tokens=229)  # 58 blocks: 928 B, one byte per block too many
+    assert over.step("int8").concurrent == 7
+    # Full precision stages nothing: a step's tokens cost what they cost after it.
+    assert over.step("paged").concurrent == steady.step("paged").concurrent == 7
+    # Bytes per sequence stay the steady state's: the step's room is the budget's, not a sequence's.
+    assert over.step("int8").bytes_per_sequence == steady.step("int8").bytes_per_sequence == 1136
