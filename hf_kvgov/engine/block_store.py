@@ -87,7 +87,7 @@ class BlockStore:
         self.spill_link = None if spill is None else BlockTier(spill, sealed=codec)
         if spill is not None:
             block_size = disk_prefix.cache_block_size(prefix, spill, block_size, sealed=codec)
-            max_bytes = spill.pool_bytes
+            max_bytes = spill.max_resident_bytes  # blocks and read-ahead rows (charged to the pool) together
         block_size = resolve_block_size(block_size, pool if pool is not None else prefix.pool if prefix else None)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.windows = tuple(windows)  # each layer's sliding window, None for full attention

@@ -118,7 +118,7 @@ class BlockTier:
         heads = pool.layout.heads  # position j of a block is read on the device of the layers at j
         self.tier = DiskTier(spilled.layout, self.disk.path, self.disk.max_write_bytes)
         self.prefetcher = LayerPrefetcher(
-            self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position])
+            self.tier, self.disk.buffer_bytes, lambda position: pool.layer_device(heads[position]), pool
         )
         tables: list[BlockTables] = [TieredBlockTables(pool, self.tier, spilled.ids, g) for g in pool.groups]
         cache.tables, cache.other_tables = tables[0], tables[1:]

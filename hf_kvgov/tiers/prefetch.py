@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.kv_segments import byte_view
 
@@ -51,10 +53,11 @@ class _Rows:
     def cuda(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_available()
 
-    def fit(self, wanted: int) -> None:
-        """Grow to `wanted` rows (at most `limit`) if none is in use: nothing refers to the old rows then."""
+    def fit(self, wanted: int, afford: Callable[[int], bool]) -> None:
+        """Grow to `wanted` rows (at most `limit`) if none is in use (nothing refers to the old rows then) and
+        `afford` takes the bytes they add."""
         rows = min(wanted, self.limit)
-        if rows <= self.capacity or self.in_use:
+        if rows <= self.capacity or self.in_use or not afford((rows - self.capacity) * sum(self.part_bytes)):
             return
         if self.last_h2d is not None:  # the old host rows may still be on their way to the device
             self.last_h2d.synchronize()
@@ -107,12 +110,17 @@ class LayerPrefetcher:
             back, one per spilled block of a layer, up to this.
         device: where `take` writes: one device (the pool's), or a function from layer to its device,
             asked when the rows are first needed.
+        pool: the pool of the blocks read back: the rows are charged to it (`BlockPool.charge`), so its cap
+            counts them, and rows its cap has no room for are not allocated (those blocks are read on demand).
     """
 
-    def __init__(self, tier: DiskTier, buffer_bytes: int, device: torch.device | str | DeviceOf) -> None:
+    def __init__(
+        self, tier: DiskTier, buffer_bytes: int, device: torch.device | str | DeviceOf, pool: BlockPool | None = None
+    ) -> None:
         if buffer_bytes < 0:
             raise ValueError(f"buffer_bytes must be >= 0; got {buffer_bytes}.")
         self.tier = tier
+        self.pool = pool
         self.capacity = buffer_bytes // tier.layout.segment_bytes  # the most rows (of the largest segment)
         self._budget = buffer_bytes
         self._device_of: DeviceOf = device if callable(device) else _always(torch.device(device))
@@ -137,6 +145,16 @@ class LayerPrefetcher:
             return None
         return [part for rows in self._rows.values() for part in rows.host or []]
 
+    def _afford(self, extra: int) -> bool:
+        """Whether the pool takes `extra` more bytes of rows (charged before they are allocated); always without one."""
+        if self.pool is None:
+            return True
+        try:
+            self.pool.charge(self, self.buffer_bytes + extra)
+        except PoolExhausted:
+            return False
+        return True
+
     def _key(self, layer: int) -> _RowsKey:
         return torch.device(self._device_of(layer)), self.tier.layout.parts(layer)
 
@@ -158,7 +176,7 @@ class LayerPrefetcher:
         with self._cond:
             rows = self._rows_of(layer)  # None: the layer moved to a device that has no rows
             if rows is not None:
-                rows.fit(len(handles))
+                rows.fit(len(handles), self._afford)
             for handle in handles:
                 if rows is None or rows.head == rows.capacity:
                     break
@@ -276,6 +294,8 @@ class LayerPrefetcher:
             self._thread = None
         with self._cond:
             self._rows = None  # devices are asked again on the next request
+            if self.pool is not None:
+                self.pool.charge(self, 0)
 
     # ------------------------------------------------------------------ the reader thread
 

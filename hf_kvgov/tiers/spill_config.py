@@ -108,7 +108,9 @@ class DiskCacheConfig:
         """The most read-ahead memory: as given, else a quarter of `max_resident_bytes`, else 16 MiB.
 
         A cap: the rows are allocated as spilled blocks are read back (one layer of them, `tiers.prefetch`),
-        so a request that spills nothing holds none. `max_resident_bytes` still reserves all of it.
+        so a request that spills nothing holds none. They are charged to the pool, whose cap `max_resident_bytes`
+        is: the pool's blocks may use what the rows leave, and the cache is refused at construction unless what
+        one sequence keeps fits beside all of it (`pool_bytes`).
         """
         if not self.prefetch:
             return 0
@@ -120,6 +122,7 @@ class DiskCacheConfig:
 
     @property
     def pool_bytes(self) -> int | None:
+        """What `max_resident_bytes` leaves for blocks when the read-ahead rows are all allocated."""
         return None if self.max_resident_bytes is None else self.max_resident_bytes - self.buffer_bytes
 
 

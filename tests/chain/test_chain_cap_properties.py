@@ -4,10 +4,11 @@
 Each example draws the chain's parts (codec x policy x recall/disk x prefix tree x layer groups: a tiny Llama, or a
 tiny Gemma-3 whose sliding layers make groups), a cap of a few blocks' worth, a batch of random prompt lengths with
 left padding, and a number of new tokens. After every forward (a hook on the model) the pool's tensors, measured,
-plus what an eviction cache keeps beside its slots in the pool (positions, mass, recall pages and tables, measured
-from its tensors, which the pool must count as charged), are at most the cap. Generation either completes, raises
-`PoolExhausted`, or the chain is refused up front (`ChainRefused` / a ValueError naming the cap); then a fresh cache
-with the pool's cap lifted gives the tokens a completed run must equal (nothing was overwritten on the way).
+plus what a cache keeps beside its blocks in the pool (an eviction cache's positions, mass, recall pages and tables;
+a spilling cache's read-ahead rows: measured from its tensors, which the pool must count as charged), are at most
+the cap. Generation either completes, raises `PoolExhausted`, or the chain is refused up front (`ChainRefused` / a
+ValueError naming the cap); then a fresh cache with the pool's cap lifted gives the tokens a completed run must
+equal (nothing was overwritten on the way).
 """
 
 from __future__ import annotations
@@ -43,11 +44,13 @@ def held_bytes(pool: BlockPool) -> int:
 
 
 def beside(cache: Any, pool: BlockPool) -> int:
-    """Bytes an eviction cache keeps beside its slots in ``pool``, measured from its tensors (0 for other caches)."""
-    if not isinstance(cache, EvictionCache) or cache.pool is not pool:
-        return 0
-    stats = cache.stats()
-    return stats.metadata_bytes + stats.recall_bytes
+    """Bytes a cache keeps beside its blocks in ``pool``, measured from its tensors: an eviction cache's slot
+    metadata and recall state, a spilling block cache's read-ahead rows (a prefix tree's pool, under a tree)."""
+    if isinstance(cache, EvictionCache):
+        stats = cache.stats()
+        return stats.metadata_bytes + stats.recall_bytes if cache.pool is pool else 0
+    reader = getattr(cache, "prefetcher", None)
+    return reader.buffer_bytes if reader is not None and cache.pool is pool else 0
 
 
 def build(model: Any, parts: dict[str, Any], cap: int | None, spill_dir: str) -> tuple[Any, list[BlockPool]]:

@@ -277,6 +277,25 @@ def test_read_ahead_rows_grow_only_when_none_is_in_use(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_read_ahead_rows_are_charged_to_the_pool_and_only_what_its_cap_leaves_is_allocated(tmp_path: Path) -> None:
+    tier = DiskTier(LAYOUT, tmp_path)
+    handles = put_blocks(tier, [1, 2, 3])
+    # A pool block of 1 layer x 1 head x 1 float32 x 4 tokens is 2 x 16 = 32 bytes; the cap is 55 bytes.
+    pool = BlockPool(KVGeometry(num_layers=1, num_kv_heads=1, head_dim=1), block_size=4, max_bytes=55)
+    reader = LayerPrefetcher(tier, buffer_bytes=3 * 8, device=torch.device("cpu"), pool=pool)
+    reader.request(0, handles[:2])  # two 8-byte rows fit beside the empty pool
+    assert reader.buffer_bytes == pool.bytes_charged == 16
+    assert take(reader, 0, handles[:2]) == [payload(1, 0), payload(2, 0)] and reader.prefetched == 2
+    pool.allocate(1)  # 32 bytes of blocks + 16 of rows: 7 left, not the 8 a third row takes
+    reader.request(1, handles)  # the rows stay at two; the third block is read on demand
+    assert reader.buffer_bytes == pool.bytes_charged == 16
+    assert take(reader, 1, handles) == [payload(n, 1) for n in (1, 2, 3)]
+    assert (reader.prefetched, reader.on_demand) == (4, 1)
+    reader.close()
+    assert pool.bytes_charged == 0 and pool.bytes_held() == 32  # closed: the rows hold nothing any more
+    tier.close()
+
+
 def test_stale_read_ahead_is_dropped_and_damage_surfaces_in_the_caller(tmp_path: Path) -> None:
     tier = DiskTier(LAYOUT, tmp_path)
     handles = put_blocks(tier, [1, 2, 3])
