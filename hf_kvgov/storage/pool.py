@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.storage.free_ids import FifoIds, FreeIds, LowestIds
 from hf_kvgov.storage.geometry import KVGeometry, check_on_device
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, single_group
 
@@ -62,8 +62,10 @@ class BlockPool:
     `keys[l]` of those layers is the same tensor object and the ids of different groups' tables never collide
     (they come from the one free list). Without groups there is one group of every layer, as above.
 
-    A block's metadata is a reference count; the free list is a FIFO queue (a prefix tree keeps the blocks it
-    caches by holding a reference, so it does not depend on that order).
+    A block's metadata is a reference count. Free ids are handed out oldest freed first (FIFO), or under a byte cap
+    lowest first, so that free blocks gather at the end of the tensors, whose bytes a charge can take back
+    (`hf_kvgov.storage.free_ids`; a prefix tree keeps the blocks it caches by holding a reference, so it does not
+    depend on that order).
 
     Several devices: each layer's tensors live on that layer's device (`KVGeometry.layer_devices`, a model
     split with `device_map`). The pool never moves a layer's K/V to another device: a write of K/V that
@@ -123,7 +125,7 @@ class BlockPool:
         self._growth = growth_blocks
         self._lock = threading.RLock()
         self._ref: list[int] = []
-        self._free: deque[int] = deque()
+        self._free: FreeIds = LowestIds() if max_bytes is not None else FifoIds()
         self._reclaimers: list[Reclaimer] = []
         self._charges: dict[object, int] = {}  # holder -> bytes it keeps beside the blocks (`charge`)
         self._charged = 0
@@ -273,7 +275,7 @@ class BlockPool:
             raise ValueError(f"Cannot allocate a negative number of blocks ({n}).")
         with self._lock:
             self._make_room(n)
-            ids = [self._free.popleft() for _ in range(n)]
+            ids = [self._free.take() for _ in range(n)]
             for block_id in ids:
                 assert self._ref[block_id] == 0, f"block {block_id} on the free list is referenced"
                 self._ref[block_id] = 1
@@ -354,7 +356,7 @@ class BlockPool:
                 [self.values[h][:keep].clone() for h in self._heads],
             )
         del self._ref[keep:]
-        self._free = deque(block_id for block_id in self._free if block_id < keep)
+        self._free.keep_below(keep)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a fork shares blocks instead of copying them)."""
@@ -371,7 +373,7 @@ class BlockPool:
             for block_id in ids:
                 self._ref[block_id] -= 1
                 if self._ref[block_id] == 0:
-                    self._free.append(block_id)
+                    self._free.put(block_id)
             self._version += 1
 
     def _checked_live(self, block_ids: Iterable[int], action: str) -> list[int]:
@@ -525,9 +527,9 @@ class BlockPool:
             )
 
     def free_ids(self) -> Sequence[int]:
-        """Free block ids in reuse order (oldest freed first); for tests and debugging."""
+        """Free block ids in the order they will be handed out; for tests and debugging."""
         with self._lock:
-            return tuple(self._free)
+            return self._free.in_order()
 
 
 def _extended(

@@ -1,7 +1,8 @@
 """Bookkeeping tests of the block pool: exact block ids, reference counts, caps, growth, data layout.
 
 Every expected id below is worked out by hand from two rules of the pool: the free list is FIFO (a freed
-block goes to the back, so it is reused last) and growth appends new ids in increasing order. A comment
+block goes to the back, so it is reused last; under a byte cap the lowest free id goes first instead, see
+`test_under_a_byte_cap_the_lowest_free_id_goes_first`) and growth appends new ids in increasing order. A comment
 on each operation shows the free list after it.
 """
 
@@ -353,6 +354,25 @@ def test_a_charge_asks_the_reclaimers_when_the_tail_is_live() -> None:
     pool.add_reclaimer(lambda n: pool.decref([3]) or 1)  # e.g. a prefix tree dropping a cached block
     pool.charge("a", 700)
     assert pool.capacity == 3 and pool.bytes_held() == 3 * 768 + 700
+
+
+def test_under_a_byte_cap_the_lowest_free_id_goes_first() -> None:
+    # The same frees as test_free_list_is_fifo_and_growth_appends, under a byte cap: reuse is lowest first, so the
+    # live blocks stay low and free ones gather at the end, whose bytes a charge can take back.
+    pool = BlockPool(TINY, block_size=4, growth_blocks=4, max_bytes=8 * 32)  # 32 bytes per block of TINY
+    pool.allocate(3)  # free [3]
+    pool.decref([1])  # free [1, 3]
+    pool.decref([0])  # free [0, 1, 3]
+    assert pool.free_ids() == (0, 1, 3)
+    assert pool.allocate(2) == [0, 1]  # FIFO would hand out 3 and 1
+    pool.decref([2])  # free [2, 3]: the two at the end
+    pool.charge("a", 6 * 32)  # 4 blocks held + 6 blocks' worth is 2 over the cap of 8
+    assert (pool.capacity, pool.free_ids()) == (2, ())  # blocks 2 and 3 gave their bytes back
+    fifo = BlockPool(TINY, block_size=4, growth_blocks=4, max_tokens=32)  # a token cap: blocks only, FIFO
+    fifo.allocate(3)
+    fifo.decref([1])
+    fifo.decref([0])
+    assert fifo.allocate(2) == [3, 1]
 
 
 def test_without_a_byte_cap_charges_are_counted_only() -> None:
