@@ -237,12 +237,14 @@ def fill_shared(
     progress: Any = None,
     outside_pool: Callable[[Any], int] = lambda cache: 0,
     last_token_alone: bool = False,
+    published: int | None = None,
 ) -> Fit:
     """Requests from `request(0)`, `request(1)`, ... each through its own cache on `prefix`'s pool until refused.
 
-    Request 0 is written whole and published; every later one matches what the tree holds (the document)
-    and writes the rest. K/V come from `kv` (`[1, kv_heads, >= length, head_dim]` per layer) at each token's
-    position: what a block costs does not depend on its content.
+    Request 0 is written whole and publishes its first `published` tokens (the shared document; None: all of
+    them), so the tree holds what the requests share and request 0 keeps its own part as every other request does;
+    every later one matches what the tree holds and writes the rest. K/V come from `kv` (`[1, kv_heads, >= length,
+    head_dim]` per layer) at each token's position: what a block costs does not depend on its content.
 
     Args:
         outside_pool: bytes a cache holds besides its pool blocks, counted against the budget with them.
@@ -268,7 +270,7 @@ def fill_shared(
                 cache.release()  # the refused request keeps nothing
                 return len(held), used(), len(tokens)
             if index == 0:
-                cache.publish(torch.tensor([tokens]))
+                cache.publish(torch.tensor([tokens[:published]]))
             held.append(cache)
             if progress is not None:
                 progress.update(1)

@@ -52,7 +52,8 @@ _SHARED_MEASURED = (
 )
 _SHARED_DISK = (
     "pool refused, one prefix tree; each request's last token a step of its own (its cold own blocks spill); "
-    "cap on pool blocks + every request's allocated read-ahead buffers (bench accounting)"
+    "the pool's cap counts its blocks and every request's read-ahead rows (rows it has no room for are not "
+    "allocated: those requests read back on demand)"
 )
 
 
@@ -69,9 +70,10 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
 
     Each request writes its own part in `chunk`-token steps and then its last token alone, as a decoding
     request does: the spill at the start of that step moves its cold own blocks out of the pool and the step
-    reads them back, which allocates its read-ahead rows. The budget holds the pool's blocks in use plus every
-    request's allocated rows (`read_ahead_bytes`), checked after each step; the planner counts those rows
-    as one layer of each spilling sequence's spilled blocks, up to `spill_buffer_bytes`. The contiguous path
+    reads them back, which allocates its read-ahead rows where the pool's cap has room for them (they are
+    charged to it). The held figure adds every request's allocated rows (`read_ahead_bytes`) to the pool's
+    blocks in use; the planner counts those rows as one layer of each spilling sequence's spilled blocks, up to
+    `spill_buffer_bytes`, for every sequence. The contiguous path
     is used: the paged one copies the whole pool layer to append read-back blocks, a cost of the bench's huge
     pool, not of a request.
     """
@@ -84,7 +86,7 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
             with ctx.counter("requests written") as bar:
                 return alloc.fill_shared(
                     twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk, bar,
-                    outside_pool=read_ahead_bytes, last_token_alone=True,
+                    outside_pool=read_ahead_bytes, last_token_alone=True, published=c.shared_tokens,
                 )  # fmt: skip
         finally:
             prefix.close()

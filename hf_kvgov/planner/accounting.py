@@ -188,21 +188,32 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)
 
 
-def staging_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
-    """Bytes one step of the newest sequence holds beyond its steady state: the ``step_tokens`` a quantized
-    setup writes in full precision before the step seals them, as full-precision blocks instead of sealed ones
-    (its per-head slots encode at once: an eviction setup stages nothing)."""
-    if not setup.step_tokens or not setup.paged or setup.eviction_slots:
+def staging_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> int:
+    """Bytes the newest sequence holds at its largest moment beyond its steady state at ``length`` tokens.
+
+    It writes its own tokens (those after a matched prefix) in steps of ``step_tokens``. A step's new blocks are
+    in full precision until the step seals them (a codec) or the next spills them (a disk tier), on top of what
+    the tokens before it hold: the steady state at the step's start (a disk tier spills at a step's start).
+    Counted once, for the sequence being admitted; an eviction setup encodes its slots at once (it stages nothing).
+    """
+    prefix = shared_prefix_tokens(setup, length)
+    if not setup.step_tokens or length <= prefix or not setup.paged or setup.eviction_slots:
         return 0
     bs, head_dim = setup.block_size, geometry.head_dim
-    blocks = math.ceil(setup.step_tokens / bs)
+    starts = range(prefix, length, setup.step_tokens)
     total = 0
-    for count, _, layer_setup in layer_setups(geometry, setup):
-        if layer_setup.codec is not None:
-            extra = layer_setup.full_format.block_bytes(bs, head_dim) - layer_setup.sealed_format.block_bytes(
-                bs, head_dim
-            )
-            total += count * geometry.num_kv_heads * blocks * extra
+    for count, window, layer_setup in layer_setups(geometry, setup):
+        held = held_window(setup, window)
+
+        def steady(tokens: int, layer_setup: CacheSetup = layer_setup, held: int | None = held) -> int:
+            return _own_layer_bytes(layer_setup, tokens, prefix, held, head_dim)[0] if tokens > prefix else 0
+
+        full = layer_setup.full_format.block_bytes(bs, head_dim)
+        peak = max(
+            steady(start) + (math.ceil(min(start + setup.step_tokens, length) / bs) - math.ceil(start / bs)) * full
+            for start in starts
+        )
+        total += count * geometry.num_kv_heads * max(0, peak - steady(length))
     return total
 
 

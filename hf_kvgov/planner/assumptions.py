@@ -82,10 +82,10 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             f"scale per token and head group; first{residual} and tail blocks stay in full precision. Quality "
             "loss is not modelled."
         )
-    if codec is not None and o.step_tokens:
+    if o.step_tokens and (codec is not None or "spill" in names):
         lines.append(
-            f"One step of {o.step_tokens:,} tokens (--step-tokens) is written in {o.kv_dtype} before it is sealed: "
-            "the budget keeps room for it once, for the sequence being admitted."
+            f"One step of {o.step_tokens:,} tokens (--step-tokens) is written in {o.kv_dtype} before it is sealed or "
+            "spilled: the budget keeps room for it once, for the sequence being admitted."
         )
     if "h2o" in names:
         lines.append(

@@ -104,7 +104,7 @@ def _static(_: CacheSetup, o: ChainOptions) -> CacheSetup:
 
 
 def _paged(s: CacheSetup, o: ChainOptions) -> CacheSetup:
-    return dataclasses.replace(s, paged=True, block_size=o.block_size, kv_dtype=o.kv_dtype)
+    return dataclasses.replace(s, paged=True, block_size=o.block_size, kv_dtype=o.kv_dtype, step_tokens=o.step_tokens)
 
 
 def _prefix(s: CacheSetup, o: ChainOptions) -> CacheSetup:
@@ -120,7 +120,6 @@ def _codec(name: str) -> Callable[[CacheSetup, ChainOptions], CacheSetup]:
             residual=o.residual,
             scale_bytes=o.scale_bytes,
             group_size=o.group_size,
-            step_tokens=o.step_tokens,
         )
 
     return apply

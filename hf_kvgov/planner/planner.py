@@ -90,7 +90,8 @@ def setup_cost(geometry: ModelGeometry, setup: CacheSetup, lengths: LengthDistri
     n = len(lengths.lengths)
     # A radix tree holds the union of nested prefixes of one document: the longest one.
     store = shared_store_bytes(geometry, setup, shared_prefix_tokens(setup, lengths.max)) if setup.paged else 0
-    return SetupCost(device=device / n, disk=disk / n, shared_store=store, staging=staging_bytes(geometry, setup))
+    staging = staging_bytes(geometry, setup, lengths.max)  # the longest sequence's step: the most it can stage
+    return SetupCost(device=device / n, disk=disk / n, shared_store=store, staging=staging)
 
 
 def _share_groups(n: int, group: int | None) -> int:

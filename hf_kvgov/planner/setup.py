@@ -75,8 +75,9 @@ class CacheSetup:
         spill_buffer_bytes: the most read-ahead memory a spilling sequence holds besides its blocks: it
             holds one layer of its spilled blocks (as the disk caches' rows do), up to this.
         step_tokens: tokens the newest sequence writes in one step (a prefill chunk; 0: count the steady state
-            only). A quantized setup writes them in full precision and seals them when the step ends, so for
-            that step their blocks cost full precision rather than codes: once, for the sequence being admitted.
+            only). They are written in full precision and stay so until the step seals them (a codec) or the
+            next spills them (a disk tier): the budget keeps room for one such step, for the sequence being
+            admitted.
         window_frees: sliding-window layers free what falls out of their window (True), or keep every
             token like a full layer (False: hf_kvgov's block-storing caches, whose one block id spans all
             layers). Eviction setups always keep at most ``window - 1`` slots in a sliding layer.

@@ -187,15 +187,17 @@ def test_prefix_disk_row_fills_one_tree_and_counts_read_ahead(report: ChainRepor
     # Request 1: the document's 3 tree blocks stay; own blocks 3-4 end before token 95 - 8 = 87 and spill;
     # block 5 stays, with two segments of read-ahead allocated by the read-back.
     assert row.kv_bytes_per_token == (3 * BYTES_PER_BLOCK + BYTES_PER_BLOCK + 2 * SEGMENT) / LENGTH
-    # The fill: request 0 publishes all 6 of its blocks (brought back for the tree) and keeps its buffers: 57,344 B.
-    # Each later request holds 1 block + buffers = 16,384 B, but needs 2 blocks + buffers while it writes tokens
-    # 80-94 (block 3 spilled, block 4 not yet). Request n + 1 fits while 57,344 + 16,384 n + 24,576 <= budget:
-    # n = 16, so 17 requests; the 18th passes the budget with its first chunk (two new blocks).
-    first, later = 6 * BYTES_PER_BLOCK + 2 * SEGMENT, BYTES_PER_BLOCK + 2 * SEGMENT
-    assert first + 15 * later + 2 * BYTES_PER_BLOCK + 2 * SEGMENT <= BUDGET < first + 16 * later + 2 * BYTES_PER_BLOCK
-    assert (row.sequences, row.held_bytes) == (17, first + 16 * later)
-    # The planner: floor((budget - the document's 3 blocks) / one request's 1 block + buffers) = 18.
-    assert row.predicted_sequences == (BUDGET - 3 * BYTES_PER_BLOCK) // later == 18
+    # The fill: request 0 publishes the document's 3 blocks (24,576 B) and keeps its own part as every request does:
+    # 1 block + buffers = 16,384 B. A request writes tokens 48-79 (two new blocks, 16,384 B), then 80-94 with block
+    # 3 spilled and block 4 not yet, reading block 3 back (two blocks and one segment of read-ahead, 20,480 B), then
+    # token 95 alone. Request n + 1 fits while 24,576 + 16,384 n + 20,480 <= budget: n = 17, so 18 requests.
+    document, later, writing = 3 * BYTES_PER_BLOCK, BYTES_PER_BLOCK + 2 * SEGMENT, 2 * BYTES_PER_BLOCK + SEGMENT
+    assert document + 17 * later + writing <= BUDGET < document + 18 * later + writing
+    assert (row.sequences, row.held_bytes) == (18, document + 18 * later)
+    # The planner keeps room for the newest request's largest step (`step_tokens` = the 32-token chunk): its steps
+    # hold 2 blocks (tokens 48-79), then 1 + 1 (80-95; block 3 spilled), against 1 block in the steady state, so
+    # one block once: floor((budget - the document's 3 blocks - 1 block) / one request's 1 block + buffers) = 18.
+    assert row.predicted_sequences == (BUDGET - 4 * BYTES_PER_BLOCK) // later == 18
     assert "read-ahead" in (row.capacity_method or "")
 
 

@@ -83,15 +83,30 @@ def test_static_buffer_shorter_than_longest_sequence_is_an_error(unit: ModelGeom
 
 def test_one_step_written_in_full_precision_is_kept_room_for_once(unit: ModelGeometry) -> None:
     # unit, block 4: fp16 block 2 x 4 x 8 x 2 = 128 B, int8 block 64 codes + 32 key + 16 value statistics = 112 B.
-    # 40 tokens int8: the sink block in fp16, 9 sealed: 128 + 9 x 112 = 1,136 B -> floor(10000 / 1136) = 8 (9,088 B).
-    # A step of S tokens stays in fp16 until sealed: ceil(S / 4) blocks x 16 B more, once.
-    steady = _plan(unit, fixed(40), "paged,int8")
-    assert steady.step("int8").concurrent == 8
-    fits = _plan(unit, fixed(40), "paged,int8", step_tokens=228)  # 57 x 16 = 912 B: 9,088 + 912 = 10,000
-    assert fits.step("int8").concurrent == 8
-    over = _plan(unit, fixed(40), "paged,int8", step_tokens=229)  # 58 blocks: 928 B, one byte per block too many
-    assert over.step("int8").concurrent == 7
-    # Full precision stages nothing: a step's tokens cost what they cost after it.
-    assert over.step("paged").concurrent == steady.step("paged").concurrent == 7
+    # 40 tokens int8: the sink block in fp16, 9 sealed: 128 + 9 x 112 = 1,136 B; 8 sequences are 9,088 B.
+    # Steps of 16 tokens: 0-15 hold 4 fp16 blocks (512 B); 16-31 the sink and 3 sealed (464 B) + 4 fp16 blocks
+    # (976 B); 32-39 the sink and 7 sealed (912 B) + 2 fp16 blocks (1,168 B), the most: 32 B over 1,136, once.
+    def plan(budget: int, step: int, chain: str = "paged,int8") -> Plan:
+        inputs = PlanInputs(unit, MemoryBudget(budget, weight_bytes=0, reserve_fraction=0.0), fixed(40))
+        return make_plan(inputs, chain, ChainOptions(max_len=16, block_size=4, step_tokens=step))
+
+    assert plan(9_088, 0).step("int8").concurrent == 8
+    assert plan(9_120, 16).step("int8").concurrent == 8
+    assert plan(9_119, 16).step("int8").concurrent == 7
     # Bytes per sequence stay the steady state's: the step's room is the budget's, not a sequence's.
-    assert over.step("int8").bytes_per_sequence == steady.step("int8").bytes_per_sequence == 1136
+    assert plan(9_119, 16).step("int8").bytes_per_sequence == 1136
+    # Full precision stages nothing: a step's tokens cost what they cost after it (10 blocks: 1,280 B, 7 fit).
+    assert plan(8_960, 16, "paged").step("paged").concurrent == 7
+
+    # A disk tier keeping 8 hot tokens spills at a step's start the blocks that ended before its tokens - 1 - 8:
+    # at 40 tokens blocks 0-6 (7-9 stay: 384 B). Steps of 16: 0-15 write 4 blocks (512 B); 16-31 start with
+    # blocks 1-3 resident (block 0 spilled) and write 4 (896 B), the most: 512 B over 384, once; 32-39 start with
+    # blocks 5-7 and write 2 (640 B).
+    def spilled(budget: int) -> Plan:
+        inputs = PlanInputs(unit, MemoryBudget(budget, weight_bytes=0, reserve_fraction=0.0), fixed(40))
+        options = ChainOptions(max_len=16, block_size=4, step_tokens=16, spill_hot_tokens=8)
+        return make_plan(inputs, "paged,spill", options)
+
+    assert spilled(10 * 384 + 512).step("spill").bytes_per_sequence == 384
+    assert spilled(10 * 384 + 512).step("spill").concurrent == 10
+    assert spilled(10 * 384 + 511).step("spill").concurrent == 9
