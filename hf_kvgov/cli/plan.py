@@ -115,8 +115,9 @@ def _add_knobs(parser: argparse.ArgumentParser) -> None:
             "--step-tokens",
             int,
             0,
-            "tokens a request writes in one step (your prefill chunk): a quantized cache holds them in full "
-            "precision until the step seals them (0: steady state only)",
+            "tokens a request writes in one step (your prefill chunk): they stay in full precision until the step "
+            "seals them or the next spills them, and the budget keeps room for one request's largest step (0: steady "
+            "state only)",
         ),
     ]
     group.add_argument("--chain", help=f"comma-separated steps [{','.join(DEFAULT_CHAIN)}]")
