@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hf_kvgov.codecs.numerics import StatisticsOutOfRange
 from hf_kvgov.errors import PoolExhausted
+from hf_kvgov.storage.free_ids import LowestIds
 from hf_kvgov.storage.geometry import index_per_layer
 from hf_kvgov.storage.layer_groups import LayerGroup
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry, PoolStats
@@ -149,8 +150,9 @@ class QuantizedBlockPool(BlockPool):
         super().__init__(geometry, block_size, max_tokens, max_bytes, growth_blocks, preallocate, groups)
         devices = [geometry.layer_device(layer) for layer in range(geometry.num_layers)]
         self.sealed = SealedBlockStore(
-            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout
-        )
+            formats, block_size, geometry.num_kv_heads, geometry.head_dim, devices, sealed_growth_blocks, self.layout,
+            LowestIds() if max_bytes is not None else None,  # as the full-precision blocks': free ids at the end
+        )  # fmt: skip
         self.overflow_blocks = 0  # blocks kept in full precision because their statistics overflowed (`seal`)
         if max_bytes is not None and max_bytes < self.sealed.bytes_per_block:
             raise ValueError(

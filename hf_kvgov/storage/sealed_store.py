@@ -6,7 +6,6 @@ per id, a FIFO free list) so sealed ids are shared, forked and freed as pool blo
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -14,6 +13,7 @@ from typing import TypeAlias
 import torch
 from torch import Tensor
 
+from hf_kvgov.storage.free_ids import FifoIds, FreeIds
 from hf_kvgov.storage.layer_groups import GroupLayout, single_group
 from hf_kvgov.storage.sealed_formats import SealedFormat, piece_bytes
 
@@ -54,7 +54,8 @@ class SealedBlockStore:
 
     Layers may use different formats (a layer kept in full precision stores raw `keys`/`values`) and live on
     different devices (a model split over accelerators): layer l's pieces sit on its device. Metadata
-    mirrors `BlockPool`: a reference count per id and a FIFO free list. The store takes no lock: its owner,
+    mirrors `BlockPool`: a reference count per id and a free list (FIFO, or lowest first: ``free_ids``, which an
+    owner with a byte cap asks for, so free ids gather at the end). The store takes no lock: its owner,
     `QuantizedBlockPool`, calls it under the pool's lock. Left alone it grows as `allocate` needs; an owner
     with a byte cap grows it first (`grow`, within the cap) and may take back free ids at its end
     (`release_tail`).
@@ -66,6 +67,7 @@ class SealedBlockStore:
         growth_blocks: blocks added per growth step (the store at least doubles).
         layout: the pool's layer groups (`BlockPool.layout`): layers at one position share pieces, format and
             device. None: every layer has pieces of its own.
+        free_ids: the order free ids are handed out in (`hf_kvgov.storage.free_ids`; None: FIFO).
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class SealedBlockStore:
         device: Placement,
         growth_blocks: int = DEFAULT_SEALED_GROWTH,
         layout: GroupLayout | None = None,
+        free_ids: FreeIds | None = None,
     ) -> None:
         if not formats:
             raise ValueError("A sealed store needs one SealedFormat per layer; got an empty list.")
@@ -98,7 +101,7 @@ class SealedBlockStore:
         ]  # fmt: skip
         self.pieces: list[dict[str, Tensor]] = [per_position[position] for position in self.group_layout.position]
         self._ref: list[int] = []
-        self._free: deque[int] = deque()
+        self._free: FreeIds = FifoIds() if free_ids is None else free_ids
         self.bytes_per_block = sum(sum(piece_bytes(self._layouts[head])) for head in self._heads)
 
     # ------------------------------------------------------------------ metadata
@@ -125,7 +128,7 @@ class SealedBlockStore:
         short = n - len(self._free)
         if short > 0:
             self.grow(self.growth_step(short))
-        ids = [self._free.popleft() for _ in range(n)]
+        ids = [self._free.take() for _ in range(n)]
         for sealed_id in ids:
             self._ref[sealed_id] = 1
         return ids
@@ -171,7 +174,7 @@ class SealedBlockStore:
                 pieces = self.pieces[layer]
                 pieces.update({name: t[:keep].clone() for name, t in pieces.items()})
         del self._ref[keep:]
-        self._free = deque(sealed_id for sealed_id in self._free if sealed_id < keep)
+        self._free.keep_below(keep)
 
     def place_layer(self, layer: int, device: torch.device) -> None:
         """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros).
@@ -209,11 +212,11 @@ class SealedBlockStore:
         for sealed_id in self.check_live(sealed_ids, "free"):
             self._ref[sealed_id] -= 1
             if self._ref[sealed_id] == 0:
-                self._free.append(sealed_id)
+                self._free.put(sealed_id)
 
     def free_ids(self) -> tuple[int, ...]:
-        """Free sealed ids in reuse order (oldest freed first); for tests and debugging."""
-        return tuple(self._free)
+        """Free sealed ids in the order they will be handed out; for tests and debugging."""
+        return self._free.in_order()
 
     # ------------------------------------------------------------------ data
 
