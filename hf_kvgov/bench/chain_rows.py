@@ -164,7 +164,7 @@ STEPS: tuple[ChainStep, ...] = (
     ),
     ChainStep(
         "int8", "+ int8 (keys per channel, values per token)", shared("int8"), shared_pool_refused("int8"),
-        "pool refused, one prefix tree; cap on full-precision + sealed bytes (bench accounting)",
+        "pool refused, one prefix tree; the pool's cap counts its full-precision and sealed bytes",
         shares_document=True, numerics="int8@{block_size}", fills_in_steps=True,
     ),
     ChainStep(

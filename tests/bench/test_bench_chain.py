@@ -107,7 +107,7 @@ def test_int8_with_prefix_counts_full_precision_and_sealed_bytes(report: ChainRe
     served = fit - 1
     assert (row.sequences, row.held_bytes) == (served, document + served * own)
     assert row.predicted_sequences == served and row.measured_vs_predicted == 1.0
-    assert "bench accounting" in (row.capacity_method or "")
+    assert "full-precision and sealed bytes" in (row.capacity_method or "")
     assert row.kv_bytes_per_token == (BYTES_PER_BLOCK + 5 * SEALED_INT8_BLOCK) / LENGTH
 
 
