@@ -5,9 +5,8 @@ memory is exactly the blocks it holds in one pool gets a factory for more caches
 shared, capped pool; the others get None and are counted by their measured bytes. Every fill allocates real K/V;
 none divides a budget by a size. `fill_until_refused` gives each sequence its own cache in a pool capped at the
 budget until it raises `PoolExhausted`; `fill_shared` serves requests that start with one document through a
-`PrefixCache`. A `QuantizedBlockPool`'s `max_bytes` caps its full-precision blocks and sealed codes together;
-`fill_shared` also refuses a request once `pool_bytes_used` exceeds the budget, checked after each chunk a request
-writes, for the memory a cache holds outside the pool (when asked: a disk cache's read-ahead rows).
+`PrefixCache`. The pool's `max_bytes` is the budget and counts every byte: a `QuantizedBlockPool`'s full-precision
+blocks and sealed codes, and what caches charge to it beside their blocks (a disk cache's read-ahead rows).
 """
 
 from __future__ import annotations
@@ -209,22 +208,14 @@ def fill_until_refused(
     raise AssertionError("a capped pool always refuses eventually: every sequence takes at least one block")
 
 
-class _OverBudget(Exception):
-    """The bench's accounting refused a request: the pool's bytes in use passed the budget."""
-
-
-def _write_request(
-    cache: Any, kv: LayerKV, tokens: list[int], chunk: int, refused: Callable[[Any], bool], last_alone: bool
-) -> None:
-    """Match `tokens` in the prefix tree, then write the rest `chunk` tokens a step, checking the budget
-    after each; with `last_alone` the last token is a step of its own (a decode step)."""
+def _write_request(cache: Any, kv: LayerKV, tokens: list[int], chunk: int, last_alone: bool) -> None:
+    """Match `tokens` in the prefix tree, then write the rest `chunk` tokens a step; with `last_alone` the last token
+    is a step of its own (a decode step)."""
     cache.match(torch.tensor([tokens]))
     stop = len(tokens) - 1 if last_alone else len(tokens)
     steps = [(start, min(start + chunk, stop)) for start in range(cache.get_seq_length(), stop, chunk)]
     for start, end in steps + ([(stop, len(tokens))] if last_alone else []):
         write_tokens(cache, kv, start, end)
-        if refused(cache):
-            raise _OverBudget
 
 
 def fill_shared(
@@ -232,7 +223,6 @@ def fill_shared(
     prefix: PrefixCache,
     kv: LayerKV,
     request: Request,
-    budget_bytes: int,
     chunk: int = 256,
     progress: Any = None,
     outside_pool: Callable[[Any], int] = lambda cache: 0,
@@ -247,7 +237,7 @@ def fill_shared(
     head_dim]` per layer) at each token's position: what a block costs does not depend on its content.
 
     Args:
-        outside_pool: bytes a cache holds besides its pool blocks, counted against the budget with them.
+        outside_pool: bytes a cache holds besides its pool blocks (charged to the pool), added to the held figure.
         last_token_alone: write each request's last token as a step of its own (see `_write_request`).
     Returns:
         (requests that fit, pool bytes + `outside_pool` bytes they hold, the length of the refused request).
@@ -255,18 +245,15 @@ def fill_shared(
     pool = prefix.pool
     held: list[Any] = []
 
-    def used(*caches: Any) -> int:
-        return pool_bytes_used(pool) + sum(outside_pool(c) for c in (*held, *caches))
-
-    def refused(cache: Any) -> bool:
-        return used(cache) > budget_bytes
+    def used() -> int:
+        return pool_bytes_used(pool) + sum(outside_pool(c) for c in held)
 
     try:
         for index in itertools.count():
             tokens, cache = request(index), twin(prefix)
             try:
-                _write_request(cache, kv, tokens, chunk, refused, last_token_alone)
-            except (PoolExhausted, _OverBudget):
+                _write_request(cache, kv, tokens, chunk, last_token_alone)
+            except PoolExhausted:
                 cache.release()  # the refused request keeps nothing
                 return len(held), used(), len(tokens)
             if index == 0:

@@ -118,8 +118,8 @@ def _measure(ctx: Context, step: ChainStep, geometry: ModelGeometry | None, dtyp
         return row, probe
     if step.shares_document:
         setup = with_shared_prefix(setup, c.shared_tokens, c.length)
-    if step.fills_in_steps:  # each request after the first writes its own tokens in `chunk`-token steps
-        setup = dataclasses.replace(setup, step_tokens=min(c.chunk, c.length - c.shared_tokens))
+    if step.fills_in_steps:  # each request writes its own tokens in `chunk`-token steps
+        setup = dataclasses.replace(setup, step_tokens=c.chunk)
     plan = predict(geometry, setup, fixed(c.length), c.budget_bytes)
     ratio = count / plan.concurrent if plan.concurrent else None
     return dataclasses.replace(

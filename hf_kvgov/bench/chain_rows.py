@@ -85,7 +85,7 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
             twin = ctx.sharing(codec, **parts(ctx))
             with ctx.counter("requests written") as bar:
                 return alloc.fill_shared(
-                    twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk, bar,
+                    twin, prefix, ctx.kv, ctx.requests.tokens, c.chunk, bar,
                     outside_pool=read_ahead_bytes, last_token_alone=True, published=c.shared_tokens,
                 )  # fmt: skip
         finally:

@@ -298,7 +298,7 @@ def shared_pool_refused(codec: str | None) -> Capacity:
             twin = ctx.sharing(codec, "paged")  # the same blocks as the contiguous path, filled without gathers
             with ctx.counter("requests written") as bar:
                 return alloc.fill_shared(
-                    twin, prefix, ctx.kv, ctx.requests.tokens, c.budget_bytes, c.chunk, bar, published=c.shared_tokens
+                    twin, prefix, ctx.kv, ctx.requests.tokens, c.chunk, bar, published=c.shared_tokens
                 )
         finally:
             prefix.close()

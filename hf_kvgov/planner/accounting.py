@@ -199,22 +199,24 @@ def staging_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> in
     prefix = shared_prefix_tokens(setup, length)
     if not setup.step_tokens or length <= prefix or not setup.paged or setup.eviction_slots:
         return 0
-    bs, head_dim = setup.block_size, geometry.head_dim
-    starts = range(prefix, length, setup.step_tokens)
+    bs, head_dim, step = setup.block_size, geometry.head_dim, setup.step_tokens
     total = 0
     for count, window, layer_setup in layer_setups(geometry, setup):
         held = held_window(setup, window)
-
-        def steady(tokens: int, layer_setup: CacheSetup = layer_setup, held: int | None = held) -> int:
-            return _own_layer_bytes(layer_setup, tokens, prefix, held, head_dim)[0] if tokens > prefix else 0
-
         full = layer_setup.full_format.block_bytes(bs, head_dim)
         peak = max(
-            steady(start) + (math.ceil(min(start + setup.step_tokens, length) / bs) - math.ceil(start / bs)) * full
-            for start in starts
+            _device_bytes(layer_setup, start, prefix, held, head_dim)
+            + (math.ceil(min(start + step, length) / bs) - math.ceil(start / bs)) * full
+            for start in range(prefix, length, step)
         )
-        total += count * geometry.num_kv_heads * max(0, peak - steady(length))
+        steady = _device_bytes(layer_setup, length, prefix, held, head_dim)
+        total += count * geometry.num_kv_heads * max(0, peak - steady)
     return total
+
+
+def _device_bytes(setup: CacheSetup, length: int, prefix: int, window: int | None, head_dim: int) -> int:
+    """Accelerator bytes of one layer and KV head's own tokens in the steady state at ``length`` (0: none yet)."""
+    return _own_layer_bytes(setup, length, prefix, window, head_dim)[0] if length > prefix else 0
 
 
 def _own_layer_bytes(

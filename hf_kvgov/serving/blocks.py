@@ -45,15 +45,6 @@ class FullPrecisionBlocks:
         """Bytes of the blocks in use (the prefix tree's included)."""
         return pool.num_used * pool.bytes_per_block
 
-    def bytes_held(self, pool: BlockPool) -> int:
-        """Bytes of the pool's tensors, free blocks included: what the engine holds of the device's memory."""
-        return pool.bytes_held()
-
-    def bytes_cap(self, pool: BlockPool) -> int | None:
-        if pool.max_bytes is not None:
-            return pool.max_bytes
-        return None if pool.max_blocks is None else pool.max_blocks * pool.bytes_per_block
-
     def describe(self) -> str:
         return "full precision"
 

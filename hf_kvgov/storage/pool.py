@@ -228,6 +228,13 @@ class BlockPool:
         with self._lock:
             return self._charges.get(holder, 0)
 
+    @property
+    def cap_bytes(self) -> int | None:
+        """The cap in bytes: ``max_bytes``, or a token cap's blocks' worth; None without a cap."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return None if self.max_blocks is None else self.max_blocks * self.bytes_per_block
+
     def bytes_held(self) -> int:
         """Every byte the byte cap bounds: the block tensors (free blocks included) and the bytes charged."""
         with self._lock:

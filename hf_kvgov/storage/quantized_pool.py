@@ -98,16 +98,16 @@ class QuantizedBlockPool(BlockPool):
         seal([7, 7, 9]) -> [-1, -1, -2]    block 7 (shared by two rows) is encoded once and sealed id 0 takes
                                             both references; blocks 7 and 9 drop them (freed at count 0)
 
-    The cap: `max_bytes` bounds every byte of the pool's tensors, full-precision blocks (free ones included)
-    plus the sealed store (`stats().bytes_held`). Each part grows lazily, its step clamped to the budget left.
-    Freeing a block returns no bytes (ids are stable), so a part short of budget first takes back the other
-    part's free blocks at the end of its tensors, then asks the reclaimers, then raises `PoolExhausted` having
-    done nothing. Sealing rule: the blocks an operation frees count as freed before it takes new ones, so
-    `seal` may grow the store into the full-precision blocks it frees at the end (encoding them before they
-    go), and `unseal` into the sealed block it drops; either is refused only when its net effect does not fit.
+    The cap: `max_bytes` bounds every byte of the pool's tensors, full-precision blocks (free ones included) plus
+    the sealed store, and the bytes charged beside them (`stats().bytes_held`). Each part grows lazily, its step
+    clamped to the budget left. Freeing a block returns no bytes (ids are stable), so a part short of budget first
+    takes back the other part's free blocks at the end of its tensors, then asks the reclaimers, then raises
+    `PoolExhausted` having done nothing. Sealing rule: the blocks an operation frees count as freed before it takes
+    new ones, so `seal` may grow the store into the full-precision blocks it frees at the end (encoding them before
+    they go), and `unseal` into the sealed block it drops; either is refused only when its net effect does not fit.
     A resize copies, briefly holding both copies, as `BlockPool`'s growth does. `max_tokens` still caps the
-    full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget
-    being shared.
+    full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget being
+    shared.
 
     Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
     id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing

@@ -302,6 +302,7 @@ def test_stats_numbers_exact() -> None:
         bytes_held=4 * 768,
         max_bytes=None,  # a token cap bounds blocks only
     )
+    assert pool.cap_bytes == 10 * 768  # a token cap's blocks' worth
     pool.decref([0, 1])
     stats = pool.stats()
     assert (stats.used_blocks, stats.free_blocks, stats.bytes_used) == (1, 9, 768)
@@ -316,6 +317,7 @@ def test_stats_of_uncapped_pool() -> None:
     assert stats.bytes_per_block == 2 * 2 * 4  # K and V x 2 tokens x 4 bytes
     assert (stats.bytes_reserved, stats.bytes_used) == (8 * 16, 5 * 16)
     assert stats.free_blocks > 2**40  # unbounded room to grow
+    assert pool.cap_bytes is None
 
 
 # ---------------------------------------------------------------- bytes charged beside the blocks
@@ -323,7 +325,8 @@ def test_stats_of_uncapped_pool() -> None:
 
 def test_charges_count_against_a_byte_cap_and_shrink_the_room_to_grow() -> None:
     # 768 bytes per block; the cap is 10 blocks' worth.
-    pool = BlockPool(FP16_GEOMETRY, block_size=4, max_bytes=10 * 768, growth_blocks=4)
+    pool = BlockPool(FP16_GEOMETRY, block_size=4, max_bytes=10 * 768 + 5, growth_blocks=4)
+    assert pool.cap_bytes == 10 * 768 + 5  # the bytes as given, not rounded to blocks
     pool.charge("a", 1000)  # 1000 bytes: two blocks' worth of the cap gone, 8 left (7680 - 1000 = 6680 // 768)
     assert (pool.bytes_charged, pool.charged("a"), pool.num_free) == (1000, 1000, 8)
     assert pool.allocate(8) == list(range(8))
