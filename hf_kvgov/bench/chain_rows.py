@@ -46,9 +46,9 @@ __all__ = ["STEPS", "ChainStep"]
 
 _MEASURED_DISK = "measured bytes (one sequence's stats: resident blocks + read-ahead buffers)"
 _SHARED_MEASURED = (
-    "measured bytes: (budget - the tree's document bytes) / (one request's own resident bytes + read-ahead "
-    "buffers), from its stats (not filled by allocation: each read-back step concatenates the layer's whole "
-    "sealed store, and the fill slowed to 16 s a request by the 17th on SmolLM2)"
+    "measured bytes: (budget - the document's tree blocks a request matches) / (one request's own resident bytes "
+    "+ read-ahead buffers), from its stats (not filled by allocation: each read-back step concatenates the layer's "
+    "whole sealed store, and the fill slowed to 16 s a request by the 17th on SmolLM2)"
 )
 _SHARED_DISK = (
     "pool refused, one prefix tree; each request's last token a step of its own (its cold own blocks spill); "
@@ -94,22 +94,25 @@ def shared_spill_refused(codec: str | None, parts: Callable[[Context], Parts]) -
     return capacity
 
 
-def document_bytes(cache: Any, matched: frozenset[int]) -> int:
-    """Bytes of the tree's blocks `cache` took by `match` (`matched`) and still reads: the shared document,
-    full-precision and sealed blocks."""
-    held, pool = tree_held(cache) & live_entries(cache) & matched, cache.pool
-    sealed = sum(1 for entry in held if is_sealed(entry))
+def blocks_bytes(cache: Any, blocks: frozenset[int]) -> int:
+    """Bytes of `blocks`, pool ids of `cache`'s pool: full-precision and sealed blocks."""
+    pool = cache.pool
+    sealed = sum(1 for entry in blocks if is_sealed(entry))
     sealed_block = pool.sealed.bytes_per_block if isinstance(pool, QuantizedBlockPool) else 0
-    return (len(held) - sealed) * pool.bytes_per_block + sealed * sealed_block
+    return (len(blocks) - sealed) * pool.bytes_per_block + sealed * sealed_block
 
 
 def shared_measured_bytes(ctx: Context, probe: Probe) -> alloc.Fit:
     """(budget - the document's bytes) // (one request's own resident bytes + read-ahead), from the probe's stats.
 
-    For a composition whose fill by allocation is too slow for the bench (see `_SHARED_MEASURED`).
+    The document is what the probe's `match` took from the tree: every full-attention block, and a sliding group's
+    last window, which each request reads when it is admitted (the tree keeps it while one does). For a
+    composition whose fill by allocation is too slow for the bench (see `_SHARED_MEASURED`).
     """
-    document = document_bytes(probe.cache, probe.matched)
-    own = kv_bytes(probe.cache) - document  # the probe's stats count the tree blocks it uses in full
+    matched = tree_held(probe.cache) & probe.matched
+    document = blocks_bytes(probe.cache, matched)
+    # The probe's stats count the tree blocks it still reads in full (not the sliding ones it moved past).
+    own = kv_bytes(probe.cache) - blocks_bytes(probe.cache, matched & live_entries(probe.cache))
     if own <= 0:
         raise ValueError(
             f"A request holding {ctx.config.length} tokens reports {own} bytes of its own; it cannot be counted."

@@ -4,10 +4,11 @@
 for the cache under test. The setup is read from the cache object itself (block size, codec, hot window, budget),
 not from the registry name, so a cache registered with other options is planned with its own. Dispatch is a
 registry on the cache's class (most specific first) rather than a chain of type tests; a class with no entry gets
-no prediction (None). The setup follows what the cache holds: what left a sliding window is freed (a disk cache's
-sliding layers never spill; eviction caches keep at most the window); spilling caches add their hot window, the
-blocks that never spill and their read-ahead rows (one layer of the spilled blocks, up to the cap); a quantized
-cache's per-layer formats and `residual` window of full-precision tokens are modelled layer by layer.
+no prediction (None). The setup follows what the cache holds: what left a sliding window is freed (under a tree
+a disk cache's sliding layers keep their window; eviction caches keep at most the window); spilling caches add
+their hot window, the blocks that never spill and their read-ahead rows (one layer of the spilled blocks, up to the
+cap); a quantized cache's per-layer formats and `residual` window of full-precision tokens are modelled layer by
+layer.
 """
 
 from __future__ import annotations

@@ -153,6 +153,13 @@ def split_spill(run: Run, setup: CacheSetup) -> tuple[Run, Run]:
     return hot, Run(tokens=cold_blocks * bs, at_sink=run.at_sink and pinned == 0, at_end=False)
 
 
+def tree_holds_window(setup: CacheSetup) -> bool:
+    """Whether a sliding layer keeps its whole window resident although a disk tier spills: under a prefix tree
+    hf_kvgov's block caches publish a sliding layer's prompt blocks as they are computed (they leave the window
+    before `publish` runs), and a block the tree holds never spills."""
+    return setup.spill_hot_tokens is not None and bool(setup.shared_fraction) and setup.h2o_budget is None
+
+
 def _static_bytes(geometry: ModelGeometry, setup: CacheSetup) -> int:
     assert setup.max_len is not None
     total = 0
@@ -234,7 +241,10 @@ def _own_layer_bytes(
         seen = visible.tokens if window is None else min(visible.tokens, window - 1)
         resident, disk, buffer = recall_bytes(setup, seen - run.tokens, head_dim)
         return kept + resident, disk, buffer
-    hot, cold = split_spill(run, setup)  # a sliding layer's run is its window already: only its older part spills
+    if window is not None and tree_holds_window(setup):
+        hot, cold = run, Run(0, False, at_end=False)
+    else:  # a sliding layer's run is its window already: only its older part spills
+        hot, cold = split_spill(run, setup)
     device = run_bytes(hot, setup, head_dim)
     if setup.h2o_budget is not None:
         # H2O keeps the attention mass and bookkeeping of every kept slot (spilled ones too) on the accelerator.
@@ -284,24 +294,19 @@ def _slot_bytes(setup: CacheSetup, kept: int, head_dim: int) -> int:
 def shared_store_bytes(geometry: ModelGeometry, setup: CacheSetup, prefix: int) -> int:
     """Bytes of one stored copy of a ``prefix``-token shared prefix (on the accelerator, never evicted).
 
-    In a sliding layer only the blocks that can still overlap some sequence's window are counted. An eviction
-    cache's hit at ``prefix`` reads (and references) its window's blocks only, from the one holding the first
-    token its next query sees; the tree lets go of the older sliding blocks when the pool needs room.
+    In a sliding layer only the blocks a hit at ``prefix`` reads (and references) are counted: its window's, from
+    the one holding the first token its next query sees; the tree lets go of the older sliding blocks when the
+    pool needs room.
     """
     if not setup.paged or prefix == 0:
         return 0
     bs, total = setup.block_size, 0
     for count, kind_window, layer_setup in layer_setups(geometry, setup):
         window = held_window(setup, kind_window)
-        if window is None:
-            tokens = prefix
-        elif setup.eviction_slots:
-            tokens = prefix - LayerGroup((), window).first_kept(prefix, bs)
-        else:
-            tokens = min(prefix, (math.ceil(window / bs) + 1) * bs)
+        first = 0 if window is None else LayerGroup((), window).first_kept(prefix, bs)
         # An eviction cache reads a tree of full-precision blocks (the prefix as computed), whatever its slots.
         stored = dataclasses.replace(layer_setup, codec=None) if setup.eviction_slots else layer_setup
         # The tree's blocks are served sealed (but the sink), the newest ones too (`QuantizedCache`).
-        per_head = run_bytes(Run(tokens, at_sink=True, at_end=False), stored, geometry.head_dim)
+        per_head = run_bytes(Run(prefix - first, at_sink=first == 0, at_end=False), stored, geometry.head_dim)
         total += count * geometry.num_kv_heads * per_head
     return total

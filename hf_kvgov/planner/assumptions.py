@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hf_kvgov.planner.accounting import tree_holds_window
 from hf_kvgov.planner.planner import Plan
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, format_bytes
 
@@ -115,6 +116,11 @@ def _spill_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
         "accelerator (counted when the step before the newest token spilled, so one block more at a block "
         "boundary) and moves older sealed blocks to disk; read-back staging buffers count in the reserve."
     ]
+    if tree_holds_window(step.setup) and plan.inputs.geometry.num_sliding_layers:
+        lines.append(
+            "With prefix sharing, sliding-window layers spill nothing: their prompt blocks join the prefix tree as "
+            "they are computed, and blocks the tree holds stay on the accelerator (the whole window counts)."
+        )
     if step.disk_bytes_per_sequence > 0:
         per_step = step.concurrent * step.disk_bytes_per_sequence
         seconds = per_step / ssd_bytes_per_s

@@ -70,7 +70,8 @@ class CacheSetup:
         recall_buffer: where recalled pages are held, as `Recall.buffer`: "layer" (every layer and KV head
             holds up to ``recall_pages`` pages) or "shared" (one buffer holds one layer's pages, for all).
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
-            to disk (0: every full block spills), or None for no spill.
+            to disk (0: every full block spills), or None for no spill. With ``shared_fraction`` (a prefix tree)
+            a sliding-window layer spills nothing: its prompt's blocks are the tree's, which stay resident.
         spill_pinned_blocks: leading blocks that never spill (an attention-sink block read by every query).
         spill_buffer_bytes: the most read-ahead memory a spilling sequence holds besides its blocks: it
             holds one layer of its spilled blocks (as the disk caches' rows do), up to this.

@@ -212,3 +212,13 @@ def test_json_to_stdout_and_an_unwritable_path(tmp_path: Path, capsys: pytest.Ca
     assert _run([*argv, "--json", str(blocker / "plan.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvgov plan: error: cannot write the JSON to ") and err.count("\n") == 1
+
+
+def test_spill_under_a_tree_says_sliding_layers_keep_their_window(capsys: pytest.CaptureFixture[str]) -> None:
+    said = "sliding-window layers spill nothing: their prompt blocks join the prefix tree"
+    for model, hybrid in (("gemma-3-270m", True), ("SmolLM2-135M", False)):
+        assert _run(["--model", model, "--chain", "paged,prefix,spill", "--lengths", "4096"]) == 0
+        assert (said in capsys.readouterr().out) is hybrid
+    # Without prefix sharing a sliding layer spills what is older than the hot window, and nothing is said.
+    assert _run(["--model", "gemma-3-270m", "--chain", "paged,spill", "--lengths", "4096"]) == 0
+    assert said not in capsys.readouterr().out

@@ -23,7 +23,7 @@ from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes
 from hf_kvgov.planner.lengths import fixed
 from hf_kvgov.prefix.sharing import PrefixCache
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_gemma3, tiny_llama
 
 # unit geometry (conftest): 1 layer x 1 KV head x head_dim 8, fp16, 4-token blocks.
 FP_BLOCK = 2 * 4 * 8 * 2  # 128
@@ -159,3 +159,40 @@ def test_cold_blocks_end_before_the_hot_window_of_the_last_spill(unit: ModelGeom
     cold = sum(1 for block in range(10) if 4 * block + 4 <= 39 - hot)
     assert sequence_bytes(unit, setup, 40).disk == cold * FP_BLOCK
     assert cold == {0: 9, 15: 6, 16: 5, 17: 5}[hot]
+
+
+def test_disk_cache_under_a_tree_keeps_its_sliding_window_resident(tmp_path: Path) -> None:
+    # tiny_gemma3: sliding, full, sliding layers (window 32), 2 KV heads x head_dim 16, float32: three groups of
+    # one layer, a 16-token block of one layer is 4,096 B (also the read-ahead segment).
+    model, block = tiny_gemma3(window=32), 16 * 2 * 2 * 16 * 4
+    generator = torch.Generator().manual_seed(0)
+    document, own = (
+        torch.randint(5, 60, (1, 48), generator=generator),
+        torch.randint(5, 60, (2, 48), generator=generator),
+    )
+    prefix = PrefixCache(GovernedCache(model, pool=Paging(16)).pool)
+    first = GovernedCache(model, prefix=prefix)
+    first_ids = torch.cat([document, own[:1]], dim=1)
+    first.match(first_ids)  # nothing cached yet: it lays the row out, so its sliding blocks join the tree as computed
+    _run(model, first, first_ids)
+    first.publish(first_ids)
+    second = GovernedCache(model, prefix=prefix, spill=Disk(path=str(tmp_path), hot_tokens=8, read_buffer_bytes=block))
+    ids = torch.cat([document, own[1:]], dim=1)
+    second.match(ids)
+    # The hit: the full layer's blocks 0-2; each sliding layer's blocks 1-2, which hold what a query at 48 sees
+    # (17 on). The planner's shared store is that copy of the document.
+    assert second.get_seq_length() == 48 and second.stats().bytes_used == 7 * block
+    _run(model, second, ids[:, 48:])
+    setup = planner_setup(second, "fp32")
+    assert setup is not None
+    plan = predict(planner_geometry(model), with_shared_prefix(setup, 48, 96), fixed(96), 10**6)
+    assert plan.shared_store_bytes == 7 * block
+    # Full layer: own blocks 3-4 spill (they end before token 95 - 8 = 87), block 5 stays, with one read-ahead
+    # segment (the cap). Sliding layers: blocks 4-5 hold the window of a query at 95 (64 on); block 4 joined the
+    # tree as computed, so it stays resident though it is older than the hot window.
+    own_bytes = block + block + 2 * 2 * block
+    assert plan.bytes_per_sequence - plan.shared_store_bytes / plan.concurrent == pytest.approx(own_bytes)
+    assert second.stats().bytes_used == 3 * block + own_bytes
+    assert second.stats().spilled_blocks == 2
+    for cache in (second, first):
+        cache.release()
