@@ -82,6 +82,16 @@ TINY_SEGMENT = TINY_BLOCK // 2  # one layer of one block: the read-ahead unit of
 TINY_INT8 = 2 * 2 * (2 * 16 * 16 + 16 * 2 * 2 + 16 * 2 * 2)  # 2,560 B: a sealed block, both layers
 
 
+def _two_requests() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two requests of 96 tokens, long `[1, 96]` each, that share their first 48 (a document)."""
+    generator = torch.Generator().manual_seed(0)
+    document, own = (
+        torch.randint(5, 60, (1, 48), generator=generator),
+        torch.randint(5, 60, (2, 48), generator=generator),
+    )
+    return torch.cat([document, own[:1]], dim=1), torch.cat([document, own[1:]], dim=1)
+
+
 def _run(model: Any, cache: Any, ids: torch.Tensor) -> None:
     """All tokens but the last as a prompt, the last as one decode step (the spill happens at its start)."""
     with torch.inference_mode():
@@ -123,20 +133,14 @@ def test_a_residual_window_wider_than_the_hot_window_stays_resident(tmp_path: Pa
 
 def test_disk_cache_under_a_tree_holds_what_the_planner_predicts(tmp_path: Path) -> None:
     model = tiny_llama()
-    generator = torch.Generator().manual_seed(0)
-    document, own = (
-        torch.randint(5, 60, (1, 48), generator=generator),
-        torch.randint(5, 60, (2, 48), generator=generator),
-    )
     prefix = PrefixCache(GovernedCache(model, pool=Paging(16)).pool)
     first = GovernedCache(model, prefix=prefix)
-    first_ids = torch.cat([document, own[:1]], dim=1)
+    first_ids, ids = _two_requests()
     _run(model, first, first_ids)
     first.publish(first_ids)
     spill = Disk(path=str(tmp_path), hot_tokens=8, read_buffer_bytes=2 * TINY_SEGMENT)
     second = GovernedCache(model, prefix=prefix, spill=spill)
     assert isinstance(second, DiskOffloadCache)
-    ids = torch.cat([document, own[1:]], dim=1)
     second.match(ids)
     assert second.get_seq_length() == 48
     _run(model, second, ids[:, 48:])
@@ -165,19 +169,13 @@ def test_disk_cache_under_a_tree_keeps_its_sliding_window_resident(tmp_path: Pat
     # tiny_gemma3: sliding, full, sliding layers (window 32), 2 KV heads x head_dim 16, float32: three groups of
     # one layer, a 16-token block of one layer is 4,096 B (also the read-ahead segment).
     model, block = tiny_gemma3(window=32), 16 * 2 * 2 * 16 * 4
-    generator = torch.Generator().manual_seed(0)
-    document, own = (
-        torch.randint(5, 60, (1, 48), generator=generator),
-        torch.randint(5, 60, (2, 48), generator=generator),
-    )
     prefix = PrefixCache(GovernedCache(model, pool=Paging(16)).pool)
     first = GovernedCache(model, prefix=prefix)
-    first_ids = torch.cat([document, own[:1]], dim=1)
+    first_ids, ids = _two_requests()
     first.match(first_ids)  # nothing cached yet: it lays the row out, so its sliding blocks join the tree as computed
     _run(model, first, first_ids)
     first.publish(first_ids)
     second = GovernedCache(model, prefix=prefix, spill=Disk(path=str(tmp_path), hot_tokens=8, read_buffer_bytes=block))
-    ids = torch.cat([document, own[1:]], dim=1)
     second.match(ids)
     # The hit: the full layer's blocks 0-2; each sliding layer's blocks 1-2, which hold what a query at 48 sees
     # (17 on). The planner's shared store is that copy of the document.
