@@ -52,7 +52,7 @@ from transformers import DynamicCache
 from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention, kvzip_cache
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.models import load_model
-from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, HeavyHitter, Pyramid, QueryForecast, SnapKV
+from hf_kvgov.policies import H2O, ExpectedAttention, HeadAdaptive, Pyramid, QueryForecast, SnapKV
 
 RUNNING_EA = ExpectedAttention(forecast=QueryForecast(running=True))
 CacheFactory = Callable[..., Any]  # (model, budget_of=..., compress=..., layer_budgets=...) -> cache
@@ -89,7 +89,7 @@ def configurations(stream: bool, selected: list[str] | None = None) -> dict[str,
         if name.startswith("snapkv "):
             configs[name] = _snapkv_variant(name)
     if stream:
-        decode = HeavyHitter(heavy=0.5, recent=32)
+        decode = H2O(heavy=0.5, recent=32)
         configs["snapkv+h2o decode"] = lambda m, **kw: PolicyCache(m, "snapkv", KEEP, decode_policy=decode, **kw)
     return configs
 

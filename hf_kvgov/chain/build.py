@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_kvgov.engine.parts import (
     ChainParts,
-    DiskCacheConfig,
+    Disk,
     Evict,
     HeavyHitter,
     Layer,
@@ -38,7 +38,7 @@ def GovernedCache(
     namespace: str = "",
     codec: str | QuantConfig | None = None,
     policy: Policy | None = None,
-    spill: DiskCacheConfig | None = None,
+    spill: Disk | None = None,
     layers: Mapping[int, Layer] | None = None,
     attention: str = "contiguous",
 ) -> GovernedCacheBase:

@@ -28,7 +28,7 @@ from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, layer_groups,
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool, KVGeometry
 from hf_kvgov.tiers.disk_tier import DiskTier
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 
 AttentionPath = Literal["contiguous", "paged"]
@@ -76,7 +76,7 @@ class BlockStore:
         prefix: PrefixCache | None,
         namespace: str,
         codec: QuantConfig | None,
-        spill: DiskCacheConfig | None,
+        spill: Disk | None,
     ) -> None:
         # The chain's rules refuse what cannot work before anything is built, as for a chain built by name.
         size = block_size if block_size is not None else prefix.block_size if prefix else DEFAULT_BLOCK_SIZE
@@ -378,7 +378,7 @@ class BlockStore:
     # ------------------------------------------------------------------ the disk link's state
 
     @property
-    def disk(self) -> DiskCacheConfig:
+    def disk(self) -> Disk:
         """The disk tier's settings (a cache with a disk link only)."""
         assert self.spill_link is not None, f"a {type(self).__name__} without a disk tier has no disk settings"
         return self.spill_link.disk

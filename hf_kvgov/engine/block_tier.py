@@ -37,7 +37,7 @@ from hf_kvgov.tiers.kv_segments import (
 )
 from hf_kvgov.tiers.moves import TierBlocks, bring_back, raw_blocks, spill
 from hf_kvgov.tiers.prefetch import LayerPrefetcher
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 from hf_kvgov.tiers.tiered_tables import TieredBlockTables
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class BlockTier:
         sealed: the codec of a cache that spills sealed blocks (its cap counts their codes as well).
     """
 
-    def __init__(self, disk: DiskCacheConfig, sealed: QuantConfig | None = None) -> None:
+    def __init__(self, disk: Disk, sealed: QuantConfig | None = None) -> None:
         self.disk, self.sealed = disk, sealed
         self.tier: DiskTier | None = None  # created with the pool, on the first K/V
         self.prefetcher: LayerPrefetcher | None = None

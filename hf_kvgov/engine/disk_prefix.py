@@ -27,7 +27,7 @@ from hf_kvgov.storage.block_table import BlockTable
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool
 from hf_kvgov.tiers.moves import TierBlocks
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 from hf_kvgov.tiers.tiered_tables import TieredBlockTable, TieredBlockTables
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 
 def cache_block_size(
-    prefix: PrefixCache | None, disk: DiskCacheConfig, block_size: int | None, sealed: QuantConfig | None = None
+    prefix: PrefixCache | None, disk: Disk, block_size: int | None, sealed: QuantConfig | None = None
 ) -> int:
     """The block size of a disk cache: `shared_pool_block_size` with a tree, else `block_size` (default 16)."""
     if prefix is not None:
@@ -44,7 +44,7 @@ def cache_block_size(
 
 
 def shared_pool_block_size(
-    prefix: PrefixCache, disk: DiskCacheConfig, block_size: int | None, sealed: QuantConfig | None = None
+    prefix: PrefixCache, disk: Disk, block_size: int | None, sealed: QuantConfig | None = None
 ) -> int:
     """The block size of a disk cache drawing from `prefix`'s pool; refuses settings that cannot apply.
 
@@ -82,7 +82,7 @@ def _check_pool_kind(pool: BlockPool, sealed: QuantConfig | None) -> None:
         )
 
 
-def resident_need(block_size: int, disk: DiskCacheConfig, sealed: QuantConfig | None) -> tuple[int, int, str]:
+def resident_need(block_size: int, disk: Disk, sealed: QuantConfig | None) -> tuple[int, int, str]:
     """(full-precision blocks, sealed blocks, what they are) one sequence keeps in memory, against the pool's cap."""
     hot = math.ceil(disk.hot_tokens / block_size)
     if sealed is None:

@@ -17,12 +17,9 @@ from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE, BlockPool
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 
 ATTENTION_PATHS: tuple[str, ...] = ("contiguous", "paged")
-
-# The spill part is the disk cache's validated configuration under the chain's name.
-Disk = DiskCacheConfig
 
 # Codec names a chain accepts -> (fmt, bits) of QuantConfig.
 CODEC_ALIASES: dict[str, tuple[str, int]] = {name: key for key, name in CODEC_NAMES.items()} | {"fp8": ("fp8", 8)}
@@ -229,7 +226,7 @@ class ChainParts:
     namespace: str = ""
     codec: QuantConfig | None = None
     policy: Policy | None = None
-    spill: DiskCacheConfig | None = None
+    spill: Disk | None = None
     layers: tuple[tuple[int, Layer], ...] = field(default=())
     attention: str = "contiguous"
 
@@ -239,7 +236,7 @@ class ChainParts:
         _check_type("pool", self.pool, (Paging, BlockPool))
         _check_type("prefix", self.prefix, (PrefixCache,))
         _check_type("policy", self.policy, (HeavyHitter, Sink, Evict))
-        _check_type("spill", self.spill, (DiskCacheConfig,))
+        _check_type("spill", self.spill, (Disk,))
         if not isinstance(self.namespace, str):
             raise TypeError(f"namespace must be a str (a tenant salt); got {self.namespace!r}.")
         layers = dict(self.layers)
@@ -259,7 +256,7 @@ class ChainParts:
         namespace: str = "",
         codec: str | QuantConfig | None = None,
         policy: Policy | None = None,
-        spill: DiskCacheConfig | None = None,
+        spill: Disk | None = None,
         layers: Mapping[int, Layer] | None = None,
         attention: str = "contiguous",
     ) -> ChainParts:

@@ -21,7 +21,7 @@ from hf_kvgov.engine.disk_stats import DiskCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
-from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
+from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, Disk
 
 __all__ = ["RESIDENT_FIRST_BLOCKS", "DiskCacheStats", "DiskOffloadCache"]
 
@@ -74,7 +74,7 @@ class DiskOffloadCache(PagedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        disk = DiskCacheConfig(
+        disk = Disk(
             path=None if path is None else str(path),
             hot_tokens=hot_tokens,
             max_resident_bytes=max_resident_bytes,

@@ -28,7 +28,7 @@ from hf_kvgov.hf.governed import GovernedCacheBase
 from hf_kvgov.hf.paged_layer import PagedLayer
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 
 # The names other modules take from here (the layer, view and stats live in their own modules).
 __all__ = ["ATTENTION_PATHS", "PAGED_VIEW_KEY", "AttentionPath", "CacheStats", "PagedCache", "PagedLayer", "PagedView"]
@@ -61,7 +61,7 @@ class PagedCache(GovernedCacheBase, BlockStore):
         namespace: prefix-sharing namespace (tenant salt): caches only reuse blocks of the same namespace.
         codec: the codec link, a `QuantConfig` (what `QuantizedCache` sets): full blocks are sealed into codes
             in a `QuantizedBlockPool`; None keeps every block in full precision.
-        spill: the disk link, a `DiskCacheConfig` (what `DiskOffloadCache` sets): cold blocks spill to a file.
+        spill: the disk link, a `Disk` (what `DiskOffloadCache` sets): cold blocks spill to a file.
             The cache then creates its pool capped by ``spill.max_resident_bytes`` (or draws from the prefix
             tree's), so it refuses ``pool=``, ``max_tokens=`` and ``max_bytes=``; None keeps every block in memory.
     """
@@ -78,7 +78,7 @@ class PagedCache(GovernedCacheBase, BlockStore):
         namespace: str = "",
         *,
         codec: QuantConfig | None = None,
-        spill: DiskCacheConfig | None = None,
+        spill: Disk | None = None,
     ) -> None:
         config = decoder_config(model_or_config)
         windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve

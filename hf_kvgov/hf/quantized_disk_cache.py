@@ -15,7 +15,7 @@ from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache, quant_config_for
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS
-from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, DiskCacheConfig
+from hf_kvgov.tiers.spill_config import DEFAULT_HOT_TOKENS, Disk
 
 __all__ = ["QuantizedDiskCache", "QuantizedDiskCacheStats"]
 
@@ -75,7 +75,7 @@ class QuantizedDiskCache(QuantizedCache):
         prefix: PrefixCache | None = None,
         namespace: str = "",
     ) -> None:
-        disk = DiskCacheConfig(
+        disk = Disk(
             None if path is None else str(path),
             hot_tokens,
             max_resident_bytes,

@@ -14,7 +14,7 @@ from hf_kvgov.policies.base import EvictionPolicy, FactNeeds, RankingPolicy, Slo
 from hf_kvgov.policies.expected_attention import ExpectedAttention
 from hf_kvgov.policies.given_scores import GivenScores
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
-from hf_kvgov.policies.heavy_hitter import HeavyHitter
+from hf_kvgov.policies.heavy_hitter import H2O
 from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.mean_mass import MeanMass
 from hf_kvgov.policies.pyramid import Pyramid
@@ -35,13 +35,13 @@ from hf_kvgov.policies.tova import TOVA
 from hf_kvgov.policies.with_sinks import WithSinks
 
 __all__ = [
+    "H2O",
     "TOVA",
     "EvictionPolicy",
     "ExpectedAttention",
     "FactNeeds",
     "GivenScores",
     "HeadAdaptive",
-    "HeavyHitter",
     "KeyNorm",
     "MeanMass",
     "Pyramid",
@@ -67,3 +67,19 @@ __all__ = [
     "select_by_priority",
     "select_with_window",
 ]
+
+
+def __getattr__(name: str) -> type:
+    # The policy was `HeavyHitter`, the name the chain's part (`hf_kvgov.HeavyHitter`) has; the old name still
+    # resolves, with a warning, for code written before the rename.
+    if name == "HeavyHitter":
+        import warnings
+
+        warnings.warn(
+            "hf_kvgov.policies.HeavyHitter is now hf_kvgov.policies.H2O (hf_kvgov.HeavyHitter is the chain's "
+            "part); the old name will be removed.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return H2O
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

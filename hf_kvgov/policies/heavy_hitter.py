@@ -13,7 +13,7 @@ from hf_kvgov.policies.selection import kept_of, select_within_budget, window_fi
 
 
 @dataclass(frozen=True)
-class HeavyHitter:
+class H2O:
     """Heavy-hitter oracle (Zhang et al., 2023), applied per KV head.
 
     Of ``kept = min(budget, slots)`` slots, ``h = min(heavy slots, kept - recent)`` go to the valid slots
@@ -35,16 +35,16 @@ class HeavyHitter:
     needs: ClassVar[FactNeeds] = FactNeeds(mass=True)
 
     def __post_init__(self) -> None:
-        check_count("HeavyHitter", "recent", self.recent)
+        check_count("H2O", "recent", self.recent)
         if isinstance(self.heavy, bool) or not isinstance(self.heavy, int | float):
             raise TypeError(
-                "HeavyHitter.heavy must be an int count of slots or a float fraction of the budget; "
+                "H2O.heavy must be an int count of slots or a float fraction of the budget; "
                 f"got {self.heavy!r} of type {type(self.heavy).__name__}."
             )
         if isinstance(self.heavy, int) and self.heavy < 0:
-            raise ValueError(f"HeavyHitter.heavy as a count of slots must be at least 0; got {self.heavy}.")
+            raise ValueError(f"H2O.heavy as a count of slots must be at least 0; got {self.heavy}.")
         if isinstance(self.heavy, float) and not 0.0 <= self.heavy <= 1.0:
-            raise ValueError(f"HeavyHitter.heavy as a fraction of the budget must lie in [0, 1]; got {self.heavy}.")
+            raise ValueError(f"H2O.heavy as a fraction of the budget must lie in [0, 1]; got {self.heavy}.")
 
     @property
     def min_budget(self) -> int:
@@ -67,7 +67,7 @@ class HeavyHitter:
 
     def priority(self, facts: SlotFacts, positions: Tensor, valid: Tensor, budget: int) -> Tensor:
         """Float ``[batch, kv_heads, slots]``: the mass, +inf on the window (see `RankingPolicy`)."""
-        mass = facts.require("mass", "HeavyHitter")
+        mass = facts.require("mass", "H2O")
         check_slot_tensors(facts, positions, valid)
         check_budget_fits(self, budget, self.recent, f"{self.recent} recent slots")
         kept = kept_of(positions, budget)

@@ -7,7 +7,7 @@ from typing import Any
 
 from hf_kvgov.policies.base import EvictionPolicy
 from hf_kvgov.policies.expected_attention import ExpectedAttention, running_expected_attention
-from hf_kvgov.policies.heavy_hitter import HeavyHitter
+from hf_kvgov.policies.heavy_hitter import H2O
 from hf_kvgov.policies.key_norm import KeyNorm
 from hf_kvgov.policies.mean_mass import MeanMass
 from hf_kvgov.policies.sink_window import SinkWindow
@@ -19,7 +19,7 @@ PolicyFactory = Callable[..., EvictionPolicy]
 _FACTORIES: dict[str, PolicyFactory] = {
     "expected_attention": ExpectedAttention,
     "expected_attention_running": running_expected_attention,
-    "h2o": HeavyHitter,
+    "h2o": H2O,
     "key_norm": KeyNorm,
     "mean_mass": MeanMass,
     "sink": SinkWindow,

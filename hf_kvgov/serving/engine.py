@@ -43,7 +43,7 @@ from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.geometry import KVGeometry
 from hf_kvgov.storage.layer_groups import layer_groups
 from hf_kvgov.storage.pool import DEFAULT_BLOCK_SIZE
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 
 
 @dataclass(frozen=True)
@@ -115,12 +115,12 @@ class ServingEngine:
         reserve_blocks: int = 1,
         codec: str | QuantConfig | None = None,
         remote: RemoteTier | None = None,
-        spill: DiskCacheConfig | None = None,
+        spill: Disk | None = None,
         policy: HeavyHitter | None = None,
     ) -> None:
         config = decoder_config(model)
         eviction = eviction_for(policy, streaming=not prefix_sharing)  # a tree gets each prompt whole
-        if spill is not None and not isinstance(spill, DiskCacheConfig):
+        if spill is not None and not isinstance(spill, Disk):
             raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")

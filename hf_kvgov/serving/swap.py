@@ -19,7 +19,7 @@ from hf_kvgov.tiers.disk_tier import DiskTier, TierLayout
 from hf_kvgov.tiers.kv_segments import raw_part_bytes
 from hf_kvgov.tiers.moves import TierBlocks, raw_blocks
 from hf_kvgov.tiers.sealed_segments import sealed_blocks, sealed_tier_layout
-from hf_kvgov.tiers.spill_config import DiskCacheConfig
+from hf_kvgov.tiers.spill_config import Disk
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class _Kind:
 class SwapSpace:
     """The disk tier a serving engine swaps preempted requests to (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, disk: DiskCacheConfig) -> None:
+    def __init__(self, pool: BlockPool, disk: Disk) -> None:
         self.pool = pool
         extent = disk.extent_blocks
         raw_layout = TierLayout(pool.layers_per_block, raw_part_bytes(pool.geometry, pool.block_size), extent)

@@ -27,8 +27,9 @@ DEFAULT_READ_BUFFER_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
-class DiskCacheConfig:
-    """What `DiskOffloadCache` keeps in memory and may write (its docstring describes each field).
+class Disk:
+    """The disk tier, a chain's ``spill=`` part: what a disk cache keeps in memory and may write (`DiskOffloadCache`'s
+    docstring describes each field).
 
     In a chain with an eviction policy the tier holds what the policy evicts, in pages, and recalls them
     (`hf_kvgov.engine.slots.recall`): ``path`` and ``max_write_bytes`` apply, ``recall_pages`` pages are
@@ -83,7 +84,7 @@ class DiskCacheConfig:
         return Recall(self.path, pages, tokens, self.max_write_bytes, summary, buffer, self.recall_neighbours)
 
     @classmethod
-    def of_recall(cls, recall: Recall) -> DiskCacheConfig:
+    def of_recall(cls, recall: Recall) -> Disk:
         """The spill part of an eviction cache built with ``recall=``."""
         return cls(
             path=recall.path, max_write_bytes=recall.max_write_bytes, recall_pages=recall.pages,
@@ -93,13 +94,13 @@ class DiskCacheConfig:
 
     def block_fields_changed(self) -> list[str]:
         """The block-spill fields set away from their defaults (meaningless in an eviction chain)."""
-        default = DiskCacheConfig()
+        default = Disk()
         fields = ("hot_tokens", "max_resident_bytes", "read_buffer_bytes", "prefetch", "on_full", "extent_blocks")
         return [name for name in fields if getattr(self, name) != getattr(default, name)]
 
     def recall_fields_changed(self) -> list[str]:
         """The recall fields set away from their defaults (meaningless without an eviction policy)."""
-        default = DiskCacheConfig()
+        default = Disk()
         fields = ("recall_pages", "page_tokens", "recall_summary", "recall_buffer")
         return [name for name in fields if getattr(self, name) != getattr(default, name)]
 

@@ -152,7 +152,7 @@ def test_prefix_pool_must_be_the_trees_pool() -> None:
     [
         (lambda: ChainParts.of(codec="int7"), ValueError, "Unknown codec 'int7'; accepted: int8"),
         (lambda: ChainParts.of(policy="h2o"), TypeError, "policy must be a HeavyHitter or Sink or Evict"),  # type: ignore[arg-type]
-        (lambda: ChainParts.of(spill="/tmp"), TypeError, "spill must be a DiskCacheConfig"),  # type: ignore[arg-type]
+        (lambda: ChainParts.of(spill="/tmp"), TypeError, "spill must be a Disk"),  # type: ignore[arg-type]
         (lambda: ChainParts.of(layers={-1: Layer()}), ValueError, "non-negative layer indices"),
         (lambda: ChainParts.of(layers={0: True}), TypeError, r"layers\[0\] must be a Layer"),  # type: ignore[dict-item]
         (lambda: ChainParts.of(attention="flash"), ValueError, "attention must be one of"),

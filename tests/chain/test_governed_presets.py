@@ -31,8 +31,7 @@ from hf_kvgov import (
 )
 from hf_kvgov.chain import ChainParts, Disk, Evict, HeavyHitter, Layer, Paging, Sink
 from hf_kvgov.hf.eviction import EvictionCache
-from hf_kvgov.policies import HeadAdaptive, Pyramid, SnapKV
-from hf_kvgov.policies import HeavyHitter as PolicyHeavyHitter
+from hf_kvgov.policies import H2O, HeadAdaptive, Pyramid, SnapKV
 from hf_kvgov.tiers.recall_pages import Recall
 from tests.conftest import tiny_llama
 
@@ -64,7 +63,7 @@ PRESETS: dict[str, Build] = {
     "h2o, head-adaptive": lambda m: HeavyHitterCache(m, budget=12, head_budgets=HeadAdaptive()),
     "snapkv": lambda m: PolicyCache(m, SnapKV(window=4), budget=12),
     "snapkv then h2o, int8, recall": lambda m: PolicyCache(
-        m, "snapkv", 40, decode_policy=PolicyHeavyHitter(0.5, 8), codec="int8", recall=Recall(pages=2)
+        m, "snapkv", 40, decode_policy=H2O(0.5, 8), codec="int8", recall=Recall(pages=2)
     ),
     "tova, prefill only, pyramid, head-adaptive": lambda m: PolicyCache(
         m, "tova", 12, compress="prefill", layer_budgets=Pyramid(), head_budgets=HeadAdaptive(0.5)
@@ -177,7 +176,7 @@ def test_parts_written_by_hand_build_the_preset(name: str) -> None:
     ("policy", "kind"),
     [
         (HeavyHitter(12, recent=4), HeavyHitterCache),
-        (Evict(SnapKV(window=4), 12, decode_policy=PolicyHeavyHitter(0.5, 4), heads=HeadAdaptive()), PolicyCache),
+        (Evict(SnapKV(window=4), 12, decode_policy=H2O(0.5, 4), heads=HeadAdaptive()), PolicyCache),
     ],
 )
 def test_the_whole_chain_builds(tmp_path: Any, policy: Any, kind: type) -> None:

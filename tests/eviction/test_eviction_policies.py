@@ -17,11 +17,11 @@ from hf_kvgov import eviction_attention
 from hf_kvgov.engine.slots import view as view_module
 from hf_kvgov.hf.eviction import PolicyCache
 from hf_kvgov.policies import (
+    H2O,
     TOVA,
     EvictionPolicy,
     ExpectedAttention,
     FactNeeds,
-    HeavyHitter,
     KeyNorm,
     MeanMass,
     SlotFacts,
@@ -60,7 +60,7 @@ def test_left_padded_batch_equals_dynamic_cache_when_the_budget_covers_everythin
 
 
 def test_prefill_and_decode_policies_equal_dynamic_cache_when_the_budget_covers_everything() -> None:
-    make = lambda m: PolicyCache(m, "snapkv", budget=64, decode_policy=HeavyHitter(heavy=1.0, recent=8))  # noqa: E731
+    make = lambda m: PolicyCache(m, "snapkv", budget=64, decode_policy=H2O(heavy=1.0, recent=8))  # noqa: E731
     assert_same_tokens(MODEL, make, prompts(batch=2, length=9, pad=(3, 0)))
 
 
@@ -174,7 +174,7 @@ class Recording:
 def test_the_prompt_is_evicted_by_the_prefill_policy_and_later_steps_by_the_decode_policy() -> None:
     ids = prompts(length=20)["input_ids"]
     attentions, _ = eager_reference(ids, torch.ones_like(ids))
-    prefill, decode = Recording(SnapKV(window=4, kernel=3)), Recording(HeavyHitter(heavy=1.0, recent=2))
+    prefill, decode = Recording(SnapKV(window=4, kernel=3)), Recording(H2O(heavy=1.0, recent=2))
     cache = PolicyCache(MODEL, prefill, budget=8, decode_policy=decode)
     alone = PolicyCache(MODEL, SnapKV(window=4, kernel=3), budget=8)
     with eviction_attention(MODEL):
@@ -195,7 +195,7 @@ def test_the_prompt_is_evicted_by_the_prefill_policy_and_later_steps_by_the_deco
 
 def test_a_budget_below_either_policy_is_refused() -> None:
     with pytest.raises(ValueError, match=r"keep at least 32 slots per KV head.*got a budget of 12"):
-        PolicyCache(MODEL, "snapkv", budget=12, decode_policy=HeavyHitter(heavy=1.0, recent=2))
+        PolicyCache(MODEL, "snapkv", budget=12, decode_policy=H2O(heavy=1.0, recent=2))
     with pytest.raises(TypeError, match="must be a policy name or an object with needs"):
         PolicyCache(MODEL, 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Unknown eviction policy 'snap'"):

@@ -25,8 +25,7 @@ from hf_kvgov.engine.slots.recall_buffer import RecallBuffer
 from hf_kvgov.errors import SpillCorrupted, SpillFileLost, SpillSpaceExhausted
 from hf_kvgov.planner.accounting import recall_bytes
 from hf_kvgov.planner.setup import CacheSetup
-from hf_kvgov.policies import HeavyHitter as HeavyHitterPolicy
-from hf_kvgov.policies import SnapKV
+from hf_kvgov.policies import H2O, SnapKV
 from hf_kvgov.registry import get_cache_spec
 from tests.conftest import tiny_gemma3, tiny_llama
 from tests.spill_damage import flip_byte
@@ -104,9 +103,7 @@ def test_neighbours_bring_back_the_pages_beside_the_best_one(tmp_path: Path) -> 
 def test_a_query_aware_policy_with_recall_equals_the_full_cache() -> None:
     model = tiny_llama()
     full = generate(model, DynamicCache(config=model.config))
-    cache = PolicyCache(
-        model, SnapKV(window=4), budget=BUDGET, decode_policy=HeavyHitterPolicy(heavy=4, recent=2), recall=EVERY_PAGE
-    )
+    cache = PolicyCache(model, SnapKV(window=4), budget=BUDGET, decode_policy=H2O(heavy=4, recent=2), recall=EVERY_PAGE)
     assert largest_logit_gap(generate(model, cache), full) < 1e-5
 
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_kvgov.policies import TOVA, EvictionPolicy, HeavyHitter, KeyNorm, SinkWindow, SlotFacts
+from hf_kvgov.policies import H2O, TOVA, EvictionPolicy, KeyNorm, SinkWindow, SlotFacts
 
 FRACTIONS = [0.0, 0.1, 0.2, 0.25, 0.29, 0.3, 0.5, 0.7, 1.0]
 
@@ -20,7 +20,7 @@ def finish(chosen: list[int], pos: list[int], valid: list[bool], kept: int) -> l
     return fillers + sorted(chosen, key=lambda i: pos[i])
 
 
-def reference_h2o(policy: HeavyHitter, scores, pos, valid, budget) -> list[int]:
+def reference_h2o(policy: H2O, scores, pos, valid, budget) -> list[int]:
     kept = min(budget, len(pos))
     live = [i for i in range(len(pos)) if valid[i]]
     if len(live) <= kept:
@@ -59,7 +59,7 @@ def draw_policy(draw: st.DrawFn, slots: int) -> EvictionPolicy:
     kind = draw(st.sampled_from(("h2o", "sink", "tova", "key_norm")))
     if kind == "h2o":
         heavy = draw(st.integers(0, slots + 2) | st.sampled_from(FRACTIONS))
-        return HeavyHitter(heavy=heavy, recent=draw(st.integers(0, 4)))
+        return H2O(heavy=heavy, recent=draw(st.integers(0, 4)))
     if kind == "sink":
         return SinkWindow(n_sink=draw(st.integers(0, 3)), window=draw(st.integers(0, 4)))
     return TOVA() if kind == "tova" else KeyNorm(recent=draw(st.integers(0, 4)))
@@ -115,7 +115,7 @@ def test_selection_matches_the_reference_and_keeps_its_promises(case) -> None:
         if isinstance(policy, SinkWindow):
             assert set(sorted(live, key=lambda i: pos[i])[: policy.n_sink]) <= set(got)
             assert got == reference_sink(policy, pos, ok, budget)
-        elif isinstance(policy, HeavyHitter):
+        elif isinstance(policy, H2O):
             assert got == reference_h2o(policy, scores[r], pos, ok, budget)
         else:
             assert got == reference_ranked(policy, scores[r], pos, ok, budget)

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies import (
+    H2O,
     TOVA,
     FactNeeds,
-    HeavyHitter,
     KeyNorm,
     SinkWindow,
     SlotFacts,
@@ -31,7 +31,7 @@ def private_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_builtin_names() -> None:
-    assert make_policy("h2o", heavy=2, recent=3) == HeavyHitter(heavy=2, recent=3)
+    assert make_policy("h2o", heavy=2, recent=3) == H2O(heavy=2, recent=3)
     assert make_policy("sink", n_sink=4, window=60) == SinkWindow(n_sink=4, window=60)
     assert make_policy("snapkv") == SnapKV(window=32, kernel=7, pooling="max")
     assert make_policy("tova") == TOVA()
@@ -94,3 +94,12 @@ def test_registry_changes_above_did_not_leak() -> None:
 def test_empty_name_is_refused() -> None:
     with pytest.raises(ValueError, match="non-empty string"):
         register_policy("", LowestMass)
+
+
+def test_the_policy_s_old_name_warns_and_gives_h2o() -> None:
+    import hf_kvgov.policies as policies
+
+    with pytest.warns(DeprecationWarning, match=r"now hf_kvgov\.policies\.H2O"):
+        assert policies.HeavyHitter is H2O
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        policies.Nope  # noqa: B018

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hf_kvgov.policies import (
+    H2O,
     TOVA,
     EvictionPolicy,
-    HeavyHitter,
     KeyNorm,
     SinkWindow,
     SlotFacts,
@@ -72,7 +72,7 @@ def test_select_by_priority_ranks_invalid_slots_last_whatever_their_priority() -
 
 @pytest.mark.parametrize(
     "policy",
-    [HeavyHitter(heavy=1, recent=1), SinkWindow(n_sink=1, window=1), SnapKV(), TOVA(), KeyNorm(recent=2)],
+    [H2O(heavy=1, recent=1), SinkWindow(n_sink=1, window=1), SnapKV(), TOVA(), KeyNorm(recent=2)],
     ids=repr,
 )
 def test_policies_satisfy_the_protocol(policy: EvictionPolicy) -> None:
@@ -104,7 +104,7 @@ def make_inputs(positions=None, valid=None, scores=None):
 def test_malformed_slot_tensors_are_refused(inputs: tuple, error: type, message: str) -> None:
     scores, positions, valid = inputs
     with pytest.raises(error, match=message):
-        HeavyHitter(heavy=1, recent=1).select(SlotFacts(mass=scores), positions, valid, 2)
+        H2O(heavy=1, recent=1).select(SlotFacts(mass=scores), positions, valid, 2)
 
 
 def test_kept_slots_gather_into_a_dense_cache_with_a_validity_mask() -> None:

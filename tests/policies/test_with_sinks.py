@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_kvgov import PolicyCache, eviction_attention
-from hf_kvgov.policies import TOVA, HeavyHitter, SlotFacts, SnapKV, WithSinks
+from hf_kvgov.policies import H2O, TOVA, SlotFacts, SnapKV, WithSinks
 from tests.conftest import tiny_llama
 from tests.eviction.test_eviction_equivalence import prompts
 from tests.eviction.test_eviction_policies import assert_same_tokens
@@ -52,7 +52,7 @@ def test_it_reads_what_the_inner_policy_reads_and_refuses_budgets_below_both() -
 def test_sinks_with_snapkv_at_prefill_and_h2o_during_decode_is_configuration() -> None:
     model = tiny_llama()
     prefill = WithSinks(2, SnapKV(window=2, kernel=1))
-    decode = WithSinks(2, HeavyHitter(heavy=1.0, recent=2))
+    decode = WithSinks(2, H2O(heavy=1.0, recent=2))
     cache = PolicyCache(model, prefill, budget=8, decode_policy=decode)
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(0))
     with eviction_attention(model):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_kvgov.engine.parts import ChainParts, Disk, allocation_of, budget_overrides
-from hf_kvgov.engine.parts import HeavyHitter as HeavyHitterPart
+from hf_kvgov.engine.parts import ChainParts, Disk, HeavyHitter, allocation_of, budget_overrides
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
 from hf_kvgov.engine.slots.recall import Recall
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
-from hf_kvgov.policies import HeadAdaptive, HeavyHitter
+from hf_kvgov.policies import H2O, HeadAdaptive
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, fraction_of
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -106,7 +105,7 @@ class HeavyHitterCache(EvictionCache):
             prefix=prefix,
             namespace=namespace,
         )
-        policy = HeavyHitterPart(
+        policy = HeavyHitter(
             budget, recent, heavy, query_chunk, allocation=allocation_of(layer_budgets), heads=head_budgets
         )
         spill = None if recall is None else Disk.of_recall(recall)
@@ -120,7 +119,7 @@ class HeavyHitterCache(EvictionCache):
             layers=budget_overrides(layer_budgets),
         )
 
-    def _policy(self, budget: int) -> HeavyHitter:
+    def _policy(self, budget: int) -> H2O:
         """The H2O policy for a resolved budget; raises if the recent and heavy parts do not fit in it."""
         recent = fraction_of(self.recent, budget)
         heavy = max(budget - recent, 0) if self.heavy is None else fraction_of(self.heavy, budget)
@@ -129,4 +128,4 @@ class HeavyHitterCache(EvictionCache):
                 f"{_NAME}(recent={self.recent!r}, heavy={self.heavy!r}) keeps {recent} recent + {heavy} heavy-hitter "
                 f"= {recent + heavy} slots, so the budget must be at least {recent + heavy}; got a budget of {budget}."
             )
-        return HeavyHitter(heavy=heavy, recent=recent)
+        return H2O(heavy=heavy, recent=recent)

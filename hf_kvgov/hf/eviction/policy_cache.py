@@ -26,7 +26,7 @@ class PolicyCache(EvictionCache):
     Use it under ``with hf_kvgov.eviction_attention(model):`` (it refuses to run otherwise)::
 
         cache = PolicyCache(model, SnapKV(window=32), budget=0.2)       # or policy="snapkv", "tova", "key_norm"
-        cache = PolicyCache(model, SnapKV(), budget=0.2, decode_policy=HeavyHitter(heavy=1.0, recent=32))
+        cache = PolicyCache(model, SnapKV(), budget=0.2, decode_policy=H2O(heavy=1.0, recent=32))
         with eviction_attention(model):
             model.generate(**inputs, cache=cache, max_new_tokens=64)
 
