@@ -102,12 +102,12 @@ class QuantizedBlockPool(BlockPool):
     the sealed store, and the bytes charged beside them (`stats().bytes_held`). Each part grows lazily, its step
     clamped to the budget left. Freeing a block returns no bytes (ids are stable), so a part short of budget first
     takes back the other part's free blocks at the end of its tensors, then asks the reclaimers, then raises
-    `PoolExhausted` having done nothing. Sealing rule: the blocks an operation frees count as freed before it takes
-    new ones, so `seal` may grow the store into the full-precision blocks it frees at the end (encoding them before
-    they go), and `unseal` into the sealed block it drops; either is refused only when its net effect does not fit.
-    A resize copies, briefly holding both copies, as `BlockPool`'s growth does. `max_tokens` still caps the
-    full-precision blocks alone (the store is then uncapped); `max_bytes` refuses `preallocate`, the budget being
-    shared.
+    `PoolExhausted` having done nothing; a growing `charge` takes either part's free blocks at its end. Sealing
+    rule: the blocks an operation frees count as freed before it takes new ones, so `seal` may grow the store into
+    the full-precision blocks it frees at the end (encoding them before they go), and `unseal` into the sealed block
+    it drops; either is refused only when its net effect does not fit. A resize copies, briefly holding both copies,
+    as `BlockPool`'s growth does. `max_tokens` still caps the full-precision blocks alone (the store is then
+    uncapped); `max_bytes` refuses `preallocate`, the budget being shared.
 
     Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed
     id both span the layers of one group, the layers at one position of their groups sharing tensors; sealing
@@ -275,6 +275,33 @@ class QuantizedBlockPool(BlockPool):
             self.sealed.release_tail(room.give_back)
             if room.grow:
                 self._grow(room.grow)
+
+    def _give_bytes(self, extra: int) -> None:
+        """As `BlockPool`'s, from either part's free blocks at the end of its tensors (full precision first), the
+        reclaimers asked when those do not cover `extra`; raises `PoolExhausted` having changed nothing else."""
+        assert self.max_bytes is not None
+        over = self.bytes_held() + extra - self.max_bytes
+        if over <= 0:
+            return
+        tails = self._tails_covering(over)
+        for reclaim in list(self._reclaimers):
+            if tails is not None:
+                break
+            reclaim(-(-over // self.bytes_per_block))
+            tails = self._tails_covering(over)
+        if tails is None:
+            blocks = -(-over // self.bytes_per_block)
+            raise PoolExhausted(
+                blocks, self._free_tail(), self._block_cap() or self.capacity, self.block_size, beside=extra
+            )
+        self._release_tail(tails[0])
+        self.sealed.release_tail(tails[1])
+
+    def _tails_covering(self, nbytes: int) -> tuple[int, int] | None:
+        """(full-precision, sealed) free blocks at the ends of the parts whose bytes cover `nbytes`, or None."""
+        full = min(self._free_tail(), -(-nbytes // self.bytes_per_block))
+        sealed = -(-max(0, nbytes - full * self.bytes_per_block) // self.sealed.bytes_per_block)
+        return (full, sealed) if sealed <= self.sealed.free_tail() else None
 
     def _make_room(self, n: int) -> None:
         if self.max_bytes is None:

@@ -261,6 +261,22 @@ def test_reclaimers_make_room_for_sealed_blocks() -> None:
     assert held(pool) == 208
 
 
+def test_a_charge_takes_the_sealed_store_s_free_end_too() -> None:
+    pool = make_pool(max_bytes=320)
+    pool.allocate(3)  # 192
+    pool.seal([0])  # sealed step 2: 272
+    pool.seal([1])  # full precision 0 and 1 free, 2 live at the end; sealed 0 and 1 in use
+    pool.decref([-2])  # sealed 1, the store's end, is free
+    pool.charge("a", 80)  # 272 + 80 is 32 over: no full-precision block is free at the end, sealed 1 gives 40
+    assert (pool.capacity, pool.sealed.capacity, pool.sealed.free_ids()) == (3, 1, ())
+    assert tensor_bytes(pool) == 192 + 40 and pool.bytes_held() == pool.stats().bytes_held == 312
+    before = state(pool)
+    with pytest.raises(PoolExhausted, match="bytes of slot metadata"):
+        pool.charge("b", 40)  # 32 over again, and neither part has a free block at its end
+    assert_same_state(before, state(pool))
+    assert (pool.charged("b"), pool.bytes_held()) == (0, 312)
+
+
 # ---------------------------------------------------------------- max_tokens, arguments
 
 
