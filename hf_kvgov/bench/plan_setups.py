@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
-from hf_kvgov.hf.eviction import HeavyHitterCache, SinkCache
+from hf_kvgov.hf.eviction import EvictionCache, HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
@@ -148,10 +148,9 @@ def _quantized_disk(cache: QuantizedDiskCache, kv_dtype: str) -> CacheSetup | No
     )
 
 
-def _fractional_budget(cache: Any) -> float | None:
+def _fractional_budget(cache: EvictionCache) -> float | None:
     # The planner models a budget as a fraction of each sequence's tokens; an int budget has no such form.
-    # The spec is private to the eviction cache (it is resolved into `budget` on the first chunk).
-    spec = getattr(cache, "_budget_spec", None)
+    spec = cache.budget_spec
     return spec if isinstance(spec, float) else None
 
 
@@ -201,6 +200,28 @@ def _slot_codec(cache: Any) -> dict[str, Any]:
         "scale_bytes": quant.scale_bytes,
         "group_size": quant.group_size,
     }
+
+
+@planner_setup.register
+def _policy(cache: PolicyCache, kv_dtype: str) -> CacheSetup | None:
+    fraction = _fractional_budget(cache)
+    # Head-adaptive budgets store as many slots as the fullest head's, which the data decides; a cache that
+    # compresses the prompt only keeps every later token: neither is a fraction of each sequence.
+    if fraction is None or cache.head_budgets is not None or cache.compress != "always":
+        return None
+    return CacheSetup(
+        paged=True,
+        block_size=_slot_block(cache),
+        kv_dtype=kv_dtype,
+        h2o_budget=fraction,
+        h2o_recent=cache.min_budget,
+        h2o_score_bytes=_SCORE_BYTES if cache.keeps_mass else 0,
+        h2o_metadata_bytes=_SLOT_METADATA_BYTES,
+        eviction_slots=True,
+        query_statistics_bytes=cache.query_statistics_bytes,
+        **_slot_codec(cache),
+        **_recall(cache),
+    )
 
 
 @planner_setup.register

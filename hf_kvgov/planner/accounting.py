@@ -190,6 +190,8 @@ def sequence_bytes(geometry: ModelGeometry, setup: CacheSetup, length: int) -> S
         one_layer_buffer = max(one_layer_buffer, geometry.num_kv_heads * layer_buffer)
     # Recalled pages: every layer's buffer, or one buffer shared by the layers, holding one layer's pages.
     device += one_layer_buffer if setup.recall_buffer == "shared" else buffers
+    if setup.eviction_slots:  # a running forecast's statistics, per layer and sequence
+        device += geometry.num_layers * setup.query_statistics_bytes
     # A sequence that reads blocks back holds read-ahead rows: one layer of its spilled blocks, up to the cap.
     device += min(setup.spill_buffer_bytes, one_layer_disk)
     return SequenceBytes(device=device, disk=disk, shared_tokens=prefix)

@@ -69,6 +69,9 @@ class CacheSetup:
             keys' per-channel min and max), as `Recall.summary`.
         recall_buffer: where recalled pages are held, as `Recall.buffer`: "layer" (every layer and KV head
             holds up to ``recall_pages`` pages) or "shared" (one buffer holds one layer's pages, for all).
+        query_statistics_bytes: with eviction slots, bytes of running query statistics every layer keeps per
+            sequence (Expected Attention's running forecast: float64 count, sums and outer products per query
+            head; 0: none).
         spill_hot_tokens: most recent tokens per layer kept on the accelerator when cold blocks spill
             to disk (0: every full block spills), or None for no spill. With ``shared_fraction`` (a prefix tree)
             a sliding-window layer spills nothing: its prompt's blocks are the tree's, which stay resident.
@@ -105,6 +108,7 @@ class CacheSetup:
     recall_page_tokens: int = 16
     recall_summary: str = DEFAULT_RECALL_SUMMARY
     recall_buffer: str = DEFAULT_RECALL_BUFFER
+    query_statistics_bytes: int = 0
     spill_hot_tokens: int | None = None
     spill_pinned_blocks: int = 0
     spill_buffer_bytes: int = 0
@@ -155,6 +159,7 @@ class CacheSetup:
         non_negative = {"sink_blocks": self.sink_blocks, "residual": self.residual, "h2o_recent": self.h2o_recent}
         non_negative.update(h2o_score_bytes=self.h2o_score_bytes, h2o_metadata_bytes=self.h2o_metadata_bytes)
         non_negative.update(spill_pinned_blocks=self.spill_pinned_blocks, spill_buffer_bytes=self.spill_buffer_bytes)
+        non_negative.update(query_statistics_bytes=self.query_statistics_bytes)
         non_negative.update(step_tokens=self.step_tokens)
         for name, value in positive.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

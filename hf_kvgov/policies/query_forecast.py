@@ -91,6 +91,11 @@ class QueryStatistics:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.count, self.total, self.outer))
 
+    @staticmethod
+    def row_bytes(q_heads: int, head_dim: int) -> int:
+        """Bytes one row holds: its count, and per query head a sum and a sum of outer products, in float64."""
+        return torch.float64.itemsize * (1 + q_heads * head_dim + q_heads * head_dim * head_dim)
+
     def select_rows(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beam search, batch expansion)."""
         rows = rows.to(self.count.device)

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from hf_kvgov import HeavyHitterCache, PagedCache, QuantizedCache, SinkCache, eviction_attention
+from hf_kvgov import HeavyHitterCache, PagedCache, PolicyCache, QuantizedCache, SinkCache, eviction_attention
 from hf_kvgov.bench.plan_setups import planner_geometry, planner_setup
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.planner import CacheSetup, ModelGeometry
 from hf_kvgov.planner.accounting import sequence_bytes, shared_store_bytes
 from hf_kvgov.planner.layout import SLOT_CODECS
+from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, QueryForecast, SnapKV
 from tests.conftest import tiny_gemma3, tiny_llama
 
 # Per kept slot and KV head: positions (int64) and validity (bool), plus H2O's fp32 attention mass.
@@ -129,6 +130,11 @@ EVICTING: dict[str, Callable[[Any], Any]] = {
     "h2o-int4": lambda m: HeavyHitterCache(m, budget=0.5, codec="int4", budget_of=PROMPT),
     "h2o-fp8": lambda m: HeavyHitterCache(m, budget=0.5, codec="fp8", budget_of=PROMPT),
     "sink-int8": lambda m: SinkCache(m, n_sink=2, window=6, budget=0.5, codec="int8", budget_of=PROMPT),
+    "snapkv": lambda m: PolicyCache(m, SnapKV(window=4, kernel=3), budget=0.2, budget_of=PROMPT),
+    "mean-mass-int8": lambda m: PolicyCache(m, "mean_mass", budget=0.5, codec="int8", budget_of=PROMPT),
+    "expected-attention-running": lambda m: PolicyCache(
+        m, ExpectedAttention(forecast=QueryForecast(running=True)), budget=0.7, budget_of=PROMPT
+    ),
 }
 
 
@@ -145,6 +151,25 @@ def test_h2o_int8_bytes_by_hand_on_the_tiny_llama() -> None:
     # 2 layers x 2 KV heads x 12 slots x (40 B of codes and scales + 4 B mass + 9 B bookkeeping).
     expected = 2 * 2 * 12 * (40 + SCORE + METADATA)
     assert cache.stats().bytes_used == expected == _predicted(model, cache, 61)
+
+
+def test_running_statistics_by_hand_on_the_tiny_llama() -> None:
+    model = tiny_llama()
+    cache = _run(model, EVICTING["expected-attention-running"](model), 61, evicting=True)
+    # 2 layers x 2 KV heads x 42 slots (0.7 x 60) x (128 B of float32 K and V + 9 B bookkeeping), and per layer the
+    # running statistics of 4 query heads of dim 16 in float64: a count, 4 x 16 sums and 4 x 16 x 16 outer products.
+    statistics = 8 * (1 + 4 * 16 + 4 * 16 * 16)
+    assert cache.query_statistics_bytes == statistics and not cache.keeps_mass
+    assert cache.stats().bytes_used == 2 * 2 * 42 * (128 + METADATA) + 2 * statistics == _predicted(model, cache, 61)
+
+
+def test_budgets_the_planner_cannot_model_get_no_setup(model: Any) -> None:
+    for cache in (
+        PolicyCache(model, "snapkv", budget=40),  # a count of slots, not a fraction of the sequence
+        PolicyCache(model, "snapkv", budget=0.2, compress="prefill"),  # later tokens are all kept
+        PolicyCache(model, "snapkv", budget=0.2, head_budgets=HeadAdaptive()),  # the fullest head decides
+    ):
+        assert planner_setup(cache, "fp32") is None
 
 
 @pytest.mark.parametrize("make", [lambda m: PagedCache(m), lambda m: QuantizedCache(m, bits=8)], ids=["paged", "int8"])

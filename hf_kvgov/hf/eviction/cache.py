@@ -49,6 +49,7 @@ from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts
 from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
+from hf_kvgov.policies.query_forecast import QueryStatistics
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 
@@ -275,6 +276,23 @@ class EvictionCache(GovernedCacheBase):
         shared = [] if self.shared is None or not self.shared.longest else [self.shared.slots(layer.index)]
         recalled = None if layer.recall is None else layer.recall.recalled(query, first_query, layer.window)
         return RecalledSlots.join([*shared, *([] if recalled is None else [recalled])])
+
+    @property
+    def budget_spec(self) -> BudgetSpec:
+        """The budget as given: slots per (sequence, KV head), or a fraction of the prompt (or of `budget_of`)."""
+        return self._budget_spec
+
+    @property
+    def keeps_mass(self) -> bool:
+        """Whether each kept slot carries its attention mass between steps (a policy ranks by it)."""
+        return any(p is not None and p.needs.mass for p in (self._policy_for(self.min_budget), self.decode_policy))
+
+    @property
+    def query_statistics_bytes(self) -> int:
+        """Bytes of the running query statistics each layer keeps per sequence (0: no policy forecasts from them)."""
+        if not forecasts_running((self._policy_for(self.min_budget), self.decode_policy)):
+            return 0
+        return QueryStatistics.row_bytes(int(self._config.num_attention_heads), self.head_dim)
 
     @property
     def shared_prefix_tokens(self) -> list[int]:
