@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.disk_cache import RESIDENT_FIRST_BLOCKS, DiskOffloadCache
-from hf_kvgov.hf.eviction import EvictionCache, HeavyHitterCache, PolicyCache, SinkCache
+from hf_kvgov.hf.eviction import EvictionCache
 from hf_kvgov.hf.paged_cache import PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache
 from hf_kvgov.hf.quantized_disk_cache import QuantizedDiskCache
@@ -155,60 +155,15 @@ def _fractional_budget(cache: EvictionCache) -> float | None:
 
 
 @planner_setup.register
-def _heavy_hitter(cache: HeavyHitterCache, kv_dtype: str) -> CacheSetup | None:
-    fraction = _fractional_budget(cache)
-    if fraction is None:
-        return None
-    # Per-head slots (block size 1, or the eviction pool's blocks), each with an fp32 attention mass, as codes
-    # when a codec is set.
-    return CacheSetup(
-        paged=True,
-        block_size=_slot_block(cache),
-        kv_dtype=kv_dtype,
-        h2o_budget=fraction,
-        h2o_recent=cache.min_budget,
-        h2o_score_bytes=_SCORE_BYTES,
-        h2o_metadata_bytes=_SLOT_METADATA_BYTES,
-        eviction_slots=True,
-        **_slot_codec(cache),
-        **_recall(cache),
-    )
-
-
-def _slot_block(cache: Any) -> int:
-    pool = getattr(cache, "pool", None)
-    return 1 if pool is None else int(pool.block_size)
-
-
-def _recall(cache: Any) -> dict[str, Any]:
-    recall = getattr(cache, "recall", None)
-    if recall is None:
-        return {}
-    return {
-        "recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens, "recall_summary": recall.summary,
-        "recall_buffer": recall.buffer,
-    }  # fmt: skip
-
-
-def _slot_codec(cache: Any) -> dict[str, Any]:
-    quant = getattr(cache, "quant", None)
-    if quant is None:
-        return {}
-    return {
-        "codec": _PLANNER_CODECS[quant.codec_name],
-        "layer_codecs": _layer_codecs(quant),  # a per-layer map's slots hold each layer's own format
-        "scale_bytes": quant.scale_bytes,
-        "group_size": quant.group_size,
-    }
-
-
-@planner_setup.register
-def _policy(cache: PolicyCache, kv_dtype: str) -> CacheSetup | None:
+def _eviction(cache: EvictionCache, kv_dtype: str) -> CacheSetup | None:
     fraction = _fractional_budget(cache)
     # Head-adaptive budgets store as many slots as the fullest head's, which the data decides; a cache that
     # compresses the prompt only keeps every later token: neither is a fraction of each sequence.
     if fraction is None or cache.head_budgets is not None or cache.compress != "always":
         return None
+    # Per-head slots (block size 1, or the eviction pool's blocks), as codes when a codec is set, never fewer than
+    # what the policies always keep (H2O's recent window, sinks + window), each with its fp32 attention mass when a
+    # policy ranks by it; a running forecast's query statistics per layer.
     return CacheSetup(
         paged=True,
         block_size=_slot_block(cache),
@@ -224,24 +179,30 @@ def _policy(cache: PolicyCache, kv_dtype: str) -> CacheSetup | None:
     )
 
 
-@planner_setup.register
-def _sink(cache: SinkCache, kv_dtype: str) -> CacheSetup | None:
-    fraction = _fractional_budget(cache)
-    if fraction is None:
-        return None
-    # A sink + window cache is a fixed-fraction budget that never drops below n_sink + window, with no scores.
-    recent = cache.n_sink + cache.window
-    return CacheSetup(
-        paged=True,
-        block_size=_slot_block(cache),
-        kv_dtype=kv_dtype,
-        h2o_budget=fraction,
-        h2o_recent=recent,
-        h2o_score_bytes=0,
-        h2o_metadata_bytes=_SLOT_METADATA_BYTES,
-        eviction_slots=True,
-        **_slot_codec(cache),
-    )
+def _slot_block(cache: EvictionCache) -> int:
+    return 1 if cache.pool is None else int(cache.pool.block_size)
+
+
+def _recall(cache: EvictionCache) -> dict[str, Any]:
+    recall = cache.recall
+    if recall is None:
+        return {}
+    return {
+        "recall_pages": recall.pages, "recall_page_tokens": recall.page_tokens, "recall_summary": recall.summary,
+        "recall_buffer": recall.buffer,
+    }  # fmt: skip
+
+
+def _slot_codec(cache: EvictionCache) -> dict[str, Any]:
+    quant = cache.quant
+    if quant is None:
+        return {}
+    return {
+        "codec": _PLANNER_CODECS[quant.codec_name],
+        "layer_codecs": _layer_codecs(quant),  # a per-layer map's slots hold each layer's own format
+        "scale_bytes": quant.scale_bytes,
+        "group_size": quant.group_size,
+    }
 
 
 def with_shared_prefix(setup: CacheSetup, shared_tokens: int, length: int) -> CacheSetup:
