@@ -35,8 +35,8 @@ from hf_kvgov.bench.chain_steps import (
     shared_pool_refused,
     written,
 )
+from hf_kvgov.engine.block_stats import live_entries
 from hf_kvgov.engine.disk_prefix import tree_held
-from hf_kvgov.engine.paged_stats import live_entries
 from hf_kvgov.engine.parts import Paging
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.registry import kv_bytes

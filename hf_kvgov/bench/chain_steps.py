@@ -22,7 +22,7 @@ from hf_kvgov.bench import allocation as alloc
 from hf_kvgov.bench.capacity import fit_in_order
 from hf_kvgov.bench.prefix_qa import questions
 from hf_kvgov.chain.build import GovernedCache, prefix_tree
-from hf_kvgov.engine.paged_stats import live_entries
+from hf_kvgov.engine.block_stats import live_entries
 from hf_kvgov.engine.parts import Disk, HeavyHitter, Paging
 from hf_kvgov.hf.eviction import eviction_attention
 from hf_kvgov.prefix.sharing import PrefixCache

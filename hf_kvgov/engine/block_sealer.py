@@ -20,7 +20,6 @@ import torch
 from hf_kvgov.engine.block_tier import SpillFormat
 from hf_kvgov.engine.paged_view import PagedView, QuantizedView
 from hf_kvgov.engine.quant_config import QuantConfig
-from hf_kvgov.engine.quantized_stats import QuantizedCacheStats, quantized_cache_stats
 from hf_kvgov.kernels.quantized_reference import SealedReader, gather_quantized
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 from hf_kvgov.storage.block_table import BlockTables
@@ -38,7 +37,6 @@ from hf_kvgov.tiers.sealed_segments import (
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.block_store import BlockStore, StoreLayer
-    from hf_kvgov.engine.paged_stats import CacheStats
 
 # What a layer reads when some of its blocks spilled: its block table, a reader of sealed entries, and (for
 # kernels reading codes in place) the sealed blocks with the read-back ones after the store's.
@@ -215,6 +213,3 @@ class BlockSealer:
 
     def namespace(self, base: str) -> str:
         return self.quant.namespace(base)
-
-    def stats(self, cache: BlockStore, base: CacheStats) -> QuantizedCacheStats:
-        return quantized_cache_stats(cache, base, self.quant.codec_name)

@@ -15,8 +15,8 @@ import torch
 
 from hf_kvgov.engine import disk_prefix, paged_pool, paged_prefix, prefix_groups
 from hf_kvgov.engine.block_sealer import BlockSealer
+from hf_kvgov.engine.block_stats import CacheStats, block_cache_stats
 from hf_kvgov.engine.block_tier import BlockTier
-from hf_kvgov.engine.paged_stats import CacheStats, paged_cache_stats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.engine.parts import ChainParts, Paging
 from hf_kvgov.engine.prefix_layout import RowLayout
@@ -418,10 +418,7 @@ class BlockStore:
         """What this cache holds: blocks and bytes (`CacheStats`); with a codec, the bytes as stored
         (`QuantizedCacheStats`); with a disk tier, memory only plus the tier's counters (`DiskCacheStats`, or
         `QuantizedDiskCacheStats` with both links)."""
-        base = paged_cache_stats(self)
-        if self.spill_link is not None:
-            return self.spill_link.stats(self, base)
-        return base if self.sealer is None else self.sealer.stats(self, base)
+        return block_cache_stats(self)
 
 
 def resolve_block_size(block_size: int | None, given: BlockPool | None) -> int:

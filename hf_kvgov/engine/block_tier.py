@@ -19,10 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hf_kvgov.engine import disk_prefix
-from hf_kvgov.engine.disk_stats import disk_cache_stats
-from hf_kvgov.engine.paged_stats import CacheStats
 from hf_kvgov.engine.quant_config import QuantConfig
-from hf_kvgov.engine.quantized_disk_stats import quantized_disk_stats
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
 from hf_kvgov.storage.block_table import BlockTables
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
@@ -270,10 +267,6 @@ class BlockTier:
         self.stop_reason = None
         if close and self.tier is not None:
             self.tier.close()
-
-    def stats(self, cache: BlockStore, base: CacheStats) -> CacheStats:
-        """`base` with memory counted as resident bytes, plus the tier's counters (and the codec's, if any)."""
-        return disk_cache_stats(cache, base) if cache.sealer is None else quantized_disk_stats(cache, base)
 
     def drop_page_cache(self) -> None:
         """Make the next reads of spilled blocks come from the device, not the OS page cache (benchmarks)."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.engine.block_stats import DiskCacheStats
 from hf_kvgov.engine.block_tier import RESIDENT_FIRST_BLOCKS
-from hf_kvgov.engine.disk_stats import DiskCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.tiers.disk_tier import DEFAULT_EXTENT_SLOTS

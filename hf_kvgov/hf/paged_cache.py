@@ -12,8 +12,8 @@ from typing import Any, Self
 
 import torch
 
+from hf_kvgov.engine.block_stats import CacheStats
 from hf_kvgov.engine.block_store import AttentionPath, BlockStore
-from hf_kvgov.engine.paged_stats import CacheStats
 from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from hf_kvgov.engine.block_stats import QuantizedCacheStats
 from hf_kvgov.engine.paged_view import QuantizedView
 from hf_kvgov.engine.quant_config import QuantConfig
-from hf_kvgov.engine.quantized_stats import QuantizedCacheStats
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.prefix.sharing import PrefixCache

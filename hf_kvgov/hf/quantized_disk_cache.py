@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from hf_kvgov.engine.quantized_disk_stats import QuantizedDiskCacheStats
+from hf_kvgov.engine.block_stats import QuantizedDiskCacheStats
 from hf_kvgov.hf.paged_cache import AttentionPath, PagedCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache, quant_config_for
 from hf_kvgov.prefix.sharing import PrefixCache
@@ -101,7 +101,7 @@ class QuantizedDiskCache(QuantizedCache):
             spill=disk,
         )
 
-    def stats(self) -> QuantizedDiskCacheStats:  # type: ignore[override]
+    def stats(self) -> QuantizedDiskCacheStats:
         """What this cache holds in memory and wrote to / read from disk (see `QuantizedDiskCacheStats`)."""
         stats = PagedCache.stats(self)
         assert isinstance(stats, QuantizedDiskCacheStats)

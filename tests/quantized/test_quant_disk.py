@@ -29,8 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_kvgov import GovernedCache, QuantizedDiskCache, paged_attention
 from hf_kvgov.chain import Disk, Paging
 from hf_kvgov.errors import SpillCorrupted, SpillSpaceExhausted
-from hf_kvgov.hf.disk_cache import DiskOffloadCache
-from hf_kvgov.hf.quantized_cache import QuantizedCache
+from hf_kvgov.hf.disk_cache import DiskCacheStats, DiskOffloadCache
+from hf_kvgov.hf.quantized_cache import QuantizedCache, QuantizedCacheStats
 from hf_kvgov.registry import get_cache_spec
 from hf_kvgov.tiers import DiskTier, LayerPrefetcher, TierLayout
 from tests.conftest import tiny_llama
@@ -205,6 +205,13 @@ def test_memory_counts_full_precision_blocks_sealed_slots_and_buffers(tmp_path: 
     assert (stats.full_precision_bytes, stats.sealed_bytes, stats.read_buffer_bytes) == (2 * 2048, 832, 5 * 416)
     assert stats.resident_bytes == stats.bytes_used == 2 * 2048 + 832 + 5 * 416
     assert stats.disk_bytes == 5 * 832 and stats.bytes_read == stats.blocks_fetched * 416
+    # Both sections, computed as for a cache with one link: the codec's over the 3 blocks in memory (what PagedCache
+    # would hold for them over their codes), the tier's over what left.
+    assert isinstance(stats, QuantizedCacheStats) and isinstance(stats, DiskCacheStats)
+    assert stats.resident_blocks == 3 and stats.unquantized_bytes == 3 * 2048
+    assert stats.compression == 3 * 2048 / (2 * 2048 + 832) and stats.overflow_blocks == 0
+    assert stats.kv_bytes_spilled == 5 * 832 and stats.spill_ratio == 832 / 2048
+    assert stats.fetch_latency_p99_s >= stats.fetch_latency_mean_s > 0
     cache.release()
 
 
