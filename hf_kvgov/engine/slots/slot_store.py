@@ -61,6 +61,54 @@ class SlotFormat(Protocol):
         ...
 
 
+class SlotHome(Protocol):
+    """Where a layer keeps its slots between steps: `OwnSlots`, or blocks of a pool (`PooledSlotHome`)."""
+
+    @property
+    def batch(self) -> int: ...
+
+    @property
+    def count(self) -> int: ...  # slots per (sequence, KV head) of the working store, fillers included
+
+    @property
+    def nbytes(self) -> int: ...  # bytes of K/V held
+
+    def get(self) -> SlotStore | None: ...  # the slots as the step's working store; None when empty
+
+    def put(self, store: SlotStore, valid: Tensor, beside: int = 0) -> None: ...  # keep `store`'s `valid` slots
+
+    def release(self) -> None: ...
+
+
+class OwnSlots:
+    """A layer without a pool keeps the working store itself, padding and fillers included (`beside` and `valid`
+    are for a pool, whose cap counts them). Measured faster than blocks on the CPU (eval/RESULTS.md)."""
+
+    def __init__(self) -> None:
+        self.store: SlotStore | None = None
+
+    @property
+    def batch(self) -> int:
+        return 0 if self.store is None else self.store.batch
+
+    @property
+    def count(self) -> int:
+        return 0 if self.store is None else self.store.count
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.store is None else self.store.nbytes
+
+    def get(self) -> SlotStore | None:
+        return self.store
+
+    def put(self, store: SlotStore, valid: Tensor, beside: int = 0) -> None:
+        self.store = store
+
+    def release(self) -> None:
+        self.store = None
+
+
 @dataclass(frozen=True)
 class DenseSlots:
     """Slots as the model produced them: ``keys``, ``values`` ``[batch, kv_heads, slots, head_dim]``."""

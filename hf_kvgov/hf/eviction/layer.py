@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.engine.slots.slot_store import DenseFormat, SlotFormat, SlotStore
+from hf_kvgov.engine.slots.slot_store import DenseFormat, OwnSlots, SlotFormat, SlotHome, SlotStore
 from hf_kvgov.hf.compat import CacheLayerMixin
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.slots.recall import LayerRecall
     from hf_kvgov.hf.eviction.cache import EvictionCache
-    from hf_kvgov.hf.eviction.pooled_slots import PooledSlotHome
     from hf_kvgov.policies.query_forecast import QueryStatistics
 
 
@@ -42,8 +41,7 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(
         self, owner: EvictionCache, index: int, window: int | None = None, slot_format: SlotFormat | None = None
     ) -> None:
-        self.home: PooledSlotHome | None = None  # with a pool: the blocks the slots live in between steps
-        self._store: SlotStore | None = None
+        self.home: SlotHome = OwnSlots()  # with a pool: the blocks the slots live in between steps
         super().__init__()
         self.owner = owner
         self.index = index
@@ -61,7 +59,7 @@ class EvictionLayer(CacheLayerMixin):
     @property
     def store(self) -> SlotStore | None:
         """The kept slots as the step's working store (read from the pool's blocks when the layer has a pool)."""
-        return self._store if self.home is None else self.home.get()
+        return self.home.get()
 
     def hold(self, store: SlotStore, positions: Tensor, valid: Tensor, scores: Tensor | None) -> None:
         """Keep ``store``'s slots with their positions, validity and mass, ``[batch, kv_heads, slots]`` each.
@@ -71,27 +69,19 @@ class EvictionLayer(CacheLayerMixin):
         keeps beside them (these tensors, running statistics, recall's pages and tables) is charged to the pool,
         so its cap bounds every byte the cache holds.
         """
-        if self.home is None:
-            self._store = store
-        else:
-            beside = sum(t.numel() * t.element_size() for t in (positions, valid, scores) if t is not None)
-            beside += 0 if self.query_stats is None else self.query_stats.nbytes
-            beside += 0 if self.recall is None else self.recall.own_bytes
-            self.home.put(store, valid, beside)  # raises PoolExhausted, changing nothing, when the pool is full
+        beside = sum(t.numel() * t.element_size() for t in (positions, valid, scores) if t is not None)
+        beside += 0 if self.query_stats is None else self.query_stats.nbytes
+        beside += 0 if self.recall is None else self.recall.own_bytes
+        self.home.put(store, valid, beside)  # raises PoolExhausted, changing nothing, when a pool is full
         self.positions, self.valid, self.scores = positions, valid, scores
 
     def _drop_slots(self) -> None:
-        if self.home is None:
-            self._store = None
-        else:
-            self.home.release()
+        self.home.release()
 
     @property
     def batch(self) -> int:
         """Sequences the layer holds slots for (0 before the first step)."""
-        if self.home is not None:
-            return self.home.batch
-        return 0 if self._store is None else self._store.batch
+        return self.home.batch
 
     # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
     # they are views of the store, and only None (no slots) may be assigned.
@@ -138,16 +128,12 @@ class EvictionLayer(CacheLayerMixin):
 
     @property
     def slots(self) -> int:
-        if self.home is not None:
-            return self.home.count
-        return 0 if self._store is None else self._store.count
+        return self.home.count
 
     @property
     def kv_bytes(self) -> int:
         """Bytes of K/V the layer holds (codes and scales when it stores them quantized; whole pool blocks)."""
-        if self.home is not None:
-            return self.home.nbytes
-        return 0 if self._store is None else self._store.nbytes
+        return self.home.nbytes
 
     @property
     def recall_bytes(self) -> int:
