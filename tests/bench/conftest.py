@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
-from tests.quantized.quant_char_tokenizer import char_tokenizer
 
 # Geometry of tiny_llama(): 2 layers, 2 KV heads, head_dim 64 / 4 = 16, float32.
 LAYERS, KV_HEADS, HEAD_DIM, FP32 = 2, 2, 16, 4

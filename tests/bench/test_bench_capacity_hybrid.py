@@ -14,8 +14,8 @@ import pytest
 
 from hf_kvgov.bench.capacity import CapacityConfig, run_capacity
 from hf_kvgov.planner.lengths import parse_lengths
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_gemma3
-from tests.quantized.quant_char_tokenizer import char_tokenizer
 
 LENGTH, WINDOW, BLOCK = 64, 8, 16
 LAYER_BLOCK = 2 * 2 * 16 * 4 * BLOCK  # K and V, 2 KV heads, dim 16, fp32, 16 tokens: one layer's block

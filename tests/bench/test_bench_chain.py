@@ -309,8 +309,8 @@ def test_bad_step_subsets_are_refused(steps: tuple[str, ...], message: str) -> N
 
 
 def test_on_layer_groups_the_eviction_steps_read_the_tree_and_match_the_planner() -> None:
+    from tests.char_tokenizer import char_tokenizer
     from tests.conftest import tiny_gemma3
-    from tests.quantized.quant_char_tokenizer import char_tokenizer
 
     model = tiny_gemma3(window=8)
     config = ChainBenchConfig(

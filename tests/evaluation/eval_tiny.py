@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
-from tests.quantized.quant_char_tokenizer import char_tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 LONGBENCH_DIR = FIXTURES / "longbench"

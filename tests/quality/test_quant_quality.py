@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from quant_char_tokenizer import char_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from hf_kvgov import PagedCache
@@ -28,6 +27,7 @@ from hf_kvgov.quality import (
     score_in_lockstep,
 )
 from hf_kvgov.quality.recommendation import TOP1_AGREEMENT_FLOOR
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
 
 MODEL = tiny_llama()

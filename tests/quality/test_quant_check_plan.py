@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from quant_char_tokenizer import char_tokenizer
 from tqdm import tqdm
 
 from hf_kvgov.cli import check_quant
 from hf_kvgov.quality import lockstep
 from hf_kvgov.quality.check import QUICK, CheckOptions, ScanWhen, check_quantization
 from hf_kvgov.quality.plan import cost, row_tokens
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
 
 SMOLLM2_LAYERS = 30

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_char_tokenizer import char_tokenizer
 from transformers import LlamaForCausalLM
 
 from hf_kvgov.quality import CheckOptions, QuantCheckReport, check_quantization
 from hf_kvgov.quality.outliers import flagged_by_outliers, outlier_layers
 from hf_kvgov.quality.recommendation import TOP1_AGREEMENT_FLOOR
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
 
 OPTIONS = CheckOptions(max_tokens=256, block_size=8, scan_tokens=64)

@@ -1,12 +1,12 @@
-"""Fixtures shared by the quantized-cache tests."""
+"""Fixtures shared by the quality-check tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from quant_char_tokenizer import char_tokenizer
 
+from tests.char_tokenizer import char_tokenizer
 from tests.conftest import tiny_llama
 
 
