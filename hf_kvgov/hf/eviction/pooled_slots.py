@@ -28,7 +28,9 @@ def eviction_pool(
     """A pool laid out for the eviction caches of ``model`` whose slots ``codec`` stores (None: dense).
 
     Pass it as ``pool=`` to as many `HeavyHitterCache` / `PolicyCache` instances as share the memory;
-    ``max_tokens`` counts slot rows (one kept token of every KV head of one layer), ``max_bytes`` bytes.
+    ``max_tokens`` counts slot rows (one kept token of every KV head of one layer), ``max_bytes`` bytes. A pooled
+    cache reads its slots from the blocks and writes them back every step: on a CPU its decode step measured
+    1.2-1.4x one that keeps its own tensors (eval/RESULTS.md), the price of one cap over every request's slots.
     """
     from hf_kvgov.engine.slots.slot_codecs import slot_formats
     from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
