@@ -53,9 +53,10 @@ class QueryForecast:
 class QueryStatistics:
     """Running sums of the queries before RoPE, per row and query head, in float64.
 
-    ``count`` ``[batch]``, ``total`` ``[batch, q_heads, head_dim]`` and ``outer`` ``[batch, q_heads, head_dim,
-    head_dim]`` (the sum of ``q q^T``): the mean is ``total / count`` and the covariance ``outer / count -
-    mean mean^T``. Rows follow the cache's rows (`select_rows` for beams).
+    ``count`` ``[batch]``, ``total`` ``[batch, q_heads, head_dim]`` and ``outer`` ``[batch, q_heads, head_dim x
+    (head_dim + 1) / 2]``: the sum of ``q q^T``, symmetric, so only its upper triangle is kept, row by row (half the
+    bytes of the square; on Gemma-3 the square was 2 MB a layer and sequence). The mean is ``total / count`` and the
+    covariance ``outer / count - mean mean^T``. Rows follow the cache's rows (`select_rows` for beams).
     """
 
     count: Tensor
@@ -68,7 +69,7 @@ class QueryStatistics:
         return cls(
             torch.zeros(batch, dtype=work, device=device),
             torch.zeros(batch, q_heads, head_dim, dtype=work, device=device),
-            torch.zeros(batch, q_heads, head_dim, head_dim, dtype=work, device=device),
+            torch.zeros(batch, q_heads, _triangle(head_dim), dtype=work, device=device),
         )
 
     def add(self, unrotated: Tensor, weights: Tensor) -> None:
@@ -77,14 +78,20 @@ class QueryStatistics:
         weighted = unrotated * weights[:, None, :, None]
         self.count += weights.sum(dim=-1)
         self.total += weighted.sum(dim=2)
-        self.outer += weighted.transpose(-1, -2) @ unrotated
+        rows, cols = _upper(unrotated.shape[-1], unrotated.device)
+        self.outer += (weighted.transpose(-1, -2) @ unrotated)[..., rows, cols]
 
     def moments(self) -> tuple[Tensor, Tensor]:
         """(mean ``[batch, q_heads, head_dim]``, covariance ``[batch, q_heads, head_dim, head_dim]``); zeros for a
         row that has seen no query."""
         count = self.count.clamp(min=1.0)
         mean = self.total / count[:, None, None]
-        covariance = self.outer / count[:, None, None, None] - mean[..., :, None] * mean[..., None, :]
+        head_dim = mean.shape[-1]
+        rows, cols = _upper(head_dim, mean.device)
+        square = self.outer.new_zeros((*self.outer.shape[:-1], head_dim, head_dim))
+        square[..., rows, cols] = self.outer
+        square[..., cols, rows] = self.outer  # the lower triangle mirrors it (the diagonal written twice, equal)
+        covariance = square / count[:, None, None, None] - mean[..., :, None] * mean[..., None, :]
         return mean, covariance
 
     @property
@@ -93,13 +100,25 @@ class QueryStatistics:
 
     @staticmethod
     def row_bytes(q_heads: int, head_dim: int) -> int:
-        """Bytes one row holds: its count, and per query head a sum and a sum of outer products, in float64."""
-        return torch.float64.itemsize * (1 + q_heads * head_dim + q_heads * head_dim * head_dim)
+        """Bytes one row holds: its count, and per query head a sum and the upper triangle of a sum of outer
+        products, in float64."""
+        return torch.float64.itemsize * (1 + q_heads * head_dim + q_heads * _triangle(head_dim))
 
     def select_rows(self, rows: Tensor) -> None:
         """Row i becomes old row ``rows[i]`` (beam search, batch expansion)."""
         rows = rows.to(self.count.device)
         self.count, self.total, self.outer = (t.index_select(0, rows) for t in (self.count, self.total, self.outer))
+
+
+def _triangle(head_dim: int) -> int:
+    """Entries of a ``head_dim`` x ``head_dim`` matrix's upper triangle, the diagonal included."""
+    return head_dim * (head_dim + 1) // 2
+
+
+def _upper(head_dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(rows, columns) of the upper triangle, row by row: the order `QueryStatistics.outer` keeps it in."""
+    indices = torch.triu_indices(head_dim, head_dim, device=device)
+    return indices[0], indices[1]
 
 
 def observe_queries(

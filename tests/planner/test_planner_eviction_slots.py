@@ -157,8 +157,9 @@ def test_running_statistics_by_hand_on_the_tiny_llama() -> None:
     model = tiny_llama()
     cache = _run(model, EVICTING["expected-attention-running"](model), 61, evicting=True)
     # 2 layers x 2 KV heads x 42 slots (0.7 x 60) x (128 B of float32 K and V + 9 B bookkeeping), and per layer the
-    # running statistics of 4 query heads of dim 16 in float64: a count, 4 x 16 sums and 4 x 16 x 16 outer products.
-    statistics = 8 * (1 + 4 * 16 + 4 * 16 * 16)
+    # running statistics of 4 query heads of dim 16 in float64: a count, 4 x 16 sums and the upper triangles (16 x 17
+    # / 2 = 136 entries) of 4 sums of outer products.
+    statistics = 8 * (1 + 4 * 16 + 4 * 136)
     assert cache.query_statistics_bytes == statistics and not cache.keeps_mass
     assert cache.stats().bytes_used == 2 * 2 * 42 * (128 + METADATA) + 2 * statistics == _predicted(model, cache, 61)
 

@@ -106,8 +106,9 @@ def test_the_statistics_are_counted_in_the_bytes_held() -> None:
     with eviction_attention(model), torch.inference_mode():
         for cache in (plain, running):
             model(ids, cache=cache)
-    # Per layer, float64: a count per row, a sum of 4 x 16 and of 4 x 16 x 16 per row; 2 rows.
-    per_layer = 8 * 2 * (1 + 4 * 16 + 4 * 16 * 16)
+    # Per layer, float64: a count per row, a sum of 4 x 16 and the upper triangles (16 x 17 / 2 = 136 entries) of
+    # 4 sums of outer products per row; 2 rows.
+    per_layer = 8 * 2 * (1 + 4 * 16 + 4 * 136)
     assert running.stats().metadata_bytes - plain.stats().metadata_bytes == 2 * per_layer
     assert running.stats().kv_bytes == plain.stats().kv_bytes
 
