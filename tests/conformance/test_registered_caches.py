@@ -276,11 +276,15 @@ def _stats_pool_bytes(stats: Any) -> int:
 
 
 def _assert_accounting(cache: Any) -> None:
-    """Property 6 at this moment: the stats' bytes are the pool's bytes in use (or add up, without a pool)."""
+    """Property 6 at this moment: the stats' shared figures, and their bytes are the pool's bytes in use (or add up,
+    without a pool)."""
     if not hasattr(cache, "stats"):
         assert type(cache) is DynamicCache, f"only the reference may lack stats(); {type(cache).__name__} does"
         return
     stats = cache.stats()
+    # The figures every cache's stats share, whatever else its record holds.
+    assert stats.tokens == stats.sequences * cache.get_seq_length() > 0
+    assert stats.bytes_per_token == stats.bytes_used / stats.tokens
     pool = _pool(cache)
     if pool is not None:
         assert _stats_pool_bytes(stats) == _pool_bytes(pool), (stats, pool.stats())

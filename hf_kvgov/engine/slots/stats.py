@@ -65,6 +65,12 @@ class EvictionStats:
     recall_bytes: int = 0
     recall: RecallStats | None = None
 
+    @property
+    def tokens(self) -> int:
+        """Logical tokens, ``sequences x tokens_seen``: with ``sequences``, ``bytes_used`` and ``bytes_per_token``,
+        the figures every cache's stats share (`CacheStats.tokens` counts the same way)."""
+        return self.sequences * self.tokens_seen
+
 
 def layer_stats(
     layers: Sequence[_Layer],
