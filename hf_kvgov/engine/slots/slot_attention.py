@@ -66,8 +66,10 @@ def attend_slots(
     group = q_heads // kv_heads
     work = torch.promote_types(query.dtype, torch.float32)
     grouped = query.reshape(batch, kv_heads, group, q_len, head_dim).to(work)
-    keys_t = keys.to(work).transpose(-1, -2).unsqueeze(2)  # [b, hk, 1, d, slots]
-    vals = values.to(work).unsqueeze(2)  # [b, hk, 1, slots, d]
+    # A KV head's query heads and a chunk's queries go in one matrix, so each product reads K/V once: a product
+    # broadcast over the query heads would first copy K and V once per query head.
+    keys_t = keys.to(work).transpose(-1, -2)  # [b, hk, d, slots]
+    vals = values.to(work)  # [b, hk, slots, d]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
     running = scores if want_scores else None
     recent: Tensor | None = None
@@ -76,14 +78,18 @@ def attend_slots(
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
         allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
-        logits = (grouped[:, :, :, start:end] @ keys_t) * scale
+        size = end - start
+        stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
+        logits = (stacked @ keys_t).view(batch, kv_heads, group, size, slots) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing.
         probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
-        out[:, :, :, start:end] = probs @ vals
-        weights = probs.reshape(batch, q_heads, end - start, slots)
+        out[:, :, :, start:end] = (probs.reshape(batch, kv_heads, group * size, slots) @ vals).view(
+            batch, kv_heads, group, size, head_dim
+        )
+        weights = probs.reshape(batch, q_heads, size, slots)
         if want_scores:
             running = accumulate_attention(running, weights, group)
         if end > first_recent:
