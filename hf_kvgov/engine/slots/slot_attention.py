@@ -84,8 +84,11 @@ def attend_slots(
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing.
-        probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
+        # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing. Most
+        # chunks have none, and the check is cheaper than the rewrite of every probability.
+        reads = allowed.any(dim=-1, keepdim=True)
+        if not bool(reads.all()):
+            probs = torch.where(reads, probs, 0.0)
         out[:, :, :, start:end] = (probs.reshape(batch, kv_heads, group * size, slots) @ vals).view(
             batch, kv_heads, group, size, head_dim
         )
