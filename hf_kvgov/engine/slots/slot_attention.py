@@ -85,9 +85,10 @@ def attend_slots(
             logits = softcap * torch.tanh(logits / softcap)
         probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing. Most
-        # chunks have none, and the check is cheaper than the rewrite of every probability.
+        # chunks have none, and on a CPU the check is cheaper than the rewrite of every probability (elsewhere it
+        # would wait for the device, or find no values: the rewrite always runs there).
         reads = allowed.any(dim=-1, keepdim=True)
-        if not bool(reads.all()):
+        if probs.device.type != "cpu" or not bool(reads.all()):
             probs = torch.where(reads, probs, 0.0)
         out[:, :, :, start:end] = (probs.reshape(batch, kv_heads, group * size, slots) @ vals).view(
             batch, kv_heads, group, size, head_dim
