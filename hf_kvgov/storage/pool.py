@@ -261,20 +261,32 @@ class BlockPool:
             self._charged += grows
 
     def _give_bytes(self, extra: int) -> None:
-        """Make ``extra`` more bytes fit under the byte cap by shrinking the tensors' free tail, or raise."""
+        """Make ``extra`` more bytes fit under the byte cap by shrinking free tails (`_tails_covering`), asking the
+        reclaimers when they do not cover it, or raise."""
         assert self.max_bytes is not None
         over = self.bytes_held() + extra - self.max_bytes
         if over <= 0:
             return
         blocks = -(-over // self.bytes_per_block)
+        tails = self._tails_covering(over)
         for reclaim in list(self._reclaimers):
-            if self._free_tail() >= blocks:
+            if tails is not None:
                 break
-            reclaim(blocks - self._free_tail())
-        tail = self._free_tail()
-        if tail < blocks:
-            raise PoolExhausted(blocks, tail, self._block_cap() or self.capacity, self.block_size, beside=extra)
-        self._release_tail(blocks)
+            reclaim(blocks - self._free_tail())  # what the full-precision tail lacks
+            tails = self._tails_covering(over)
+        if tails is None:
+            raise PoolExhausted(
+                blocks, self._free_tail(), self._block_cap() or self.capacity, self.block_size, beside=extra
+            )
+        self._release_tails(tails)
+
+    def _tails_covering(self, nbytes: int) -> tuple[int, ...] | None:
+        """The free blocks at the end of the tensors whose bytes cover `nbytes`, or None when there are too few."""
+        blocks = -(-nbytes // self.bytes_per_block)
+        return (blocks,) if self._free_tail() >= blocks else None
+
+    def _release_tails(self, tails: tuple[int, ...]) -> None:
+        self._release_tail(tails[0])
 
     def allocate(self, n: int) -> list[int]:
         """Hand out `n` blocks with reference count 1, or raise `PoolExhausted` and change nothing."""

@@ -276,32 +276,16 @@ class QuantizedBlockPool(BlockPool):
             if room.grow:
                 self._grow(room.grow)
 
-    def _give_bytes(self, extra: int) -> None:
-        """As `BlockPool`'s, from either part's free blocks at the end of its tensors (full precision first), the
-        reclaimers asked when those do not cover `extra`; raises `PoolExhausted` having changed nothing else."""
-        assert self.max_bytes is not None
-        over = self.bytes_held() + extra - self.max_bytes
-        if over <= 0:
-            return
-        tails = self._tails_covering(over)
-        for reclaim in list(self._reclaimers):
-            if tails is not None:
-                break
-            reclaim(-(-over // self.bytes_per_block))
-            tails = self._tails_covering(over)
-        if tails is None:
-            blocks = -(-over // self.bytes_per_block)
-            raise PoolExhausted(
-                blocks, self._free_tail(), self._block_cap() or self.capacity, self.block_size, beside=extra
-            )
-        self._release_tail(tails[0])
-        self.sealed.release_tail(tails[1])
-
-    def _tails_covering(self, nbytes: int) -> tuple[int, int] | None:
-        """(full-precision, sealed) free blocks at the ends of the parts whose bytes cover `nbytes`, or None."""
+    def _tails_covering(self, nbytes: int) -> tuple[int, ...] | None:
+        """(full-precision, sealed) free blocks at the ends of the parts whose bytes cover `nbytes` (full precision
+        first), or None: a growing `charge` takes either part's."""
         full = min(self._free_tail(), -(-nbytes // self.bytes_per_block))
         sealed = -(-max(0, nbytes - full * self.bytes_per_block) // self.sealed.bytes_per_block)
         return (full, sealed) if sealed <= self.sealed.free_tail() else None
+
+    def _release_tails(self, tails: tuple[int, ...]) -> None:
+        self._release_tail(tails[0])
+        self.sealed.release_tail(tails[1])
 
     def _make_room(self, n: int) -> None:
         if self.max_bytes is None:
