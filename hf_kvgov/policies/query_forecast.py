@@ -9,6 +9,7 @@ stays on both sides, so it needs no special case.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +116,10 @@ def _triangle(head_dim: int) -> int:
     return head_dim * (head_dim + 1) // 2
 
 
+@functools.cache
 def _upper(head_dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(rows, columns) of the upper triangle, row by row: the order `QueryStatistics.outer` keeps it in."""
+    """(rows, columns) of the upper triangle, row by row: the order `QueryStatistics.outer` keeps it in (built once
+    per size and device: every layer's step asks)."""
     indices = torch.triu_indices(head_dim, head_dim, device=device)
     return indices[0], indices[1]
 
