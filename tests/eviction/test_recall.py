@@ -116,7 +116,7 @@ def test_beams_share_pages_and_equal_the_full_cache() -> None:
     # Pages are never copied for a beam: every handle in a table is live, and the tier holds each page once.
     tables = [layer.recall for layer in cache.layers]
     held = {int(h) for table in tables for h in table.handles.flatten().tolist() if h >= 0}
-    tier = cache._page_tier.tier
+    tier = cache.page_tier.tier
     assert all(tier.is_live(h) for h in held)
     assert tier.stats().slots_in_use == len(held)
     cache.reset()
@@ -212,7 +212,7 @@ def test_a_damaged_page_raises_before_attention_reads_it(tmp_path: Path) -> None
     stats = cache.recall_stats()
     assert stats is not None and stats.path is not None
     first_page = int(cache.layers[0].recall.handles[0, 0, 0])
-    _, offset = cache._page_tier.tier.location(first_page, 0)
+    _, offset = cache.page_tier.tier.location(first_page, 0)
     flip_byte(stats.path, offset + 3)
     with pytest.raises(SpillCorrupted, match=r"layer 0 .*corrupted|layer 0, is corrupted") as damaged:
         decode(model, cache, token)

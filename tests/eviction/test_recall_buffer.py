@@ -43,7 +43,7 @@ def test_a_shared_buffer_attends_the_same_pages_as_one_buffer_per_layer(make: An
     a, b = per_layer.recall_stats(), shared.recall_stats()
     assert a is not None and b is not None
     assert a.pages_recalled == b.pages_recalled > 0 and a.pages_written == b.pages_written
-    recalling = [layer for layer in shared._eviction_layers if layer.recall.page_count is not None]
+    recalling = [layer for layer in shared.slot_layers if layer.recall.page_count is not None]
     if len(recalling) > 1:
         # One buffer per layer keeps a page chosen at consecutive steps; the shared one reads it again.
         assert a.pages_read < b.pages_read == b.pages_recalled
@@ -53,13 +53,13 @@ def test_a_shared_buffer_attends_the_same_pages_as_one_buffer_per_layer(make: An
 
 def test_a_shared_buffer_holds_only_one_layers_pages() -> None:
     per_layer, shared, _, _ = _pair(tiny_llama)  # 2 layers, 2 KV heads, 2 rows
-    buffers = [layer.recall.buffer for layer in shared._eviction_layers]
+    buffers = [layer.recall.buffer for layer in shared.slot_layers]
     assert buffers[0] is buffers[1]
-    held = [layer.recall.buffer.held_bytes(layer.index) for layer in per_layer._eviction_layers]
+    held = [layer.recall.buffer.held_bytes(layer.index) for layer in per_layer.slot_layers]
     assert all(h > 0 for h in held)
     page_bytes = PAGE * (2 * 16 * 4 + 8)  # K, V (fp32, head_dim 16) and an int64 position per token
     assert held[0] <= 2 * 2 * PAGES * page_bytes  # rows x heads x pages
-    held_shared = [layer.recall.buffer.held_bytes(layer.index) for layer in shared._eviction_layers]
+    held_shared = [layer.recall.buffer.held_bytes(layer.index) for layer in shared.slot_layers]
     assert held_shared[0] == 0 < held_shared[1]  # the last layer served holds it
     assert shared.stats().recall_bytes == per_layer.stats().recall_bytes - held[0] - held[1] + held_shared[1]
 
@@ -119,5 +119,5 @@ def test_the_chain_builds_a_shared_buffer_and_says_so_in_its_parts(tmp_path: Pat
     again = GovernedCache(model, **cache.parts.kwargs())
     assert again.recall == cache.recall
     generate(model, cache, new=4)
-    layers = cache._eviction_layers
+    layers = cache.slot_layers
     assert layers[0].recall.buffer is layers[1].recall.buffer

@@ -1,8 +1,8 @@
 """The eviction view's hooks for Expected Attention: the forecast of the queries to come, and the running
 query statistics a ``QueryForecast(running=True)`` forecasts from (`hf_kvgov.policies.query_forecast`).
 
-Both are built per layer and step by `EvictionCache`, bound to the layer's RoPE frequencies; the statistics
-live on the layer (`EvictionLayer.query_stats`), so they follow its rows through beams and resets.
+Both are built per layer and step by `EvictionStore`, bound to the layer's RoPE frequencies; the statistics
+live on the layer (`SlotLayer.query_stats`), so they follow its rows through beams and resets.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from hf_kvgov.policies import EvictionPolicy
 from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention, observe_queries
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.eviction.layer import EvictionLayer
+    from hf_kvgov.engine.slots.slot_layer import SlotLayer
 
 
-def forecast_hook(layer: EvictionLayer, forecast: QueryForecast, inv_freq: Tensor) -> Forecast:
+def forecast_hook(layer: SlotLayer, forecast: QueryForecast, inv_freq: Tensor) -> Forecast:
     """The expected attention of the queries to come, with the layer's RoPE frequencies (and, for a running
     forecast, the layer's query statistics as they stand when attention calls it)."""
     if not forecast.running:
@@ -44,7 +44,7 @@ def forecasts_running(policies: Iterable[EvictionPolicy | None]) -> bool:
     return any(p is not None and p.needs.forecast is not None and p.needs.forecast.running for p in policies)
 
 
-def observer_hook(layer: EvictionLayer, inv_freq: Tensor) -> QueryObserver:
+def observer_hook(layer: SlotLayer, inv_freq: Tensor) -> QueryObserver:
     """Adds a step's queries to the layer's running statistics (every step, those that do not evict too)."""
 
     def observe(query: Tensor, positions: Tensor, valid: Tensor) -> None:

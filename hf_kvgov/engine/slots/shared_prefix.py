@@ -159,18 +159,6 @@ def check_prefix_geometry(
         )
 
 
-def match_empty(
-    cache: Any, prefix: PrefixCache | None, input_ids: Tensor, attention_mask: Tensor | None, pad_token_id: int
-) -> tuple[SharedPrefix, dict[str, Tensor]]:
-    """`match_rows` for an eviction cache's `match`, after refusing a cache without a tree or not empty."""
-    name = type(cache).__name__
-    if prefix is None:
-        raise ValueError(f"{name}.match needs a prefix cache: build it with prefix=prefix_tree(model).")
-    if cache.get_seq_length() or cache.shared_prefix_tokens:
-        raise ValueError(f"{name}.match needs an empty cache; call it before generate, or reset() first.")
-    return match_rows(prefix, input_ids, attention_mask, codes_namespace(prefix, cache.namespace), pad_token_id)
-
-
 def codes_namespace(prefix: PrefixCache, namespace: str) -> str:
     """Where a tree's blocks are published: a tree of codes keys them by how they were sealed (`QuantConfig.namespace`,
     as the block caches that publish them do), which its pool's formats tell."""

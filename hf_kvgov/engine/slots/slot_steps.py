@@ -11,7 +11,7 @@ from hf_kvgov.engine.slots.view import ATTENTION_NAME
 from hf_kvgov.policies import SlotFacts, select_by_priority
 
 if TYPE_CHECKING:
-    from hf_kvgov.hf.eviction.layer import EvictionLayer
+    from hf_kvgov.engine.slots.slot_layer import SlotLayer
 
 
 def check_attention(
@@ -38,7 +38,7 @@ def check_attention(
     return attn_kwargs
 
 
-def check_shapes(name: str, layer: EvictionLayer, key_states: Tensor, kv_heads: int, expected_dim: int) -> None:
+def check_shapes(name: str, layer: SlotLayer, key_states: Tensor, kv_heads: int, expected_dim: int) -> None:
     """Refuse new K/V ``[batch, heads, q_len, head_dim]`` of another geometry or batch than the layer's."""
     batch, heads, _, head_dim = key_states.shape
     if (heads, head_dim) != (kv_heads, expected_dim):
@@ -54,7 +54,7 @@ def check_shapes(name: str, layer: EvictionLayer, key_states: Tensor, kv_heads: 
 
 
 def with_new_slots(
-    layer: EvictionLayer, key_states: Tensor, value_states: Tensor, new_positions: Tensor
+    layer: SlotLayer, key_states: Tensor, value_states: Tensor, new_positions: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Kept slots followed by the new ones: keys, values, positions ``[b, h, kept + q, ...]``, kept validity."""
     batch, heads, q_len, _ = key_states.shape

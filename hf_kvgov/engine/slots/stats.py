@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -12,24 +12,7 @@ from hf_kvgov.stats_repr import rounded_repr
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.slots.recall import RecallStats
-    from hf_kvgov.policies.query_forecast import QueryStatistics
-
-
-class _Layer(Protocol):
-    positions: Tensor | None
-    valid: Tensor | None
-    scores: Tensor | None
-    query_stats: QueryStatistics | None
-    seen: int
-
-    @property
-    def slots(self) -> int: ...
-
-    @property
-    def kv_bytes(self) -> int: ...
-
-    @property
-    def recall_bytes(self) -> int: ...
+    from hf_kvgov.engine.slots.slot_layer import SlotLayer
 
 
 @dataclass(frozen=True)
@@ -73,7 +56,7 @@ class EvictionStats:
 
 
 def layer_stats(
-    layers: Sequence[_Layer],
+    layers: Sequence[SlotLayer],
     budget: int | None,
     kv_heads: int,
     codec: str | None = None,
@@ -110,7 +93,7 @@ def layer_stats(
     )
 
 
-def _statistics_bytes(layer: _Layer) -> int:
+def _statistics_bytes(layer: SlotLayer) -> int:
     """Bytes of a layer's running query statistics (`QueryForecast(running=True)`), 0 without them."""
     return 0 if layer.query_stats is None else layer.query_stats.nbytes
 
