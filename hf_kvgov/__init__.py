@@ -31,6 +31,7 @@ _EXPORTS = {
     "Layer": "hf_kvgov.chain",
     "PagedCache": "hf_kvgov.hf.paged_cache",
     "CacheStats": "hf_kvgov.hf.paged_cache",
+    "KVStats": "hf_kvgov.engine.kv_stats",
     "paged_attention": "hf_kvgov.hf.attention",
     "use_paged_attention": "hf_kvgov.hf.attention",
     "restore_attention": "hf_kvgov.hf.attention",
@@ -82,6 +83,7 @@ __all__ = [
     "HeavyHitterCache",
     "KVGeometry",
     "KVGovError",
+    "KVStats",
     "Layer",
     "PagedCache",
     "Paging",
@@ -118,6 +120,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hf_kvgov.chain import ChainParts, ChainRefused, Disk, Evict, HeavyHitter, Layer, Paging, Sink
     from hf_kvgov.chain.build import GovernedCache, prefix_tree
+    from hf_kvgov.engine.kv_stats import KVStats
     from hf_kvgov.engine.quant_config import QuantConfig
     from hf_kvgov.engine.slots.recall import RecallStats
     from hf_kvgov.errors import (

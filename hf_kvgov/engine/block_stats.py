@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from hf_kvgov.engine.disk_prefix import tree_held
+from hf_kvgov.engine.kv_stats import KVStats
 from hf_kvgov.stats_repr import rounded_repr
 from hf_kvgov.storage.quantized_pool import QuantizedBlockPool, is_sealed
 from hf_kvgov.tiers.kv_segments import SEALED_SPILLED_IDS
@@ -20,20 +21,17 @@ if TYPE_CHECKING:
     from hf_kvgov.engine.block_store import BlockStore
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """What a paged cache holds. Shared blocks (beams, prefixes) count once in the physical figures."""
+@dataclass(frozen=True, kw_only=True)
+class CacheStats(KVStats):
+    """What a paged cache holds (`KVStats`, then its blocks). Shared blocks (beams, prefixes) count once in the
+    physical figures."""
 
     __repr__ = rounded_repr
 
-    sequences: int
-    tokens: int  # logical tokens: sequences x tokens per sequence
     blocks_in_use: int
     slots_allocated: int
     slots_filled: int
     utilization: float  # slots_filled / slots_allocated
-    bytes_used: int
-    bytes_per_token: float
     pool_blocks_reserved: int
     pool_bytes_reserved: int
     block_size: int
@@ -144,7 +142,11 @@ def _paged(cache: BlockStore) -> CacheStats:
     pool, tables = cache.pool, cache.tables
     length = cache.stored_tokens()
     if pool is None or tables is None:
-        return CacheStats(0, 0, 0, 0, 0, 0.0, 0, 0.0, 0, 0, cache.pool_args["block_size"] or 0, cache.attention)
+        empty = dict.fromkeys(("sequences", "tokens", "blocks_in_use", "slots_allocated", "slots_filled"), 0)
+        return CacheStats(
+            **empty, utilization=0.0, bytes_used=0, bytes_per_token=0.0, pool_blocks_reserved=0,
+            pool_bytes_reserved=0, block_size=cache.pool_args["block_size"] or 0, attention=cache.attention,
+        )  # fmt: skip
     bs = pool.block_size
     filled: dict[int, int] = {}
     for group_tables in cache.all_tables:

@@ -60,7 +60,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import CacheStats, EvictionStats, QuantConfig, QuantizedBlockPool, registry
+from hf_kvgov import CacheStats, EvictionStats, KVStats, QuantConfig, QuantizedBlockPool, registry
 from hf_kvgov.registry import CACHES, FAMILIES, SLOT_CODECS, get_cache_spec
 from tests.conftest import tiny_llama
 
@@ -282,7 +282,8 @@ def _assert_accounting(cache: Any) -> None:
         assert type(cache) is DynamicCache, f"only the reference may lack stats(); {type(cache).__name__} does"
         return
     stats = cache.stats()
-    # The figures every cache's stats share, whatever else its record holds.
+    # One record shape: the figures every cache's stats share, whatever else its record holds.
+    assert isinstance(stats, KVStats), f"{type(cache).__name__}.stats() returns {type(stats).__name__}, not a KVStats"
     assert stats.tokens == stats.sequences * cache.get_seq_length() > 0
     assert stats.bytes_per_token == stats.bytes_used / stats.tokens
     pool = _pool(cache)

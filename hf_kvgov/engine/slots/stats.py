@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
+from hf_kvgov.engine.kv_stats import KVStats
 from hf_kvgov.stats_repr import rounded_repr
 
 if TYPE_CHECKING:
@@ -15,44 +16,34 @@ if TYPE_CHECKING:
     from hf_kvgov.engine.slots.slot_layer import SlotLayer
 
 
-@dataclass(frozen=True)
-class EvictionStats:
-    """A snapshot of an eviction cache.
+@dataclass(frozen=True, kw_only=True)
+class EvictionStats(KVStats):
+    """A snapshot of an eviction cache (`KVStats`, then its slots).
 
-        ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer``
-        keeps, summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding
-        fillers included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a
-    cache built with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
-        ``bytes_used`` is everything the cache holds in memory: ``kv_bytes`` (keys and values as stored: codes
-        and scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass, and a
-        running forecast's query statistics) plus
-        ``recall_bytes`` (with recall: pending pages, page summaries and tables, the recall buffer); what
-        recall wrote to and read from disk is in ``recall``.
+    ``kept[layer][head]`` counts the real tokens (never padding) that KV head ``head`` of layer ``layer`` keeps,
+    summed over the sequences of the batch. ``slots`` is what each (sequence, head) stores, padding fillers
+    included: at most ``budget`` between steps (``layer_budgets[layer]`` in each layer), except in a cache built
+    with ``compress="prefill"``, which keeps the budget after the prompt and adds every later token.
+    ``bytes_used`` is everything the cache holds in memory: ``kv_bytes`` (keys and values as stored: codes and
+    scales when ``codec`` is set) plus ``metadata_bytes`` (positions, validity, attention mass, and a running
+    forecast's query statistics) plus ``recall_bytes`` (with recall: pending pages, page summaries and tables,
+    the recall buffer); what recall wrote to and read from disk is in ``recall``.
     """
 
     __repr__ = rounded_repr
 
-    sequences: int
     tokens_seen: int  # tokens processed per sequence (left padding included), as get_seq_length() reports
     budget: int | None  # None until a fraction of the prompt is resolved
     slots: int  # the most slots any layer stores per (sequence, KV head)
     kept: tuple[tuple[int, ...], ...]
     kv_bytes: int
     metadata_bytes: int
-    bytes_used: int
-    bytes_per_token: float  # bytes_used / (sequences x tokens_seen): what one processed token costs now
     codec: str | None = None  # the codec of the kept slots ("int8", "fp8_e4m3"...); None: the model's precision
     # Per layer, the most slots it keeps between steps: its budget (``budget`` unless ``layer_budgets`` named
     # it), at most window - 1 in a sliding-window layer; None until a fraction is resolved.
     layer_budgets: tuple[int | None, ...] = ()
     recall_bytes: int = 0
     recall: RecallStats | None = None
-
-    @property
-    def tokens(self) -> int:
-        """Logical tokens, ``sequences x tokens_seen``: with ``sequences``, ``bytes_used`` and ``bytes_per_token``,
-        the figures every cache's stats share (`CacheStats.tokens` counts the same way)."""
-        return self.sequences * self.tokens_seen
 
 
 def layer_stats(
@@ -78,6 +69,7 @@ def layer_stats(
     tokens = sequences * seen
     return EvictionStats(
         sequences=sequences,
+        tokens=tokens,
         tokens_seen=seen,
         budget=budget,
         slots=slots,
