@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,30 @@ def test_module_docstrings_are_at_most_12_lines() -> None:
         f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (move the detail into the class or function it "
         "documents):\n" + "\n".join(offences)
     )
+
+
+def _layer_of(module: str, layers: list[list[str]]) -> int | None:
+    for index, siblings in enumerate(layers):
+        if any(module == name or module.startswith(name + ".") for name in siblings):
+            return index
+    return None
+
+
+def test_type_only_imports_respect_the_layers_too() -> None:
+    """The layers contract (pyproject.toml) leaves out imports under TYPE_CHECKING, so that the cycle contract
+    does not count a type named back; a type named from a layer above is still a dependency upwards (the engine
+    typing its layers as hf/'s classes), so it is refused here."""
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    (listed,) = re.findall(r'^type = "layers"\nlayers = \[(.*?)\]', pyproject, flags=re.M | re.S)
+    layers = [[name.strip() for name in layer.split("|")] for layer in re.findall(r'"([^"]+)"', listed)]
+    assert len(layers) > 5, layers
+    offences = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        own = _layer_of(_module_name(path), layers)
+        if own is None:
+            continue
+        for imported in _imports(ast.parse(path.read_text())):
+            other = _layer_of(imported, layers)
+            if other is not None and other < own:
+                offences.append(f"{path.relative_to(PACKAGE)} imports {imported}")
+    assert not offences, "imports from a layer above:\n" + "\n".join(offences)
