@@ -2,7 +2,7 @@
 
 Geometry: one layer, one KV head, head_dim 4, float32, block_size 2, sealed as int8. A full-precision
 block is 2 (K, V) x 2 tokens x 4 dims x 4 bytes = 64 bytes; a sealed one 40 (tests/quantized/
-test_quant_store.py works the int8 layout out). Expected numbers follow the pool's rules: bytes held =
+test_sealed_store.py works the int8 layout out). Expected numbers follow the pool's rules: bytes held =
 64 x capacity + 40 x sealed capacity <= max_bytes; a part grows by its step (full precision: max(short +
 short // 8 on the first growth, growth_blocks, capacity); sealed: max(short, sealed_growth_blocks,
 capacity)) clamped to the budget left; when the budget left is short, the other part gives back free
