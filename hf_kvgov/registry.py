@@ -99,7 +99,7 @@ class CacheSpec:
 
 
 def _spec(name: str, description: str, parts: ChainParts, chain: ChainOf | None = None) -> CacheSpec:
-    """The spec of a chain: lossless without a codec or a policy; a policy attends with the eviction attention,
+    """The spec of a chain: lossless without a codec or a policy; a policy attends with the hf_kvgov attention,
     in-place block reads with the paged one. `chain` is for a chain that depends on the model (`parts` is then
     what it is for any model, but for the geometry-dependent fields)."""
     attention = eviction_attention if parts.policy is not None else _no_context
@@ -422,7 +422,7 @@ for _name, _description, _parts in (
         "QuantizedCache fp8 e4m3 with one scale per channel (keys) or per token (values)",
         ChainParts.of(codec="fp8"),
     ),
-    # Eviction caches keep different tokens per KV head: generate runs under the eviction attention.
+    # Eviction caches keep different tokens per KV head: generate runs under the hf_kvgov attention.
     (
         "h2o",
         "HeavyHitterCache (H2O): 20% of the prompt per KV head, half recent window, half heavy hitters",

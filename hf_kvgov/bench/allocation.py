@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.engine.attention_view import VIEW_KEY
+from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.paged_cache import PagedCache
@@ -151,7 +152,7 @@ def write_tokens(cache: Any, kv: LayerKV, start: int, stop: int) -> None:
         for index, (keys, values) in enumerate(kv):
             step: dict[str, Any] = {}
             cache.update(keys[:, :, start:stop], values[:, :, start:stop], index, kwargs=step)
-            _attend_nothing(step.get(PAGED_VIEW_KEY))
+            _attend_nothing(step.get(VIEW_KEY))
 
 
 def _attend_nothing(view: PagedView | None) -> None:

@@ -14,10 +14,11 @@ from typing import Any, Literal, Protocol
 import torch
 
 from hf_kvgov.engine import disk_prefix, paged_pool, paged_prefix, prefix_groups
+from hf_kvgov.engine.attention_view import VIEW_KEY
 from hf_kvgov.engine.block_sealer import BlockSealer
 from hf_kvgov.engine.block_stats import CacheStats, block_cache_stats
 from hf_kvgov.engine.block_tier import BlockTier
-from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.engine.parts import ChainParts, Paging
 from hf_kvgov.engine.prefix_layout import RowLayout
 from hf_kvgov.engine.quant_config import QuantConfig
@@ -273,7 +274,7 @@ class BlockStore:
             view = self.sealer.paged_view(self, layer, view)
         elif self.spill_link is not None:
             self.spill_link.add_raw_to_view(self, layer, view)
-        attn_kwargs[PAGED_VIEW_KEY] = view
+        attn_kwargs[VIEW_KEY] = view
         self._pending_view = view
         return key_states, value_states
 

@@ -14,8 +14,6 @@ from hf_kvgov.kernels import dispatch
 from hf_kvgov.kernels.quantized_reference import SealedReader
 from hf_kvgov.kernels.sealed_blocks import SealedBlocks
 
-PAGED_VIEW_KEY = "kvgov_paged_view"
-
 
 @dataclass
 class PagedView:

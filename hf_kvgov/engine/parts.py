@@ -215,7 +215,7 @@ class ChainParts:
 
     `attention` is how a block-storing cache hands K/V to attention: "contiguous" (any attention
     implementation) or "paged" (the hf_kvgov paged attention reads blocks in place, under
-    ``hf_kvgov.paged_attention(model)``). Eviction caches always use the hf_kvgov eviction attention.
+    ``hf_kvgov.paged_attention(model)``). Eviction caches always use the hf_kvgov attention.
 
     `codec` is normalised to a `QuantConfig` whose ``full_precision_layers`` are exactly the layers marked
     ``Layer(full_precision=True)``, so the two ways of saying it cannot disagree.

@@ -93,7 +93,7 @@ def _check_pool(parts: ChainParts) -> None:
     if parts.policy is not None and parts.attention != "contiguous":
         raise ChainRefused(
             f"attention={parts.attention!r} reads pool blocks in place, but an eviction policy stores per-head slots "
-            "and always attends with the hf_kvgov eviction attention; leave attention at its default."
+            "and always attends with the hf_kvgov attention; leave attention at its default."
         )
     if own_pool and parts.pool is not None and not isinstance(parts.pool, Paging):
         raise ChainRefused(

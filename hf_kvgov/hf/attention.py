@@ -1,13 +1,12 @@
-"""The hf_kvgov attention implementation, registered with transformers under one name.
+"""The hf_kvgov attention, registered with transformers as ``"kvgov"``: one implementation for every hf_kvgov cache.
 
-`PagedCache(attention="paged")` stores new K/V and puts a `PagedView` into the kwargs dict that
-transformers later splats into the attention call; this function finds it there and attends over the
-block tables directly. Without a view (any other cache) it falls back to sdpa on the K/V it was given,
-so switching a model to this implementation never breaks other caches. `kvgov_ragged` is the serving engine's
-(`ragged_attention_forward`).
+A cache that attends its own way (`PagedCache(attention="paged")`'s block tables, an eviction cache's per-head
+slots) puts its `AttentionView` into the kwargs transformers splats into the attention call; this function attends
+through it. Without a view (any other cache) it runs sdpa on the K/V it was given, so switching a model to it never
+breaks other caches. `kvgov_ragged` is the serving engine's (`ragged_attention_forward`).
 
-Registration adds new names to transformers' registries through their public `register` API; it never replaces an
-existing entry. `paged_attention(model)` switches one model and restores its previous implementation on exit.
+Registration adds names through transformers' public `register` API and never replaces an existing entry;
+`paged_attention(model)` (also named `eviction_attention`) switches one model and restores it on exit.
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_kvgov.engine.attention_view import ATTENTION_NAME, VIEW_KEY, AttentionView
 from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
-from hf_kvgov.hf.paged_cache import PAGED_VIEW_KEY, PagedView
 from hf_kvgov.kernels.ragged import RaggedStep
 
-ATTENTION_NAME = "kvgov_paged"
 RAGGED_ATTENTION_NAME = "kvgov_ragged"
 RAGGED_STEP_KEY = "kvgov_ragged_step"
 _registered = False
@@ -41,10 +39,10 @@ def kvgov_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature; returns `([batch, q_len, q_heads, head_dim], None)`."""
-    view: PagedView | None = kwargs.get(PAGED_VIEW_KEY)
+    view: AttentionView | None = kwargs.get(VIEW_KEY)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if kwargs.get("s_aux") is not None:
-        raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by kvgov_paged.")
+        raise ValueError(f"Attention sinks given as learned logits (s_aux) are not supported by {ATTENTION_NAME}.")
     if view is None:
         return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap), None
     return view.attend(query, attention_mask, scale, softcap), None
@@ -141,9 +139,16 @@ def restore_attention(model: Any, previous: str) -> None:
 
 @contextlib.contextmanager
 def paged_attention(model: Any) -> Iterator[Any]:
-    """``with paged_attention(model): model.generate(..., cache=PagedCache(model, attention="paged"))``."""
+    """``with paged_attention(model): model.generate(..., cache=PagedCache(model, attention="paged"))``, or
+    ``cache=HeavyHitterCache(model)``: the hf_kvgov attention, restoring the model's own on exit (even after an
+    exception)."""
     previous = use_paged_attention(model)
     try:
         yield model
     finally:
         restore_attention(model, previous)
+
+
+# The same attention under the name the eviction caches' examples use: it serves every hf_kvgov cache.
+eviction_attention = paged_attention
+use_eviction_attention = use_paged_attention

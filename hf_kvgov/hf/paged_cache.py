@@ -14,7 +14,7 @@ import torch
 
 from hf_kvgov.engine.block_stats import CacheStats
 from hf_kvgov.engine.block_store import AttentionPath, BlockStore
-from hf_kvgov.engine.paged_view import PAGED_VIEW_KEY, PagedView
+from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import (
@@ -31,7 +31,7 @@ from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.spill_config import Disk
 
 # The names other modules take from here (the layer, view and stats live in their own modules).
-__all__ = ["ATTENTION_PATHS", "PAGED_VIEW_KEY", "AttentionPath", "CacheStats", "PagedCache", "PagedLayer", "PagedView"]
+__all__ = ["ATTENTION_PATHS", "AttentionPath", "CacheStats", "PagedCache", "PagedLayer", "PagedView"]
 
 
 class PagedCache(GovernedCacheBase, BlockStore):

@@ -97,7 +97,7 @@ def test_kwargs_round_trip() -> None:
         ({"layers": {0: Layer(full_precision=True)}}, "no codec"),
         ({"layers": {0: Layer(budget=0.5)}}, "no eviction policy"),
         ({"spill": Disk(), "pool": Paging(max_tokens=1024)}, "max_resident_bytes"),
-        ({"policy": Sink(4, 60), "attention": "paged"}, "eviction attention"),
+        ({"policy": Sink(4, 60), "attention": "paged"}, "always attends with the hf_kvgov attention"),
     ],
 )
 def test_overrides_and_knobs_that_cannot_apply_are_refused(kwargs: dict[str, object], message: str) -> None:

@@ -18,7 +18,7 @@ from accelerate import dispatch_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_kvgov import HeavyHitterCache, PagedCache, SinkCache, eviction_attention, paged_attention
-from hf_kvgov.engine.slots.view import VIEW_KEY
+from hf_kvgov.engine.attention_view import VIEW_KEY
 from hf_kvgov.hf.compat import model_layer_devices
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.quantized_cache import QuantizedCache

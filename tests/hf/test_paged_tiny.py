@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import BlockPool, PagedCache, PoolExhausted, paged_attention
+from hf_kvgov import BlockPool, HeavyHitterCache, PagedCache, PoolExhausted, eviction_attention, paged_attention
 from hf_kvgov.kernels import dispatch
 from tests.conftest import tiny_llama
 
@@ -152,11 +152,23 @@ def test_paged_attention_context_restores_the_previous_implementation() -> None:
     model = MODELS["gqa"]
     before = model.config._attn_implementation
     with paged_attention(model):
-        assert model.config._attn_implementation == "kvgov_paged"
+        assert model.config._attn_implementation == "kvgov"
         # Any other cache still works under the hf_kvgov attention (sdpa fallback).
         dynamic = run(model, DynamicCache(), prompts(length=6)).sequences
     assert model.config._attn_implementation == before
     assert torch.equal(dynamic, run(model, DynamicCache(), prompts(length=6)).sequences)
+
+
+def test_one_attention_serves_paged_and_eviction_caches_in_one_context() -> None:
+    # A model switched once runs a paged cache and an eviction cache that keeps every token (budget = length):
+    # both give DynamicCache's tokens, so neither needs an attention of its own.
+    model, inputs = MODELS["gqa"], prompts(batch=2, length=9, pad_first=3)
+    expected = run(model, DynamicCache(), inputs).sequences
+    with paged_attention(model):
+        paged = run(model, PagedCache(model, attention="paged", block_size=4), inputs).sequences
+        kept = run(model, HeavyHitterCache(model, budget=9 + 12), inputs).sequences
+    assert torch.equal(paged, expected) and torch.equal(kept, expected)
+    assert eviction_attention is paged_attention  # the eviction caches' examples name the same context
 
 
 def test_bad_arguments_are_explained() -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from hf_kvgov.engine.slots.view import ATTENTION_NAME
+from hf_kvgov.engine.attention_view import ATTENTION_NAME
 from hf_kvgov.policies import SlotFacts, select_by_priority
 
 if TYPE_CHECKING:
@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 def check_attention(
     name: str, current: str, awaiting: int | None, attn_kwargs: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """``attn_kwargs`` once the model attends with the eviction attention and read the last staged layer."""
+    """``attn_kwargs`` once the model attends with the hf_kvgov attention and read the last staged layer."""
     if current != ATTENTION_NAME:
         raise RuntimeError(
             f"{name} keeps different tokens in each KV head, so the model must attend with the hf_kvgov "
-            f"eviction attention ({ATTENTION_NAME!r}), but it uses {current!r}. Wrap generation in "
+            f"attention ({ATTENTION_NAME!r}), but it uses {current!r}. Wrap generation in "
             "`with hf_kvgov.eviction_attention(model):`."
         )
     if awaiting is not None:

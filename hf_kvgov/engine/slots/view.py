@@ -1,10 +1,10 @@
-"""What an eviction cache hands to the hf_kvgov eviction attention for one layer and one step.
+"""What an eviction cache hands to the hf_kvgov attention for one layer and one step.
 
-transformers calls ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then splats that same ``kwargs``
-dict into the attention call. The cache's ``update`` stages the step (kept + new slots) in an
-`EvictionView` under `VIEW_KEY`; the attention reads it, attends, and calls the view's ``commit`` with the
-new tokens' validity and the attention facts the policy needs, which is when the cache stores the step
-and evicts.
+transformers calls ``cache.update(k, v, layer_idx, kwargs=kwargs)`` and then splats that same ``kwargs`` dict into
+the attention call. The cache's ``update`` stages the step (kept + new slots) in an `EvictionView` under
+`hf_kvgov.engine.attention_view.VIEW_KEY`; the attention reads it, attends, and calls the view's ``commit`` with
+the new tokens' validity and the attention facts the policy needs, which is when the cache stores the step and
+evicts.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from hf_kvgov.policies import FactNeeds
 
 if TYPE_CHECKING:
     from hf_kvgov.engine.slots.recall import RecalledSlots
-
-ATTENTION_NAME = "kvgov_evict"
-VIEW_KEY = "kvgov_eviction_view"
 
 # commit(keys, values, positions, valid, mass, recent_attention, expected_attention): store the attended
 # slots and evict down to the budget; the attention facts are None unless ``needs`` asked for them.

@@ -2,7 +2,7 @@
 
 The slots, budgets and each step's commit are the engine's `EvictionStore` (`hf_kvgov.engine.slots.eviction_store`);
 this class reads the model (its geometry, RoPE, dtype) and puts transformers' `Cache` interface on the store: it
-stages each layer's step for the eviction attention (`slot_attention`) from the model's attention kwargs.
+stages each layer's step for the hf_kvgov attention (`slot_attention`) from the model's attention kwargs.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
+from hf_kvgov.engine.attention_view import VIEW_KEY
 from hf_kvgov.engine.parts import COMPRESS_MODES
 from hf_kvgov.engine.slots.eviction_store import EvictionStore, PolicyFactory
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
@@ -18,7 +19,7 @@ from hf_kvgov.engine.slots.recall import Recall, page_tier_for
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.engine.slots.slot_steps import check_attention, check_shapes
-from hf_kvgov.engine.slots.view import VIEW_KEY, KeyReader
+from hf_kvgov.engine.slots.view import KeyReader
 from hf_kvgov.hf.compat import attention_implementation, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
@@ -46,7 +47,7 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         valid          bool  [batch, kv_heads, slots]         False: left padding or an empty filler slot
         scores         float [batch, kv_heads, slots]         accumulated attention mass (policies that rank by it)
 
-    Heads keep different tokens, so ``update`` stages a step for the eviction attention (`slot_attention`), whose
+    Heads keep different tokens, so ``update`` stages a step for the hf_kvgov attention (`slot_attention`), whose
     commit keeps ``policy.select(...)`` (``decode_policy`` after the first chunk, if given): at most
     ``budget + q_len`` slots per (sequence, head) in a step, ``budget`` between. ``update`` returns only the new
     K/V and ``get_mask_sizes(q)`` says so, which makes transformers' mask exactly the causal + padding mask of the

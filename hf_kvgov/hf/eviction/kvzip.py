@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from hf_kvgov.hf.attention import eviction_attention
 from hf_kvgov.hf.compat import (
     attention_implementation,
     decoder_config,
@@ -27,7 +28,6 @@ from hf_kvgov.hf.compat import (
     kv_heads_and_head_dim,
     layer_kinds,
 )
-from hf_kvgov.hf.eviction.attention import eviction_attention
 from hf_kvgov.hf.eviction.policy_cache import PolicyCache
 from hf_kvgov.policies import GivenScores, HeadAdaptive
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec, resolve_budget
