@@ -3,7 +3,7 @@
 SmolLM2-135M, a batch of requests of the embedded Pride and Prejudice, H2O 20% (dense and int8 slots): the prompt,
 then decode steps. The two homes alternate step by step in one process (own, pooled, own, ...), so machine noise
 falls on both; the figure is the median decode step of each and their ratio, with the bytes each holds. The
-pooled home stores each row's valid slots as a stream of records (`hf_kvgov.hf.eviction.pooled_slots`) and builds
+pooled home stores each row's valid slots as a stream of records (`hf_kvgov.engine.slots.pooled_slots`) and builds
 the dense working set of a step from them; the own home keeps `[batch, kv_heads, slots]` tensors, padding included.
 
     OMP_NUM_THREADS=1 python eval/bench_slot_homes.py
