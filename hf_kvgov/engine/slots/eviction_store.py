@@ -137,8 +137,9 @@ class EvictionStore:
         """Take the layers (with their pool homes when the slots live in ``pool``) and give each its recall."""
         self.slot_layers = list(layers)
         self.pool = pool
-        for layer, home in zip(self.slot_layers, homes, strict=True) if homes else ():
-            layer.home = home
+        if homes:
+            for layer, home in zip(self.slot_layers, homes, strict=True):
+                layer.home = home
         if self._page_tier is not None and self.recall is not None:
             indices = [layer.index for layer in self.slot_layers]
             recalls = layer_recalls(self._page_tier, indices, self.recall, self._recall_counters, pool)

@@ -18,6 +18,7 @@ from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
 from hf_kvgov.engine.slots.recall import Recall, page_tier_for
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
+from hf_kvgov.engine.slots.slot_layer import SlotLayer
 from hf_kvgov.engine.slots.slot_steps import check_attention, check_shapes
 from hf_kvgov.engine.slots.view import KeyReader
 from hf_kvgov.hf.compat import attention_implementation, kv_heads_and_head_dim
@@ -175,8 +176,8 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         self._awaiting_attention = layer.index
         return key_states, value_states
 
-    def committed(self, layer: Any) -> None:
-        self._awaiting_attention = None
+    def committed(self, layer: SlotLayer) -> None:
+        self._awaiting_attention = None  # attention read the staged step
 
     # ------------------------------------------------------------------ generate's bookkeeping
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -32,8 +32,12 @@ class EvictionLayer(SlotLayer, CacheLayerMixin):
     ) -> None:
         SlotLayer.__init__(self, owner, index, window, slot_format)
         CacheLayerMixin.__init__(self)
-        self.cache = owner
         self.is_sliding = window is not None
+
+    @property
+    def cache(self) -> EvictionCache:
+        """The cache whose store holds this layer (the transformers side of `owner`)."""
+        return cast("EvictionCache", self.owner)
 
     # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
     # they are views of the store, and only None (no slots) may be assigned.
