@@ -1,13 +1,16 @@
-"""StreamingLLM: keep the first few tokens (attention sinks) and a window of the most recent ones."""
+"""StreamingLLM: keep the first few tokens (attention sinks) and a window of the most recent ones (`SinkWindow`),
+and read the sinks' keys as if just before the window (`SinkKeys`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
+from hf_kvgov.policies.rope import rerotate
 from hf_kvgov.policies.selection import oldest_valid, select_within_budget
 
 
@@ -57,3 +60,39 @@ class SinkWindow:
         fixed = self.n_sink + self.window
         check_budget_fits(self, budget, fixed, f"{self.n_sink} sink + {self.window} window = {fixed} slots")
         return oldest_valid(positions, valid, self.n_sink).float()
+
+
+@dataclass(frozen=True)
+class SinkKeys:
+    """How a sink cache's attention reads its kept keys: each of the ``n_sink`` sinks turned to just before the
+    window (StreamingLLM's in-cache positions), the window's keys as stored. Called as an eviction view's
+    ``read_keys``; ``inv_freq`` is the layers' RoPE ``inv_freq``.
+    """
+
+    n_sink: int
+    inv_freq: Tensor
+
+    def __call__(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+        """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""
+        delta = sink_shift(positions, valid, self.n_sink)
+        moved = delta != 0
+        if not bool(moved.any()):
+            return keys
+        turned = rerotate(keys[moved][None, None], delta[moved], self.inv_freq)[0, 0]
+        return keys.index_put((moved,), turned)
+
+
+def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
+    """Long ``[batch, kv_heads, slots]``: how far to move each slot's key; non-zero only for displaced sinks.
+
+    Sinks are the ``n_sink`` oldest valid slots; sink ``j`` goes to ``w0 - n + j``, with ``w0`` the oldest
+    other valid position and ``n`` the sinks present. Valid slots must be stored in ascending position
+    order, which the cache guarantees (policies return kept slots in position order, new tokens come last).
+    """
+    is_sink = oldest_valid(positions, valid, n_sink)
+    rest = valid & ~is_sink
+    oldest_rest = torch.where(rest, positions, torch.iinfo(torch.long).max).amin(dim=-1, keepdim=True)
+    rank = is_sink.long().cumsum(dim=-1) - 1
+    target = oldest_rest - is_sink.sum(dim=-1, keepdim=True) + rank
+    shifted = is_sink & rest.any(dim=-1, keepdim=True)
+    return torch.where(shifted, target - positions, 0)

@@ -119,5 +119,5 @@ def test_sink_keys_move_only_in_full_attention_layers() -> None:
     model = MODELS["gemma3"]
     cache = SinkCache(model, n_sink=2, window=10)
     expected = model.model.rotary_emb.full_attention_inv_freq
-    assert torch.equal(cache.inv_freq, expected)
+    assert torch.equal(cache.sink_keys.inv_freq, expected)
     assert not torch.equal(expected, model.model.rotary_emb.sliding_attention_inv_freq)

@@ -5,7 +5,7 @@ query-key distance. StreamingLLM numbers positions inside the cache, the sinks r
 distance exceeds the cache size. Re-rotating every key is wrong here (and wasteful): window keys are contiguous and
 end at the query, so their true distances already are the in-cache ones; only sink ``j`` (of ``n``) must be read
 as if at ``w0 - n + j``, ``w0`` the oldest window position. So keys are stored as the model rotated them and the
-``n`` sinks are re-rotated at read time, straight to the target (`hf_kvgov.policies.rerotate`, float64 angles):
+``n`` sinks are re-rotated at read time, straight to the target (`hf_kvgov.policies.sink_window.SinkKeys`):
 nothing is rotated twice, so no rounding error accumulates over a long stream, and a step re-rotates ``n`` keys per
 head. Queries keep transformers' absolute positions; their float32 angles lose precision at positions in the millions.
 """
@@ -14,17 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from hf_kvgov.engine.parts import ChainParts, Sink, allocation_of, budget_overrides
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
 from hf_kvgov.hf.eviction.rotary import rotary_inv_freq
-from hf_kvgov.policies import SinkWindow, oldest_valid, rerotate
+from hf_kvgov.policies import SinkWindow
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
+from hf_kvgov.policies.sink_window import SinkKeys
 from hf_kvgov.storage.pool import BlockPool
 
 _NAME = "SinkCache"
@@ -85,13 +83,13 @@ class SinkCache(EvictionCache):
             )
         self.n_sink = n_sink
         self.window = window
-        self.inv_freq = rotary_inv_freq(model, _NAME, "re-rotates sink keys")
+        self.sink_keys = SinkKeys(n_sink, rotary_inv_freq(model, _NAME, "re-rotates sink keys"))
         super().__init__(
             model,
             budget,
             lambda _budget: policy,
             min_budget=policy.min_budget,
-            read_keys=self._read_keys,
+            read_keys=self.sink_keys,
             query_chunk=query_chunk,
             codec=codec,
             layer_budgets=layer_budgets,
@@ -103,28 +101,3 @@ class SinkCache(EvictionCache):
         own_budget = None if budget == n_sink + window else budget
         part = Sink(n_sink, window, own_budget, query_chunk, allocation=allocation_of(layer_budgets))
         self.parts = ChainParts.of(policy=part, pool=pool, codec=self.quant, layers=budget_overrides(layer_budgets))
-
-    def _read_keys(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
-        """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""
-        delta = sink_shift(positions, valid, self.n_sink)
-        moved = delta != 0
-        if not bool(moved.any()):
-            return keys
-        turned = rerotate(keys[moved][None, None], delta[moved], self.inv_freq)[0, 0]
-        return keys.index_put((moved,), turned)
-
-
-def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
-    """Long ``[batch, kv_heads, slots]``: how far to move each slot's key; non-zero only for displaced sinks.
-
-    Sinks are the ``n_sink`` oldest valid slots; sink ``j`` goes to ``w0 - n + j``, with ``w0`` the oldest
-    other valid position and ``n`` the sinks present. Valid slots must be stored in ascending position
-    order, which the cache guarantees (policies return kept slots in position order, new tokens come last).
-    """
-    is_sink = oldest_valid(positions, valid, n_sink)
-    rest = valid & ~is_sink
-    oldest_rest = torch.where(rest, positions, torch.iinfo(torch.long).max).amin(dim=-1, keepdim=True)
-    rank = is_sink.long().cumsum(dim=-1) - 1
-    target = oldest_rest - is_sink.sum(dim=-1, keepdim=True) + rank
-    shifted = is_sink & rest.any(dim=-1, keepdim=True)
-    return torch.where(shifted, target - positions, 0)
