@@ -5,7 +5,7 @@ query-key distance. StreamingLLM numbers positions inside the cache, the sinks r
 distance exceeds the cache size. Re-rotating every key is wrong here (and wasteful): window keys are contiguous and
 end at the query, so their true distances already are the in-cache ones; only sink ``j`` (of ``n``) must be read
 as if at ``w0 - n + j``, ``w0`` the oldest window position. So keys are stored as the model rotated them and the
-``n`` sinks are re-rotated at read time, straight to the target (`hf_kvgov.policies.sink_window.SinkKeys`):
+``n`` sinks are re-rotated at read time, straight to the target (`policies.sink_window.SinkKeys`, float64 angles):
 nothing is rotated twice, so no rounding error accumulates over a long stream, and a step re-rotates ``n`` keys per
 head. Queries keep transformers' absolute positions; their float32 angles lose precision at positions in the millions.
 """
