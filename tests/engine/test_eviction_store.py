@@ -97,3 +97,22 @@ def test_a_fraction_resolves_on_the_first_chunk_and_again_after_forget() -> None
     layer.clear()
     store.forget()
     assert store.budget == 5 and layer.seen == 0 and layer.store is None
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"compress": "sometimes"}, r"compress must be one of \('always', 'prefill'\); got 'sometimes'"),
+        ({"query_chunk": 0}, "query_chunk must be a positive int number of queries; got 0"),
+    ],
+)
+def test_the_store_refuses_bad_options_itself(options: dict[str, object], message: str) -> None:
+    query_chunk = options.pop("query_chunk", 64)
+    with pytest.raises(ValueError, match=message):
+        EvictionStore(
+            [None], KV_HEADS, HEAD_DIM, QUERY_HEADS, NoRope(), 3, lambda kept: H2O(heavy=1, recent=kept - 1), 2,
+            None, query_chunk,  # type: ignore[arg-type]
+            codec=None, layer_budgets=None, head_budgets=None, decode_policy=None, budget_of=None,
+            compress=options.get("compress", "always"),  # type: ignore[arg-type]
+            recall=None, page_tier=None, prefix=None, namespace="",
+        )  # fmt: skip

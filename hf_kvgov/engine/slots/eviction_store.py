@@ -15,6 +15,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor
 
+from hf_kvgov.engine.parts import COMPRESS_MODES
 from hf_kvgov.engine.slots.budget_basis import BudgetBasis, check_budget_of, fraction_label
 from hf_kvgov.engine.slots.forecast_hooks import forecast_hook, forecasts_running, observer_hook
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgets, LayerBudgetSpec, check_head_budgets, check_layer_budgets
@@ -94,6 +95,10 @@ class EvictionStore:
         namespace: str,
     ) -> None:
         owner = type(self).__name__
+        if compress not in COMPRESS_MODES:
+            raise ValueError(f"{owner}: compress must be one of {COMPRESS_MODES}; got {compress!r}.")
+        if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
+            raise ValueError(f"query_chunk must be a positive int number of queries; got {query_chunk!r}.")
         self.num_kv_heads, self.head_dim, self.num_query_heads = num_kv_heads, head_dim, num_query_heads
         self.formats, self.quant = slot_formats(codec, len(windows), num_kv_heads, head_dim, owner)
         self.codec_name: str | None = None if self.quant is None else self.quant.codec_name

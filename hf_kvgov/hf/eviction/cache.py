@@ -12,7 +12,6 @@ from typing import Any
 from torch import Tensor
 
 from hf_kvgov.engine.attention_view import VIEW_KEY
-from hf_kvgov.engine.parts import COMPRESS_MODES
 from hf_kvgov.engine.slots.eviction_store import EvictionStore, PolicyFactory
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
 from hf_kvgov.engine.slots.recall import Recall, page_tier_for
@@ -121,12 +120,8 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         namespace: str = "",
     ) -> None:
         name = type(self).__name__
-        if compress not in COMPRESS_MODES:
-            raise ValueError(f"{name}: compress must be one of {COMPRESS_MODES}; got {compress!r}.")
         config = checked_decoder_config(model, name)
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
-        if isinstance(query_chunk, bool) or not isinstance(query_chunk, int) or query_chunk < 1:
-            raise ValueError(f"query_chunk must be a positive int number of queries; got {query_chunk!r}.")
         windows = layer_windows(config)
         self._config = config
         # A policy that forecasts queries turns them with the layers' RoPE; a model without it is refused by
