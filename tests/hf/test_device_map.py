@@ -17,7 +17,7 @@ import torch
 from accelerate import dispatch_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hf_kvgov import HeavyHitterCache, PagedCache, SinkCache, eviction_attention, paged_attention
+from hf_kvgov import HeavyHitterCache, PagedCache, SinkCache, eviction_attention, eviction_pool, paged_attention
 from hf_kvgov.engine.attention_view import VIEW_KEY
 from hf_kvgov.hf.compat import model_layer_devices
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
@@ -241,12 +241,17 @@ def test_read_ahead_rows_are_split_between_the_layers_devices(tmp_path: Path) ->
 # ---------------------------------------------------------------- eviction caches
 
 
-@pytest.mark.parametrize("kind", ["h2o", "sink"])
+@pytest.mark.parametrize("kind", ["h2o", "h2o_pooled", "sink"])
 def test_eviction_caches_on_a_dispatched_model_equal_dynamic_cache(kind: str) -> None:
     model = dispatch_model(tiny_llama(), ALL_CPU, force_hooks=True)
     inputs = prompts(batch=1, length=13)
     expected = generate(model, DynamicCache(), inputs, new_tokens=8)
-    cache = HeavyHitterCache(model, budget=64, recent=8) if kind == "h2o" else SinkCache(model, n_sink=4, window=60)
+    pool = eviction_pool(model) if kind == "h2o_pooled" else None
+    cache = (
+        SinkCache(model, n_sink=4, window=60)
+        if kind == "sink"
+        else HeavyHitterCache(model, budget=64, recent=8, pool=pool)
+    )
     with eviction_attention(model):
         got = generate(model, cache, inputs, new_tokens=8)
     assert torch.equal(got, expected)
