@@ -27,7 +27,7 @@ class NoRope:
 def _store(windows: list[int | None], budget: int | float = 3, **options: object) -> EvictionStore:
     arguments: dict[str, object] = dict(
         codec=None, layer_budgets=None, head_budgets=None, decode_policy=None, budget_of=None, compress="always",
-        recall=None, page_tier=None, prefix=None, namespace="",
+        recall=None, prefix=None, namespace="",
     )  # fmt: skip
     arguments.update(options)
     store = EvictionStore(
@@ -114,5 +114,5 @@ def test_the_store_refuses_bad_options_itself(options: dict[str, object], messag
             None, query_chunk,  # type: ignore[arg-type]
             codec=None, layer_budgets=None, head_budgets=None, decode_policy=None, budget_of=None,
             compress=options.get("compress", "always"),  # type: ignore[arg-type]
-            recall=None, page_tier=None, prefix=None, namespace="",
+            recall=None, prefix=None, namespace="",
         )  # fmt: skip

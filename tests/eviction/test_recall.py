@@ -346,3 +346,13 @@ def test_the_planner_counts_recall_bytes_as_the_cache_holds_them(summary: str, b
     layers_times_heads = layers * heads
     stats = cache.recall_stats()
     assert stats is not None and stats.bytes_written == layers_times_heads * disk
+
+
+def test_a_refused_cache_creates_no_spill_directory(tmp_path: Path) -> None:
+    # Every argument is checked before the recall tier checks (and creates) its directory.
+    path = tmp_path / "not-yet"
+    with pytest.raises(ValueError, match="compress must be one of"):
+        HeavyHitterCache(tiny_llama(), budget=8, recall=Recall(path=str(path)), compress="sometimes")
+    assert not path.exists()
+    HeavyHitterCache(tiny_llama(), budget=8, recall=Recall(path=str(path)))
+    assert path.is_dir()  # a cache that is built checks the directory now, not at the first spill

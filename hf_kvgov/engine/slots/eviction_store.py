@@ -67,7 +67,6 @@ class EvictionStore:
         frequencies: each layer's RoPE frequencies (asked only by policies that forecast queries).
         budget, policy_for, min_budget, read_keys, query_chunk, codec, layer_budgets, head_budgets,
             decode_policy, budget_of, compress, recall, prefix, namespace: as `EvictionCache`.
-        page_tier: recall's pages on disk (None without recall).
     """
 
     def __init__(
@@ -90,7 +89,6 @@ class EvictionStore:
         budget_of: int | None,
         compress: str,
         recall: Recall | None,
-        page_tier: PageTier | None,
         prefix: PrefixCache | None,
         namespace: str,
     ) -> None:
@@ -125,7 +123,7 @@ class EvictionStore:
         self.head_budgets = check_head_budgets(owner, head_budgets, policy_for, self.min_budget, decode_policy)
         self.recall = recall
         self._recall_counters = RecallCounters()
-        self._page_tier = page_tier
+        self._page_tier: PageTier | None = None
         self.prefix = None if prefix is None else check_prefix(prefix, owner)
         if self.prefix is not None:
             check_prefix_geometry(self.prefix, windows, num_kv_heads, head_dim, owner)
@@ -138,9 +136,17 @@ class EvictionStore:
         if self.budget_of is not None:
             self._resolve_budget(self.budget_of)
 
-    def attach(self, layers: Sequence[SlotLayer], pool: BlockPool | None, homes: Sequence[PooledSlotHome]) -> None:
-        """Take the layers (with their pool homes when the slots live in ``pool``) and give each its recall."""
+    def attach(
+        self,
+        layers: Sequence[SlotLayer],
+        pool: BlockPool | None,
+        homes: Sequence[PooledSlotHome],
+        page_tier: PageTier | None = None,
+    ) -> None:
+        """Take the layers (with their pool homes when the slots live in ``pool``) and, with recall, the tier its
+        pages go to (`Recall.tier`), giving each layer its recall."""
         self.slot_layers = list(layers)
+        self._page_tier = page_tier
         self.pool = pool
         if homes:
             for layer, home in zip(self.slot_layers, homes, strict=True):

@@ -130,9 +130,8 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         EvictionStore.__init__(
             self, windows, num_kv_heads, head_dim, int(config.num_attention_heads), self._rotary, budget, policy_for,
             min_budget, read_keys, query_chunk, codec=codec, layer_budgets=layer_budgets, head_budgets=head_budgets,
-            decode_policy=decode_policy, budget_of=budget_of, compress=compress, recall=recall,
-            page_tier=None if recall is None else page_tier_for(recall, model, head_dim, read_keys, name),
-            prefix=prefix, namespace=namespace,
+            decode_policy=decode_policy, budget_of=budget_of, compress=compress, recall=recall, prefix=prefix,
+            namespace=namespace,
         )  # fmt: skip
         self._awaiting_attention: int | None = None  # the layer whose staged step attention has not read
         self._user_defined = False
@@ -142,7 +141,9 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)
         homes = [] if pool is None else pooled_homes(pool, model, windows, self.formats, num_kv_heads, head_dim, name)
-        self.attach(layers, pool, homes)  # with a pool, every layer's slots live in its blocks between steps
+        # Last, once every argument is checked: the tier checks (and creates) its spill directory.
+        tier = None if recall is None else page_tier_for(recall, model, head_dim, read_keys, name)
+        self.attach(layers, pool, homes, tier)  # with a pool, every layer's slots live in its blocks between steps
 
     # generate sets this on a cache the caller passes in, before its prefill: the mark `BudgetBasis` reads.
     @property
