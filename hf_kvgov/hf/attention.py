@@ -93,16 +93,12 @@ def sdpa_over_given_kv(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
-    implementation: str = ATTENTION_NAME,
 ) -> torch.Tensor:
-    """Plain sdpa on the K/V transformers passed, for caches that are not ours: `[batch, q_len, q_heads, dim]`.
-
-    Shared by every hf_kvgov attention implementation, so switching a model to one never breaks other
-    caches.
-    """
+    """Plain sdpa on the K/V transformers passed, for caches that are not ours: `[batch, q_len, q_heads, dim]`,
+    so switching a model to the hf_kvgov attention never breaks other caches."""
     if softcap is not None:
         raise ValueError(
-            f"{implementation} without its hf_kvgov cache cannot apply logit soft-capping; use eager attention."
+            f"{ATTENTION_NAME} without its hf_kvgov cache cannot apply logit soft-capping; use eager attention."
         )
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)

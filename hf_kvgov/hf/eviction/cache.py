@@ -137,7 +137,7 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         self._user_defined = False
         pairs = enumerate(zip(windows, self.formats, strict=True))
         layers = [EvictionLayer(self, i, window, fmt) for i, (window, fmt) in pairs]
-        GovernedCacheBase.__init__(self, layers=list(layers))
+        GovernedCacheBase.__init__(self, layers=list(layers))  # a list of the base type (lists are invariant)
         if head_budgets is not None and pool is None:  # ragged heads are stored compactly only in pool blocks
             pool = eviction_pool(model, codec=codec)
         homes = [] if pool is None else pooled_homes(pool, model, windows, self.formats, num_kv_heads, head_dim, name)
