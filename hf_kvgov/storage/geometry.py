@@ -96,6 +96,19 @@ class KVGeometry:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
 
 
+def zero_extended(old: torch.Tensor, extra: int) -> torch.Tensor:
+    """``old`` followed by ``extra`` zeroed rows (dim 0), written once (no separate zeros tensor + cat).
+
+    New blocks are zeroed, not left uninitialised: attention reads whole blocks and masks the unwritten
+    slots, and a NaN bit pattern there would survive the mask (0 x NaN is NaN).
+    """
+    kept = old.shape[0]
+    grown = torch.empty((kept + extra, *old.shape[1:]), dtype=old.dtype, device=old.device)
+    grown[:kept].copy_(old)
+    grown[kept:].zero_()
+    return grown
+
+
 def index_per_layer(ids: Sequence[int], geometry: KVGeometry) -> list[torch.Tensor]:
     """`ids` as a long tensor on each layer's device (built once per distinct device), indexed by layer."""
     on_device = {device: torch.tensor(list(ids), dtype=torch.long, device=device) for device in geometry.devices}

@@ -15,7 +15,7 @@ import torch
 
 from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.storage.free_ids import FifoIds, FreeIds, LowestIds
-from hf_kvgov.storage.geometry import KVGeometry, check_on_device
+from hf_kvgov.storage.geometry import KVGeometry, check_on_device, zero_extended
 from hf_kvgov.storage.layer_groups import GroupLayout, LayerGroup, single_group
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_GROWTH_BLOCKS", "BlockPool", "KVGeometry", "PoolStats", "Reclaimer"]
@@ -338,14 +338,28 @@ class BlockPool:
 
     def _grow_tensors(self, extra: int) -> None:
         start = self.capacity
-        g = self.geometry
-        shape = (extra, self.block_size, g.num_kv_heads, g.head_dim)
-        self._set_tensors(
-            [_extended(self.keys[h] if start else None, shape, g.dtype, g.layer_device(h)) for h in self._heads],
-            [_extended(self.values[h] if start else None, shape, g.dtype, g.layer_device(h)) for h in self._heads],
-        )
+        self._resize_tensors(lambda old: zero_extended(old, extra), start)
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
+
+    def _resize_tensors(self, resized: Callable[[torch.Tensor], torch.Tensor], keep: int) -> None:
+        """Replace each position's keys, then values, by ``resized(tensor)``, one tensor at a time.
+
+        Each old tensor is let go before the next new one is allocated, so a resize holds the new tensors and at
+        most one old one (one position's keys or values), not two copies of the pool. If an allocation fails part
+        way, every tensor is cut to its first ``keep`` blocks (views: the data kept, all positions the same
+        length again) before the error propagates.
+        """
+        keys = [self.keys[h] for h in self._heads]
+        values = [self.values[h] for h in self._heads]
+        try:
+            for tensors in (keys, values):
+                for position in range(len(tensors)):
+                    tensors[position] = resized(tensors[position])
+                    self._set_tensors(keys, values)  # the pool's hold on the old tensor goes here
+        except BaseException:
+            self._set_tensors([t[:keep] for t in keys], [t[:keep] for t in values])
+            raise
 
     def _free_tail(self, dropping: Mapping[int, int] | None = None) -> int:
         """How many blocks at the end of the tensors are free, or become free once the references counted in
@@ -369,13 +383,12 @@ class BlockPool:
             return
         keep = self.capacity - count
         assert all(self._ref[block_id] == 0 for block_id in range(keep, self.capacity)), "only free blocks go"
-        with torch.inference_mode(False):
-            self._set_tensors(
-                [self.keys[h][:keep].clone() for h in self._heads],
-                [self.values[h][:keep].clone() for h in self._heads],
-            )
-        del self._ref[keep:]
-        self._free.keep_below(keep)
+        try:
+            with torch.inference_mode(False):
+                self._resize_tensors(lambda old: old[:keep].clone(), keep)
+        finally:  # a failed copy still leaves every tensor `keep` blocks long
+            del self._ref[keep:]
+            self._free.keep_below(keep)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Take one more reference on each block (a fork shares blocks instead of copying them)."""
@@ -549,19 +562,3 @@ class BlockPool:
         """Free block ids in the order they will be handed out; for tests and debugging."""
         with self._lock:
             return self._free.in_order()
-
-
-def _extended(
-    old: torch.Tensor | None, extra_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """``old`` followed by ``extra_shape[0]`` zeroed blocks, written once (no separate zeros tensor + cat).
-
-    New blocks are zeroed, not left uninitialised: attention reads whole blocks and masks the unwritten
-    slots, and a NaN bit pattern there would survive the mask (0 x NaN is NaN).
-    """
-    kept = 0 if old is None else old.shape[0]
-    grown = torch.empty((kept + extra_shape[0], *extra_shape[1:]), dtype=dtype, device=device)
-    if old is not None:
-        grown[:kept].copy_(old)
-    grown[kept:].zero_()
-    return grown

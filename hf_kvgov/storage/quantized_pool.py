@@ -105,8 +105,8 @@ class QuantizedBlockPool(BlockPool):
     `PoolExhausted` having done nothing; a growing `charge` takes either part's free blocks at its end. Sealing
     rule: the blocks an operation frees count as freed before it takes new ones, so `seal` may grow the store into
     the full-precision blocks it frees at the end (encoding them before they go), and `unseal` into the sealed block
-    it drops; either is refused only when its net effect does not fit. A resize copies, briefly holding both copies,
-    as `BlockPool`'s growth does. `max_tokens` still caps the full-precision blocks alone (the store is then
+    it drops; either is refused only when its net effect does not fit. A resize copies one tensor at a time, as
+    `BlockPool`'s growth does. `max_tokens` still caps the full-precision blocks alone (the store is then
     uncapped); `max_bytes` refuses `preallocate`, the budget being shared.
 
     Layer groups (`groups=`, hybrid sliding-window models): as in `BlockPool`, a full-precision id and a sealed

@@ -6,7 +6,7 @@ per id, a FIFO free list) so sealed ids are shared, forked and freed as pool blo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.storage.free_ids import FifoIds, FreeIds
+from hf_kvgov.storage.geometry import zero_extended
 from hf_kvgov.storage.layer_groups import GroupLayout, single_group
 from hf_kvgov.storage.sealed_formats import SealedFormat, piece_bytes
 
@@ -142,12 +143,7 @@ class SealedBlockStore:
         if extra <= 0:
             return
         start = self.capacity
-        # As in BlockPool: tensors created under torch.inference_mode() could not take in-place writes later.
-        with torch.inference_mode(False):
-            for layer in self._heads:  # one tensor per position: the layers sharing it see the grown one
-                for name, (shape, dtype) in self._layouts[layer].items():
-                    fresh = torch.zeros((extra, *shape), dtype=dtype, device=self.devices[layer])
-                    self.pieces[layer][name] = torch.cat([self.pieces[layer][name], fresh])
+        self._resize_pieces(lambda old: zero_extended(old, extra), start)
         self._ref.extend([0] * extra)
         self._free.extend(range(start, start + extra))
 
@@ -169,12 +165,28 @@ class SealedBlockStore:
             return
         keep = self.capacity - count
         assert all(self._ref[sealed_id] == 0 for sealed_id in range(keep, self.capacity)), "only free ids go"
-        with torch.inference_mode(False):
-            for layer in self._heads:  # one dict per position: the layers sharing it see the shrunk pieces
+        try:
+            self._resize_pieces(lambda old: old[:keep].clone(), keep)
+        finally:  # a failed copy still leaves every piece `keep` blocks long
+            del self._ref[keep:]
+            self._free.keep_below(keep)
+
+    def _resize_pieces(self, resized: Callable[[Tensor], Tensor], keep: int) -> None:
+        """Replace every piece by ``resized(piece)``, one at a time, as `BlockPool` resizes its tensors: each old
+        piece goes before the next new one is allocated. If an allocation fails part way, every piece is cut to its
+        first ``keep`` blocks (views) before the error propagates."""
+        try:
+            # As in BlockPool: tensors created under torch.inference_mode() could not take in-place writes later.
+            with torch.inference_mode(False):
+                for layer in self._heads:  # one dict per position: the layers sharing it see the new pieces
+                    pieces = self.pieces[layer]
+                    for name in list(pieces):
+                        pieces[name] = resized(pieces[name])
+        except BaseException:
+            for layer in self._heads:
                 pieces = self.pieces[layer]
-                pieces.update({name: t[:keep].clone() for name, t in pieces.items()})
-        del self._ref[keep:]
-        self._free.keep_below(keep)
+                pieces.update({name: piece[:keep] for name, piece in pieces.items()})
+            raise
 
     def place_layer(self, layer: int, device: torch.device) -> None:
         """Put layer `layer`'s pieces on `device`; for a layer that has sealed nothing yet (they hold zeros).

@@ -1,0 +1,69 @@
+"""Peak bytes of a pool resize at a real model's geometry: growth by doubling, and the shrink that gives a charge
+the free end of the tensors, measured from torch's allocation records (`torch.profiler`, ``profile_memory``).
+
+Prints, for each, the tensors' bytes before and after and the most bytes held at once while it ran (allocations
+made inside the run, from an empty process heap: the pool is built inside it).
+
+    python eval/bench_pool_resize.py                      # SmolLM2-135M's geometry: 30 layers, 3 KV heads of 64
+    python eval/bench_pool_resize.py --layers 18 --heads 1 --head-dim 256   # Gemma-3-270M's
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hf_kvgov.bench.timing import machine_description
+from hf_kvgov.storage.pool import BlockPool, KVGeometry
+
+
+def peak_bytes(run) -> int:  # type: ignore[no-untyped-def]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=1024, help="blocks before the growth (16 tokens each)")
+    args = parser.parse_args()
+    geometry = KVGeometry(args.layers, args.heads, args.head_dim, torch.bfloat16)
+    per_block = geometry.bytes_per_token * 16
+    held: dict[str, int] = {}
+
+    def grow() -> None:
+        pool = BlockPool(geometry, 16, growth_blocks=args.blocks)
+        pool.allocate(args.blocks)
+        held["grow_before"] = pool.capacity * per_block
+        pool.allocate(args.blocks + 1)
+        held["grow_after"] = pool.capacity * per_block
+
+    def shrink() -> None:
+        pool = BlockPool(geometry, 16, max_bytes=args.blocks * per_block, preallocate=True)
+        ids = pool.allocate(args.blocks)
+        pool.decref(ids[args.blocks // 2 :])
+        held["shrink_before"] = pool.capacity * per_block
+        pool.charge("holder", args.blocks // 2 * per_block)
+        held["shrink_after"] = pool.capacity * per_block
+
+    print(machine_description())
+    for name, run in (("grow", grow), ("shrink", shrink)):
+        peak = peak_bytes(run)
+        before, after = held[f"{name}_before"], held[f"{name}_after"]
+        print(
+            f"{name}: tensors {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB "
+            f"({peak / max(before, after):.3f}x the larger)"
+        )
+
+
+if __name__ == "__main__":
+    main()
