@@ -13,20 +13,10 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from hf_kvgov.bench.memory import peak_tensor_bytes
 from hf_kvgov.bench.timing import machine_description
 from hf_kvgov.storage.pool import BlockPool, KVGeometry
-
-
-def peak_bytes(run) -> int:  # type: ignore[no-untyped-def]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
 
     print(machine_description())
     for name, run in (("grow", grow), ("shrink", shrink)):
-        peak = peak_bytes(run)
+        peak = peak_tensor_bytes(run)
         before, after = held[f"{name}_before"], held[f"{name}_after"]
         print(
             f"{name}: tensors {before / 2**20:.1f} -> {after / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB "

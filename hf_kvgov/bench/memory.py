@@ -111,3 +111,21 @@ def peak_memory_for(device: torch.device) -> PeakMemory:
     """The peak-memory counter that fits a model on `device`."""
     factory = PEAK_MEMORY.get(device.type)
     return factory(device) if factory is not None else ProcessPeakRss()
+
+
+def peak_tensor_bytes(run: Callable[[], object]) -> int:
+    """The most bytes torch's CPU allocator held at once while `run` ran, counted from its start.
+
+    From torch's own allocation records (`torch.profiler` with ``profile_memory``: every allocation and free, in
+    order), so the figure is exact and free of the process heap's noise; only what `run` allocates counts, and a
+    tensor allocated before it is seen when freed only if `run` allocated it.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return peak

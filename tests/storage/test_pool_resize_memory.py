@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from hf_kvgov.bench.memory import peak_tensor_bytes
 from hf_kvgov.codecs import Int8Codec
 from hf_kvgov.storage import pool as pool_module
 from hf_kvgov.storage import sealed_store as sealed_store_module
@@ -25,17 +25,6 @@ from hf_kvgov.storage.sealed_formats import CodecFormat
 LAYERS = 8
 GEOMETRY = KVGeometry(num_layers=LAYERS, num_kv_heads=2, head_dim=64, dtype=torch.float32)
 BLOCK = 16
-
-
-def peak_bytes(run: Callable[[], object]) -> int:
-    """The most bytes torch's CPU allocator held at once during `run`, counted from its start."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    live = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        peak = max(peak, live)
-    return peak
 
 
 def tensor_bytes(pool: BlockPool) -> int:
@@ -52,7 +41,7 @@ def test_growth_holds_the_new_tensors_and_one_old_one_at_most() -> None:
         pool.allocate(65)  # one past the capacity: the pool doubles
         held["after"] = tensor_bytes(pool)
 
-    peak = peak_bytes(grow)
+    peak = peak_tensor_bytes(grow)
     assert held["after"] == 2 * held["before"]
     one_old = held["before"] // (2 * LAYERS)  # one layer's keys (or values) before the growth
     # Both copies at once would be 1.5x the grown pool; one tensor at a time, 1/16 of the old pool more.
@@ -71,7 +60,7 @@ def test_a_shrink_for_a_charge_holds_one_kept_tensor_more_at_most() -> None:
         pool.charge("holder", 32 * bytes_per_block)  # needs those 32 blocks' bytes back: the tensors shrink
         held["after"] = tensor_bytes(pool)
 
-    peak = peak_bytes(shrink)
+    peak = peak_tensor_bytes(shrink)
     assert held["after"] == held["before"] // 2
     # Copying every kept block first would hold the old tensors and all the kept ones (1.5x the old pool).
     assert peak <= held["before"] + held["after"] // (2 * LAYERS), (peak, held)
@@ -90,7 +79,7 @@ def test_the_sealed_store_grows_one_piece_at_a_time() -> None:
         pieces = [piece for layer in pool.sealed.pieces for piece in layer.values()]
         held["largest_piece"] = max(piece.numel() * piece.element_size() for piece in pieces)
 
-    peak = peak_bytes(seal)
+    peak = peak_tensor_bytes(seal)
     assert held["after"] == 2 * held["before"]
     # Encoding buffers of one block come and go; both copies of the store at once would add all of "before".
     assert peak <= held["fp"] + held["after"] + held["largest_piece"] + held["before"] // 4, (peak, held)
