@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import socket
 import sys
 
 from hf_kvgov import models
@@ -35,6 +36,29 @@ Examples::
 """
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "openai")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+
+
+def check_listenable(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (a port out of range or taken, a host that does not
+    resolve), by binding it once, as the server will (with SO_REUSEADDR)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port takes 0 to 65535 (0: any free port); got {port}.")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ValueError(
+            f"--host {host!r} does not resolve ({err.strerror}); give an address such as 127.0.0.1."
+        ) from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(
+                f"Cannot listen on {host}:{port} ({err.strerror}); give another --port or --host, or stop what "
+                "listens there."
+            ) from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -76,6 +100,12 @@ def _run(args: argparse.Namespace) -> int:
         from hf_kvgov.serving.server import run_server, server_model_id
 
         codec_config(args.codec)  # an unknown codec is refused here, not in the model's process
+        for flag, value in (("--block-size", args.block_size), ("--max-batched-tokens", args.max_batched_tokens)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1; got {value}.")
+        if args.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"--log-level takes one of {', '.join(LOG_LEVELS)}; got {args.log_level!r}.")
+        check_listenable(args.host, args.port)  # a taken port, likewise, not after the model loaded
         server_model_id(args.model)  # a missing file, likewise
     except ValueError as err:
         print(f"{command}: error: {err}", file=sys.stderr)
@@ -113,5 +143,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--redis", metavar="URL", help="share published prefixes with other servers through Redis (redis://host:port/0)"
     )
-    parser.add_argument("--log-level", default="info", help="the server's log level [%(default)s]")
+    parser.add_argument(
+        "--log-level", default="info", help=f"the server's log level: {', '.join(LOG_LEVELS)} [%(default)s]"
+    )
     parser.set_defaults(func=_run, loads_model=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from hf_kvgov.cli.main import main
@@ -17,9 +19,24 @@ from hf_kvgov.cli.main import main
         (["--h2o", "1.5"], "--h2o takes the share of each prompt a request keeps, in (0, 1]; got 1.5"),
         (["--redis", "localhost:6379"], "--redis takes a redis://, rediss:// or unix:// URL; got 'localhost:6379'"),
         (["--redis", "redis://127.0.0.1:1/0", "--no-prefix-sharing"], "cannot go with --no-prefix-sharing"),
+        (["--port", "99999"], "--port takes 0 to 65535 (0: any free port); got 99999."),
+        (["--block-size", "0"], "--block-size must be at least 1; got 0."),
+        (["--max-batched-tokens", "0"], "--max-batched-tokens must be at least 1; got 0."),
+        (["--log-level", "loud"], "--log-level takes one of critical, error, warning, info, debug, trace; got 'loud'"),
     ],
 )
 def test_bad_options_get_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_port_already_taken_gets_one_line_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"Cannot listen on 127.0.0.1:{port} (Address already in use)" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
