@@ -66,6 +66,12 @@ class ServeConfig:
             raise ValueError(f"Unknown serving configuration(s) {unknown}; accepted: {sorted(SERVE_CONFIGS)}.")
         if self.kv_bytes <= 0:
             raise ValueError(f"The KV byte cap must be positive; got {self.kv_bytes}.")
+        for name, count in (("block_size", self.block_size), ("max_batched_tokens", self.max_batched_tokens)):
+            if count < 1:
+                raise ValueError(f"{name} must be at least 1; got {count}.")
+        for name, seconds in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if not seconds > 0:
+                raise ValueError(f"{name} must be a positive number of seconds; got {seconds}.")
 
 
 @dataclass

@@ -66,6 +66,8 @@ def _write_json(path: str, data: Any) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1; got {args.threads}.")
         import torch
 
         torch.set_num_threads(args.threads)

@@ -173,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--passages must be at least 1; got {args.passages}.")
         if args.passages != 1 and args.recommend is None:
             raise ValueError("--passages applies to --recommend only; the check scores one passage.")
-        if args.recommend is not None:
-            _check_writable(Path(args.recommend))
     except (ValueError, OSError) as error:
         print(f"kvgov check-quant: {error}", file=sys.stderr)
         return 2
@@ -191,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(report.render())
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(report.to_json() + "\n", encoding="utf-8")
     return 0 if report.passed else 1
 
@@ -214,11 +213,3 @@ def _recommend(args: argparse.Namespace, options: CheckOptions, text: str | None
     print(layer_map.render())
     print(f"Written to {args.recommend}: QuantizedCache.from_config(model, {str(args.recommend)!r})")
     return 0 if layer_map.met else 1
-
-
-def _check_writable(path: Path) -> None:
-    """Refuse a --recommend path that cannot be written, before minutes of measuring."""
-    if path.is_dir():
-        raise ValueError(f"--recommend {path} is a directory; give a file path such as {path / 'map.json'}.")
-    if not path.parent.exists() or not os.access(path.parent, os.W_OK):
-        raise ValueError(f"--recommend {path}: the directory {path.parent} does not exist or cannot be written.")

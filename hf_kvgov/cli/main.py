@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import EXIT_INTERRUPTED
+from hf_kvgov.cli.outputs import check_outputs
 
 # Subcommand modules; each defines add_parser(subparsers) which sets `func` on its parser.
 SUBCOMMANDS = (
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = f"kvgov {args.command}"
         if getattr(args, "loads_model", False):  # an impossible name is refused before anything loads
             models.check_name(args.model)
+        check_outputs(args)  # and a path no result could be written to, before anything is measured
         return int(args.func(args))
     except ValueError as err:  # a mistake the command did not answer itself (the model check's, an unknown name)
         print(f"{command}: error: {err}", file=sys.stderr)

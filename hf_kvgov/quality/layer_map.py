@@ -118,6 +118,7 @@ class LayerMap:
 
     def save(self, path: str | Path) -> None:
         """Write the map as JSON (`QuantConfig.load` and `QuantizedCache.from_config` read it)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n", encoding="utf-8")
 
     def render(self) -> str:

@@ -57,6 +57,11 @@ def test_unknown_names_and_values_in_one_line(capsys: pytest.CaptureFixture[str]
         (["plan", "--model", "nosuch"], "Unknown model 'nosuch'. Built-in models:"),
         (["plan", "--model", "llama-7b", "--block-size", "0"], "--block-size must be at least 1; got 0."),
         (["plan", "--model", "llama-7b", "--residual", "-3"], "--residual must be at least 0; got -3."),
+        (["bench", "serve", "--block-size", "0"], "block_size must be at least 1; got 0."),
+        (["bench", "serve", "--max-batched-tokens", "0"], "max_batched_tokens must be at least 1; got 0."),
+        (["bench", "serve", "--slo-ttft", "-1"], "slo_ttft_s must be a positive number of seconds; got -1.0."),
+        (["bench", "speed", "--threads", "0"], "--threads must be at least 1; got 0."),
+        (["bench", "capacity", "--threads", "-1"], "--threads must be at least 1; got -1."),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err

@@ -3,21 +3,18 @@ default)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
 from hf_kvgov.cli import check_quant
+from hf_kvgov.cli.main import main
 
 
 def kvgov(argv: list[str]) -> int:
-    """Parse and run like `kvgov check-quant ...` (the main parser adds each subcommand this way)."""
-    parser = argparse.ArgumentParser(prog="kvgov")
-    check_quant.add_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["check-quant", *argv])
-    return int(args.func(args))
+    """Run `kvgov check-quant ...` as the command does (its checks of the model name and output paths included)."""
+    return main(["check-quant", *argv])
 
 
 def test_end_to_end_on_the_tiny_model(tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

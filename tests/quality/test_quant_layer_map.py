@@ -87,8 +87,10 @@ def test_the_command_writes_a_map_the_cache_loads(tiny_dir: Path, tmp_path: Path
 def test_an_unwritable_map_path_is_refused_before_measuring(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert kvgov(["--model", str(tiny_dir), "--recommend", str(tmp_path / "missing" / "map.json")]) == 2
-    assert "does not exist or cannot be written" in capsys.readouterr().err
+    (tmp_path / "a_file").write_text("not a directory\n")
+    assert kvgov(["--model", str(tiny_dir), "--recommend", str(tmp_path / "a_file" / "map.json")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be written: " in err and "is a file, not a directory" in err and err.count("\n") == 1, err
     assert kvgov(["--model", str(tiny_dir), "--recommend", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
 
