@@ -126,7 +126,7 @@ def _prepare_ppl(args: argparse.Namespace) -> Job:
         split=args.split, dataset_field=args.dataset_field, max_documents=args.documents, join=args.join,
     )  # fmt: skip
     # Without --window the window is refined once the model's context is known (see job below).
-    window = None if args.no_sliding_window else (args.window or args.tokens)
+    window = None if args.no_sliding_window else (args.tokens if args.window is None else args.window)
     options = PerplexityOptions(
         caches=args.caches, chunk_tokens=args.chunk, max_tokens=args.tokens, rows=args.rows,
         window=window, stride=args.stride, bin_tokens=args.bin,

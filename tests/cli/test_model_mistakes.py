@@ -62,6 +62,7 @@ def test_unknown_names_and_values_in_one_line(capsys: pytest.CaptureFixture[str]
         (["bench", "serve", "--slo-ttft", "-1"], "slo_ttft_s must be a positive number of seconds; got -1.0."),
         (["bench", "speed", "--threads", "0"], "--threads must be at least 1; got 0."),
         (["bench", "capacity", "--threads", "-1"], "--threads must be at least 1; got -1."),
+        (["eval", "ppl", "--window", "0"], "The sliding-window window must be a positive number of tokens; got 0."),
     ]:
         assert main(argv) == 2
         err = capsys.readouterr().err
