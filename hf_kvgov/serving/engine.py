@@ -191,7 +191,8 @@ class ServingEngine:
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
-        request = Request(next(self._ids), ids, params, namespace, generator=generator)
+        stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
+        request = Request(next(self._ids), ids, params, namespace, stop_ids=tuple(stop), generator=generator)
         self.scheduler.check_fits(request)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
@@ -237,7 +238,7 @@ class ServingEngine:
             if request.first_token_at is None:
                 request.first_token_at = now
             self._generated += 1
-            reason = request.stop_reason(self._stop_ids(request))
+            reason = request.stop_reason()
             if reason is None and self.max_positions is not None and request.num_tokens >= self.max_positions:
                 reason = "length"
             if reason is not None:
@@ -246,10 +247,6 @@ class ServingEngine:
                 self._finished += 1
             events.append(TokenEvent(request.request_id, token, reason))
         return events
-
-    def _stop_ids(self, request: Request) -> tuple[int, ...]:
-        stop = request.params.stop_token_ids
-        return self.eos_token_ids if stop is None else stop
 
     def run_until_done(self) -> Iterator[TokenEvent]:
         """Step until no request is left, yielding every token as it comes."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +25,10 @@ class SamplingParams:
         top_k: with sampling, keep the `top_k` most likely tokens (0 keeps all; 1 is greedy).
         stop_token_ids: tokens that end the request (kept in its output); None: the model's end-of-sequence tokens.
         ignore_eos: generate exactly `max_new_tokens`, whatever is sampled.
+        min_new_tokens: the stop tokens cannot be chosen before this many tokens were generated (their logits are
+            masked, as transformers' ``min_new_tokens`` does).
+        repetition_penalty: CTRL's penalty on every token already in the prompt or the output (transformers'
+            ``repetition_penalty``: a positive logit divided by it, a negative one multiplied); 1.0 is none.
         seed: seeds this request's sampling alone, so its tokens do not depend on what else runs.
         prompt_logprobs: also score the prompt: the log-probability of each prompt token after the first, given the
             ones before it as the engine holds them (with an eviction policy, the evicted cache in the loop). Such a
@@ -40,6 +43,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     prompt_logprobs: bool = False
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -50,6 +55,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 keeps every token); got {self.top_k!r}.")
+        if (
+            isinstance(self.min_new_tokens, bool)
+            or not isinstance(self.min_new_tokens, int)
+            or not 0 <= self.min_new_tokens <= self.max_new_tokens
+        ):
+            raise ValueError(
+                f"min_new_tokens must be an int from 0 to max_new_tokens={self.max_new_tokens}; got "
+                f"{self.min_new_tokens!r}."
+            )
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 is none); got {self.repetition_penalty!r}.")
 
     @property
     def greedy(self) -> bool:
@@ -86,6 +102,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     namespace: str = ""
+    stop_ids: tuple[int, ...] = ()  # the tokens that end it: its own `stop_token_ids`, else the model's EOS
     state: RequestState = RequestState.WAITING
     output: list[int] = field(default_factory=list)
     computed: int = 0
@@ -123,9 +140,9 @@ class Request:
         """Tokens whose K/V the next steps must compute before it can sample."""
         return self.num_tokens - self.computed
 
-    def stop_reason(self, stop_ids: Sequence[int]) -> str | None:
+    def stop_reason(self) -> str | None:
         """Why it must stop after its latest token, or None."""
-        if self.output and not self.params.ignore_eos and self.output[-1] in stop_ids:
+        if self.output and not self.params.ignore_eos and self.output[-1] in self.stop_ids:
             return "stop"
         if len(self.output) >= self.params.max_new_tokens:
             return "length"

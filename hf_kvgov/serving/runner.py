@@ -98,9 +98,14 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     tokens = logits.argmax(dim=-1).tolist()
     for row, request in enumerate(requests):
         params = request.params
-        if params.greedy:
+        adjusts = params.repetition_penalty != 1.0 or len(request.output) < params.min_new_tokens
+        if params.greedy and not adjusts:
             continue
-        scores = logits[row].float() / params.temperature
+        scores = adjusted(logits[row].float(), request) if adjusts else logits[row].float()
+        if params.greedy:
+            tokens[row] = int(scores.argmax())
+            continue
+        scores = scores / params.temperature
         if params.top_k:
             kept = scores.topk(min(params.top_k, scores.shape[-1])).values[-1]
             scores = scores.masked_fill(scores < kept, float("-inf"))
@@ -111,3 +116,18 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
             probs = torch.zeros_like(probs).scatter_(0, order[keep], ordered[keep])
         tokens[row] = int(torch.multinomial(probs, 1, generator=request.generator).item())
     return tokens
+
+
+def adjusted(scores: torch.Tensor, request: Request) -> torch.Tensor:
+    """`scores` (float `[vocab]`) after the request's repetition penalty and its minimum length, in transformers'
+    order (before temperature, top-k and top-p): a token seen in the prompt or output has a positive logit divided
+    by the penalty and a negative one multiplied; the stop tokens are masked until `min_new_tokens` were made."""
+    params = request.params
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(request.tokens)), dtype=torch.long, device=scores.device)
+        picked = scores[seen]
+        scores = scores.clone()
+        scores[seen] = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+    if len(request.output) < params.min_new_tokens and request.stop_ids and not params.ignore_eos:
+        scores = scores.index_fill(0, torch.tensor(request.stop_ids, device=scores.device), float("-inf"))
+    return scores

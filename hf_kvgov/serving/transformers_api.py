@@ -79,6 +79,30 @@ def uninstall(model: Any) -> None:
         del model.init_continuous_batching
 
 
+# Generation settings that change which tokens come out and that the engine does not apply (beams are refused).
+UNAPPLIED_SETTINGS = (
+    "no_repeat_ngram_size", "bad_words_ids", "force_words_ids", "sequence_bias", "typical_p", "min_p",
+    "epsilon_cutoff", "eta_cutoff", "top_h", "min_length", "renormalize_logits", "suppress_tokens",
+    "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id", "exponential_decay_length_penalty",
+    "stop_strings", "penalty_alpha", "guidance_scale", "watermarking_config", "encoder_repetition_penalty",
+    "encoder_no_repeat_ngram_size", "dola_layers", "constraints",
+)  # fmt: skip
+
+
+def unapplied_settings(generation_config: Any) -> dict[str, Any]:
+    """The settings of `generation_config` that would change the tokens and that the engine does not apply: those of
+    `UNAPPLIED_SETTINGS` set to other than transformers' default."""
+    from transformers import GenerationConfig
+
+    default = GenerationConfig()
+    unapplied = {}
+    for name in UNAPPLIED_SETTINGS:
+        value = getattr(generation_config, name, None)
+        if value is not None and value != getattr(default, name, None):
+            unapplied[name] = value
+    return unapplied
+
+
 def _init_governed_batching(
     model: Any, generation_config: Any = None, continuous_batching_config: Any = None, workload_hints: Any = None
 ) -> GovernedBatchingManager:
@@ -130,8 +154,23 @@ class GovernedBatchingManager:
     logit_processor = _SamplingKeys()
 
     def __init__(self, model: Any, generation_config: Any, **engine_args: Any) -> None:
+        if (getattr(generation_config, "num_beams", None) or 1) > 1:
+            raise ValueError(
+                f"num_beams={generation_config.num_beams}: beam search is not continuous batching; the governed "
+                "engine samples or decodes greedily (give num_beams=1, or run beams through model.generate)."
+            )
+        unapplied = unapplied_settings(generation_config)
+        if unapplied:
+            logger.warning(
+                "kvgov: the governed engine does not apply %s from the generation config (it applies max_new_tokens, "
+                "min_new_tokens, eos_token_id, do_sample, temperature, top_k, top_p, repetition_penalty and "
+                "num_return_sequences); they are dropped, as transformers' continuous batching drops the logits "
+                "processors it does not support.",
+                ", ".join(f"{name}={value!r}" for name, value in unapplied.items()),
+            )
         self.model = model
         self.generation_config = generation_config
+        self.num_return_sequences = int(getattr(generation_config, "num_return_sequences", None) or 1)
         self._engine_args = engine_args
         self._engine: ServingEngine | None = None
         self._loop: EngineLoop | None = None
@@ -208,14 +247,18 @@ class GovernedBatchingManager:
             if request_id is None:
                 request_id = f"req_{self._counter}"
                 self._counter += 1
-            state = GenerationOutput(request_id=request_id, prompt_ids=list(input_ids), status=RequestStatus.PENDING)
-            state.timestamps = [] if record_timestamps else None
-            stream = self._loop.submit(input_ids, params)
-            engine_id = stream.request_id
-            self._states[engine_id] = state
-            self._ids[request_id] = engine_id
-            if streaming:
-                self._streaming.add(engine_id)
+            # num_return_sequences: the request and its children, named as transformers names them (each samples
+            # with its own generator; with prefix sharing their shared prompt is computed once)
+            children = [f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)]
+            for name in [*children, request_id]:
+                state = GenerationOutput(request_id=name, prompt_ids=list(input_ids), status=RequestStatus.PENDING)
+                state.timestamps = [] if record_timestamps else None
+                stream = self._loop.submit(input_ids, params)
+                engine_id = stream.request_id
+                self._states[engine_id] = state
+                self._ids[name] = engine_id
+                if streaming:
+                    self._streaming.add(engine_id)
         return request_id
 
     def add_requests(
@@ -293,12 +336,15 @@ class GovernedBatchingManager:
             top_p = float(config.top_p or 1.0) if sampling else 1.0
         if top_k is None:
             top_k = int(config.top_k or 0) if sampling else 0
+        max_new = int(new) if new is not None else 20  # transformers' default max_length - prompt
         return SamplingParams(
-            max_new_tokens=int(new) if new is not None else 20,  # transformers' default max_length - prompt
+            max_new_tokens=max_new,
             temperature=float(temperature),
             top_p=float(top_p),
             top_k=int(top_k),
             stop_token_ids=stop,
+            min_new_tokens=min(int(config.min_new_tokens or 0), max_new),
+            repetition_penalty=float(config.repetition_penalty or 1.0),
         )
 
     def _on_event(self, event: TokenEvent | BaseException) -> None:

@@ -198,6 +198,10 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
         SamplingParams(max_new_tokens=0)
     with pytest.raises(ValueError, match="top_k must be an int >= 0"):
         SamplingParams(top_k=-1)
+    with pytest.raises(ValueError, match="min_new_tokens must be an int from 0 to max_new_tokens=8; got 9"):
+        SamplingParams(max_new_tokens=8, min_new_tokens=9)
+    with pytest.raises(ValueError, match=r"repetition_penalty must be > 0 \(1.0 is none\); got 0.0"):
+        SamplingParams(repetition_penalty=0.0)
     one_block = ServingEngine(llama, block_size=4)
     size = one_block.pool.bytes_per_block
     one_block.close()

@@ -3,11 +3,13 @@ cancel), unchanged, running on the governed engine after `install`."""
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 
 import pytest
 import torch
+from transformers import DynamicCache, GenerationConfig
 
 from hf_kvgov import serving
 from hf_kvgov.serving import GovernedBatchingManager
@@ -106,3 +108,58 @@ def test_per_request_sampling_settings(model, prompts) -> None:  # type: ignore[
         results = {r.request_id: r for r in (manager.get_result(timeout=30), manager.get_result(timeout=30))}
     assert results[greedy_id].generated_tokens == reference
     assert len(results[sampled_id].generated_tokens) == 10 and results[sampled_id].generated_tokens != reference
+
+
+def generated(model, prompt: list[int], **settings) -> list[int]:  # type: ignore[no-untyped-def]
+    """`model.generate` alone on `prompt`, greedy, DynamicCache, with transformers' own `settings`."""
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, cache=DynamicCache(config=model.config), pad_token_id=0, **settings
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_repetition_penalty_and_min_new_tokens_of_the_generation_config(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The engine applies them as `model.generate` does: the same tokens. The stop token is the one the first prompt
+    would pick first, so without `min_new_tokens` that request would end at once."""
+    stop = alone(model, prompts[0], 1)[0]
+    settings = {"max_new_tokens": 8, "repetition_penalty": 1.5, "eos_token_id": stop}
+    assert generated(model, prompts[0], **settings) == [stop]  # it would end at once
+    config = GenerationConfig(do_sample=False, min_new_tokens=8, **settings)
+    results = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+    reference = [generated(model, p, min_new_tokens=8, **settings) for p in prompts]
+    assert [r.generated_tokens for r in results.values()] == reference
+    assert all(len(tokens) == 8 for tokens in reference)
+    plain = [generated(model, p, max_new_tokens=8, min_new_tokens=8, eos_token_id=stop) for p in prompts]
+    assert plain != reference  # the penalty changed some token
+
+
+def test_num_return_sequences_gives_each_prompt_its_children(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    greedy = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=2)  # top_k 1: greedy
+    results = model.generate_batch(prompts[:2], generation_config=greedy, progress_bar=False)
+    assert list(results) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]  # as transformers orders them
+    for name, result in results.items():
+        assert result.generated_tokens == alone(model, prompts[int(name[4])], 6)
+    sampled = GenerationConfig(max_new_tokens=6, do_sample=True, num_return_sequences=3)
+    results = model.generate_batch(prompts[:1], generation_config=sampled, progress_bar=False)
+    assert list(results) == ["req_0__child#0", "req_0__child#1", "req_0"]
+    outputs = {tuple(r.generated_tokens) for r in results.values()}
+    assert len(outputs) == 3 and all(len(tokens) == 6 for tokens in outputs)  # each child samples on its own
+
+
+def test_settings_the_engine_does_not_apply_are_named_and_beams_refused(model) -> None:  # type: ignore[no-untyped-def]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("transformers.cli.kvgov")
+    logger.addHandler(handler)
+    try:
+        model.init_continuous_batching(GenerationConfig(no_repeat_ngram_size=2, min_p=0.1, repetition_penalty=1.2))
+        applied = GenerationConfig(do_sample=True, top_k=5, repetition_penalty=1.2, num_return_sequences=2)
+        model.init_continuous_batching(applied)
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == 1, [r.getMessage() for r in records]  # the second config is applied whole
+    message = records[0].getMessage()
+    assert "does not apply no_repeat_ngram_size=2, min_p=0.1 from the generation config" in message, message
+    with pytest.raises(ValueError, match="num_beams=2: beam search is not continuous batching"):
+        model.init_continuous_batching(GenerationConfig(num_beams=2))
