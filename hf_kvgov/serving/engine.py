@@ -190,7 +190,10 @@ class ServingEngine:
         generator = None
         if not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed if params.seed is not None else int(torch.seed() % 2**63))
+            # Without a seed of its own, one drawn from torch's global generator: `torch.manual_seed` before adding
+            # requests makes them reproducible (transformers' server seeds it so for a request's `seed`).
+            seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,)).item())
+            generator.manual_seed(seed)
         stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         request = Request(next(self._ids), ids, params, namespace, stop_ids=tuple(stop), generator=generator)
         self.scheduler.check_fits(request)

@@ -186,6 +186,20 @@ def test_sampling_is_per_request_and_seeded(llama, mixed_prompts) -> None:
     assert alone_tokens != greedy_tokens
 
 
+def test_a_request_without_a_seed_follows_torch_manual_seed_and_leaves_it_alone(llama, mixed_prompts) -> None:  # type: ignore[no-untyped-def]
+    """Its seed is drawn from torch's global generator (not a fresh random seed, which would also reseed that
+    generator): `torch.manual_seed` before adding it reproduces its tokens, and the global stream stays seeded."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.5, ignore_eos=True)
+    runs = []
+    with ServingEngine(llama) as engine:
+        for _ in range(2):
+            torch.manual_seed(1234)
+            tokens = engine.generate([mixed_prompts[1]], params)[0]
+            runs.append((tokens, torch.rand(3)))  # what the caller draws next from the global generator
+    assert runs[0][0] == runs[1][0]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
 def test_bad_requests_are_refused_when_added(llama) -> None:
     with ServingEngine(llama, block_size=4, max_bytes=None) as engine:
         with pytest.raises(ValueError, match="empty prompt"):

@@ -4,6 +4,7 @@ stream the client closes early is cancelled and its blocks go back to the pool (
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -89,6 +90,25 @@ def test_a_streamed_completion_is_the_greedy_answer(server: tuple[str, Path], sm
     pieces = [chunk.choices[0].text for chunk in stream]
     assert len(pieces) > 1  # it came in pieces, as generated
     assert "".join(pieces) == _greedy_alone(smollm2, PROMPT, 16)
+
+
+def test_a_sampled_completion_with_a_seed_is_reproducible(server: tuple[str, Path]) -> None:
+    """The server seeds torch's generator with a request's `seed`; the engine draws the request's own seed from it.
+    (The model's generation config does not sample: the request's own `generation_config` turns sampling on.)"""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    sampling = {"generation_config": json.dumps({"do_sample": True})}
+
+    def sampled(seed: int) -> str:
+        answer = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=24, temperature=1.5, seed=seed, extra_body=sampling
+        )
+        return str(answer.choices[0].text)
+
+    first, again, other = sampled(7), sampled(7), sampled(8)
+    assert first == again
+    assert first != other  # the seed, not greedy decoding, made them equal
 
 
 def test_a_closed_stream_is_cancelled_and_frees_its_blocks(server: tuple[str, Path]) -> None:
