@@ -14,6 +14,7 @@ each layer group has its own tables (`hf_kvgov.storage.layer_groups`), so a slid
 from __future__ import annotations
 
 import itertools
+import numbers
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -163,6 +164,7 @@ class ServingEngine:
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.max_positions = getattr(config, "max_position_embeddings", None)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._steps = 0
@@ -179,9 +181,7 @@ class ServingEngine:
         """Queue a request; returns its id. Refuses at once what could never run (empty, or larger than the pool)."""
         self._check_open()
         params = params or SamplingParams()
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("A request needs at least one prompt token; got an empty prompt.")
+        ids = self._token_ids(prompt)
         if self.max_positions is not None and len(ids) + params.max_new_tokens > self.max_positions:
             raise ValueError(
                 f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} exceed the model's "
@@ -200,6 +200,22 @@ class ServingEngine:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
+
+    def _token_ids(self, prompt: Sequence[int]) -> list[int]:
+        """`prompt` as a list of ints, each an id of the model's vocabulary: a bad id is refused here, not by the
+        embedding in the middle of a step every running request shares."""
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.reshape(-1).tolist()
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("A request needs at least one prompt token; got an empty prompt.")
+        for position, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"Prompt token {token!r} at position {position} is not an id of the model's vocabulary (ints "
+                    f"from 0 to {self.vocab_size - 1})."
+                )
+        return [int(token) for token in ids]
 
     def cancel(self, request_id: int) -> TokenEvent | None:
         """Stop a request now: its blocks go back to the pool at once. None when it had already ended."""

@@ -204,6 +204,11 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
     with ServingEngine(llama, block_size=4, max_bytes=None) as engine:
         with pytest.raises(ValueError, match="empty prompt"):
             engine.add_request([])
+        vocab = llama.config.vocab_size
+        for bad, shown in ((vocab, str(vocab)), (-1, "-1"), (3.7, "3.7"), ("a", "'a'")):
+            with pytest.raises(ValueError, match=f"Prompt token {shown} at position 1 is not an id of the model's"):
+                engine.add_request([5, bad], greedy(2))  # type: ignore[list-item]
+        assert not engine.requests and not engine.has_work  # nothing was queued: the steps never see a bad id
         with pytest.raises(ValueError, match="model's 512 positions"):
             engine.add_request([5] * 500, greedy(20))
     with pytest.raises(ValueError, match="temperature must be >= 0"):
