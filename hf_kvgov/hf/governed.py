@@ -13,7 +13,7 @@ their storage layout, so this boundary module imports nothing above it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hf_kvgov.hf.compat import Cache
 
@@ -31,3 +31,12 @@ class GovernedCacheBase(Cache):
     """
 
     parts: ChainParts
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `Cache.update`, after checking that the layer is one the cache was built for."""
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"{type(self).__name__} was built for a model of {len(self.layers)} layers, and a layer with index "
+                f"{layer_idx} stores K/V in it: a cache serves the model it was built for."
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)

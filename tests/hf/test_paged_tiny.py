@@ -8,9 +8,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import BlockPool, HeavyHitterCache, PagedCache, PoolExhausted, eviction_attention, paged_attention
+from hf_kvgov import (
+    BlockPool,
+    HeavyHitterCache,
+    PagedCache,
+    PoolExhausted,
+    QuantizedCache,
+    eviction_attention,
+    paged_attention,
+)
 from hf_kvgov.kernels import dispatch
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_gemma3, tiny_llama
 
 MODELS = {"gqa": tiny_llama(num_kv_heads=2), "mha": tiny_llama(num_kv_heads=4, seed=1)}
 PATHS = ("contiguous", "paged")
@@ -199,3 +207,13 @@ def test_paged_view_prefill_matches_the_reference_kernel() -> None:
     got = PagedView(keys, values, table, 13).attend(query, None, 0.3, None)
     expected = paged_attention_reference(query, keys, values, table, 13, 0.3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [PagedCache, QuantizedCache], ids=["paged", "int8"])
+def test_a_cache_built_for_fewer_layers_names_the_mistake(make) -> None:  # type: ignore[no-untyped-def]
+    """A cache built for the 2-layer Llama, given to a 3-layer model of the same head geometry: its third layer is
+    refused by name (it was an IndexError from transformers' layer list)."""
+    cache = make(tiny_llama())
+    ids = torch.arange(3, 23)[None]
+    with pytest.raises(ValueError, match="was built for a model of 2 layers, and a layer with index 2 stores K/V"):
+        tiny_gemma3()(ids, cache=cache)
