@@ -114,6 +114,16 @@ def test_running_without_the_eviction_attention_is_refused() -> None:
         MODEL(ids(1, 5), cache=cache)
 
 
+def test_a_cache_given_another_models_kv_names_the_geometry() -> None:
+    """Built for MODEL (2 KV heads), run by a model of 4 under that model's eviction attention: the geometry is the
+    mistake named, not the attention of the model the cache was built for."""
+    other = tiny_llama(num_kv_heads=4)
+    cache = HeavyHitterCache(MODEL, budget=8)
+    wrong = "stored K/V with 4 heads of dim 16; this cache was built for 2 KV heads"
+    with pytest.raises(ValueError, match=wrong), eviction_attention(other):
+        other(ids(1, 5), cache=cache)
+
+
 def test_cropping_and_assisted_decoding_are_refused() -> None:
     cache = SinkCache(MODEL, n_sink=2, window=6)
     with eviction_attention(MODEL):

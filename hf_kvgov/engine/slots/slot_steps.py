@@ -21,8 +21,8 @@ def check_attention(
     if current != ATTENTION_NAME:
         raise RuntimeError(
             f"{name} keeps different tokens in each KV head, so the model must attend with the hf_kvgov "
-            f"attention ({ATTENTION_NAME!r}), but it uses {current!r}. Wrap generation in "
-            "`with hf_kvgov.eviction_attention(model):`."
+            f"attention ({ATTENTION_NAME!r}), but the model it was built for uses {current!r}. Wrap generation in "
+            "`with hf_kvgov.eviction_attention(model):`, with that model (a cache serves the model it was built for)."
         )
     if awaiting is not None:
         raise RuntimeError(

@@ -161,10 +161,10 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
     ) -> tuple[Tensor, Tensor]:
         """Hand attention the kept + new slots of ``[batch, kv_heads, q_len, head_dim]`` new K/V."""
         name = type(self).__name__
+        check_shapes(name, layer, key_states, self.num_kv_heads, self.head_dim)  # another model's K/V, named first
         attn_kwargs = check_attention(
             name, attention_implementation(self._config), self._awaiting_attention, attn_kwargs
         )
-        check_shapes(name, layer, key_states, self.num_kv_heads, self.head_dim)
         batch, _, q_len, _ = key_states.shape
         position_ids = attn_kwargs.get("position_ids")
         new_positions = new_token_positions(position_ids, batch, q_len, layer.seen, key_states.device)
