@@ -344,19 +344,27 @@ class Scheduler:
         size = self.pool.block_size
         prompt, new = len(request.prompt), request.params.max_new_tokens
         kept, whole = self.eviction.blocks_needed(prompt, new, size), -(-(prompt + new) // size)
-        needed = sum(kept if g.window is None else self._most_held(g.window, whole) for g in self.pool.groups)
-        if needed > cap:
+
+        def needed(step: int) -> int:
+            return sum(kept if g.window is None else self._most_held(g.window, whole, step) for g in self.pool.groups)
+
+        if needed(self.max_batched_tokens) > cap:
             groups = f" over {len(self.pool.groups)} layer groups" if len(self.pool.groups) > 1 else ""
+            # A sliding group holds its window and one step's tokens: a smaller step may be what makes it fit.
+            fitting = next((step for step in range(self.max_batched_tokens - 1, 0, -1) if needed(step) <= cap), None)
+            smaller = "" if fitting is None else f", or give the engine max_batched_tokens={fitting} or less"
             raise ValueError(
-                f"Request {request.request_id} needs {needed} blocks{groups} ({len(request.prompt)} prompt tokens + "
-                f"max_new_tokens={request.params.max_new_tokens}, {size} tokens a block) but the pool holds at most "
-                f"{cap}; shorten it or give the engine a larger max_bytes."
+                f"Request {request.request_id} needs {needed(self.max_batched_tokens)} blocks{groups} "
+                f"({len(request.prompt)} prompt tokens + max_new_tokens={request.params.max_new_tokens}, {size} tokens "
+                f"a block, {self.max_batched_tokens} a step) but the pool holds at most {cap}; shorten it or give the "
+                f"engine a larger max_bytes{smaller}."
             )
 
-    def _most_held(self, window: int, blocks: int) -> int:
+    def _most_held(self, window: int, blocks: int, step: int | None = None) -> int:
         """The most blocks a sliding group's table holds at once, for a request of `blocks` blocks: its window and
-        one step's tokens."""
-        return min(blocks, -(-(window + self.max_batched_tokens - 1) // self.pool.block_size) + 1)
+        one step's tokens (`step`, by default `max_batched_tokens`)."""
+        step = self.max_batched_tokens if step is None else step
+        return min(blocks, -(-(window + step - 1) // self.pool.block_size) + 1)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -117,3 +117,22 @@ def test_sealed_codes_in_every_group_answer_as_a_quantized_cache_alone(prefix_sh
             assert served.pool.sealed_stats().used_blocks > 0  # the tree keeps codes
         served.close()
         assert served.pool.num_used == 0 and served.pool.sealed_stats().used_blocks == 0
+
+
+def test_a_refusal_names_the_step_that_would_fit(reference: list[list[int]]) -> None:
+    """A sliding table holds its window and one step's tokens, so a request too big at 512 tokens a step may fit at
+    fewer: the refusal names the largest step that fits, and an engine with that step serves the request as alone."""
+    prompt, want = PROMPTS[0], reference[0]  # 59 + 20 tokens: 20 blocks of the full table
+    with engine() as probe:
+        per_block = probe.pool.bytes_per_block
+    cap = (20 + 2 * 7) * per_block  # the full table, and 7 blocks (the window and a 17-token step) per sliding one
+
+    def served(step: int) -> ServingEngine:
+        return ServingEngine(MODEL, block_size=SIZE, max_batched_tokens=step, max_bytes=cap)
+
+    fits = r"holds at most 34; shorten it or give the engine a larger max_bytes, or give the engine max_batched_tokens="
+    for step in (512, 18):
+        with served(step) as refusing, pytest.raises(ValueError, match=fits + "17 or less"):
+            refusing.add_request(prompt, greedy(NEW))
+    with served(17) as fitting:
+        assert fitting.generate([prompt], greedy(NEW)) == [want]
