@@ -36,7 +36,7 @@ SERVE_CONFIGS = {
     "h2o-stream": "hf_kvgov ServingEngine, paged blocks + int8 codes + H2O 20%, prompts streamed (no prefix tree)",
     "swap": "hf_kvgov ServingEngine, paged blocks + prefix sharing + int8 codes, preempted requests swapped to disk",
 }
-LOSSLESS_CONFIGS = ("paged", "prefix", "static", "transformers")  # the first one run is the full cache's answers
+LOSSLESS_CONFIGS = ("paged", "prefix", "static", "transformers")  # the first of these a run has: the full answers
 H2O_BUDGET = 0.2
 
 
@@ -154,6 +154,7 @@ class ServeRow:
     # request's reference tokens it matched from the start, and the share of requests matched exactly.
     agreement: float | None = None
     exact_match: float | None = None
+    reference: bool = False  # the row the others are compared with
 
 
 @dataclass(frozen=True)
@@ -437,7 +438,7 @@ def with_agreement(rows: Sequence[ServeRow]) -> tuple[ServeRow, ...]:
     for row in rows:
         pairs = [(ours, full) for ours, full in zip(row.outputs, reference.outputs, strict=True) if ours and full]
         if row is reference or not pairs:
-            agreed.append(row)
+            agreed.append(replace(row, reference=row is reference))
             continue
         shares = [common_prefix(ours, full) / len(full) for ours, full in pairs]
         exact = sum(ours == full for ours, full in pairs) / len(pairs)
@@ -467,9 +468,15 @@ def serve_markdown(report: ServeReport) -> str:
             f"| {r.decoding_max} / {r.decoding_mean:.1f} | {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} "
             f"| {_or_na(r.recomputed_tokens)} "
             f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} "
-            f"| {_or_na(r.agreement, '{:.0%}')} ({_or_na(r.exact_match, '{:.0%}')} exact) |"
+            f"| {_agreement(r)} |"
         )
     return head + "\n".join(lines) + "\n"
+
+
+def _agreement(row: ServeRow) -> str:
+    if row.reference:
+        return "reference"
+    return f"{_or_na(row.agreement, '{:.0%}')} ({_or_na(row.exact_match, '{:.0%}')} exact)"
 
 
 def _or_na(value: float | None, form: str = "{}") -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from hf_kvgov.bench.serve import Sample, ServeConfig, Served, run_serve, summarize
+from hf_kvgov.bench.serve import Sample, ServeConfig, Served, run_serve, serve_markdown, summarize
 from hf_kvgov.bench.serve_workload import TraceConfig, build_trace
 from hf_kvgov.cli.main import main
 from tests.bench.conftest import BYTES_PER_TOKEN
@@ -84,7 +84,10 @@ def test_every_configuration_serves_the_burst_without_failures(tiny: tuple[Any, 
         assert row.ttft.p99 >= row.ttft.p50 > 0 and math.isfinite(row.output_throughput)
     assert rows["paged"].outputs == rows["prefix"].outputs == rows["transformers"].outputs
     # Agreement with the full cache (paged, the first lossless configuration): whole for the lossless ones.
-    assert rows["paged"].agreement is None
+    assert rows["paged"].agreement is None and rows["paged"].reference
+    assert [row.config for row in rows.values() if row.reference] == ["paged"]
+    table = serve_markdown(report)
+    assert "| reference |" in table.splitlines()[[r.config for r in report.rows].index("paged") + 4]
     assert rows["prefix"].agreement == rows["static"].exact_match == 1.0
     assert 0.0 <= rows["h2o"].exact_match <= rows["h2o"].agreement <= 1.0  # type: ignore[operator]
     asked = [r.new_tokens for r in build_trace(tokenizer, trace)]
