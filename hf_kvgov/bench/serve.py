@@ -464,7 +464,8 @@ def serve_markdown(report: ServeReport) -> str:
         lines.append(
             f"| {r.config} | {r.completed} | {r.failed} | {r.request_throughput:.2f} | {r.output_throughput:.1f} "
             f"| {r.ttft.p50:.2f} / {r.ttft.p99:.2f} | {r.tpot.p50:.3f} / {r.tpot.p99:.3f} | {r.itl.p99:.3f} "
-            f"| {r.e2e.p50:.2f} | {r.queue.mean:.2f} | {r.goodput:.2f} | {r.running_max} / {r.running_mean:.1f} "
+            f"| {r.e2e.p50:.2f} | {_or_na(r.queue.mean, '{:.2f}')} | {r.goodput:.2f} "
+            f"| {r.running_max} / {r.running_mean:.1f} "
             f"| {r.decoding_max} / {r.decoding_mean:.1f} | {r.kv_bytes_max / 2**20:.1f} | {_or_na(r.preemptions)} "
             f"| {_or_na(r.recomputed_tokens)} "
             f"| {_or_na(r.swapped_blocks)} | {_or_na(r.prefix_hit_rate, '{:.0%}')} "
@@ -480,4 +481,5 @@ def _agreement(row: ServeRow) -> str:
 
 
 def _or_na(value: float | None, form: str = "{}") -> str:
-    return "n/a" if value is None else form.format(value)
+    """`value` in `form`, or n/a where there is none (None, or NaN: no request gave a figure)."""
+    return "n/a" if value is None or value != value else form.format(value)
