@@ -5,6 +5,7 @@ from __future__ import annotations
 from hf_kvgov.planner.accounting import tree_holds_window
 from hf_kvgov.planner.planner import Plan
 from hf_kvgov.planner.units import KV_DTYPE_BYTES, format_bytes
+from hf_kvgov.storage.layer_groups import layer_groups
 
 _SUMMARY_WORDS = {"centroid": "mean key", "bounds": "key range (min and max)"}  # what a page leaves resident
 _BUFFER_WORDS = {"layer": "each layer's buffer", "shared": "one buffer the layers share (one layer's pages)"}
@@ -33,6 +34,11 @@ def _geometry_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _positions(plan: Plan) -> int:
+    """Layers per block of the pool (all layers, or one layer group's): the distinct tensors of keys, or values."""
+    return len(layer_groups(plan.inputs.geometry.layer_windows())[0].layers)
+
+
 def _length_lines(plan: Plan) -> list[str]:
     lengths, g = plan.inputs.lengths, plan.inputs.geometry
     lines = []
@@ -57,7 +63,9 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
     if "paged" in names:
         lines.append(
             f"Paged: a sequence of L tokens holds ceil(L / {o.block_size}) blocks per layer; block tables "
-            "and pool metadata (a few bytes per block) are not counted."
+            "and pool metadata (a few bytes per block) are not counted. A pool that grows (not preallocated) "
+            "copies its tensors one at a time, so while it resizes it also holds one old tensor (one layer "
+            f"position's keys or values): leave 1/{2 * _positions(plan)} of its size free beside it."
         )
     if "prefix" in names:
         who = "all concurrent sequences" if o.share_group is None else f"groups of {o.share_group} sequences"
