@@ -80,6 +80,11 @@ def _run(args: argparse.Namespace) -> int:
             "max_batched_tokens": args.max_batched_tokens,
             "codec": args.codec,
         }
+        if args.preallocate:
+            if args.kv_budget is None or args.codec is not None:
+                need = "--kv-budget (the cap it reserves)" if args.kv_budget is None else "no --codec (full precision)"
+                raise ValueError(f"--preallocate needs {need}.")
+            engine_args["preallocate"] = True
         if args.h2o is not None:
             from hf_kvgov.engine.parts import HeavyHitter
 
@@ -126,6 +131,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--kv-budget", help="the KV byte cap, e.g. 2GiB (default: the pool grows as needed)")
     parser.add_argument("--codec", help="seal full blocks into codes: int8, int4, fp8 (default: full precision)")
+    parser.add_argument(
+        "--preallocate",
+        action="store_true",
+        help="reserve the whole --kv-budget at start (full precision only): the pool never grows while serving",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block [%(default)s]")
     parser.add_argument("--max-batched-tokens", type=int, default=512, help="tokens one step computes at most")
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")

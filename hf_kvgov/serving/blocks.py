@@ -25,10 +25,15 @@ class FullPrecisionBlocks:
     step_class: type[RaggedStep] = RaggedStep
 
     def new_pool(
-        self, geometry: KVGeometry, block_size: int, max_bytes: int | None, groups: tuple[LayerGroup, ...]
+        self,
+        geometry: KVGeometry,
+        block_size: int,
+        max_bytes: int | None,
+        groups: tuple[LayerGroup, ...],
+        preallocate: bool = False,
     ) -> BlockPool:
         """The engine's pool, a block holding one layer group's layers (`hf_kvgov.storage.layer_groups`)."""
-        return BlockPool(geometry, block_size, max_bytes=max_bytes, groups=groups)
+        return BlockPool(geometry, block_size, max_bytes=max_bytes, groups=groups, preallocate=preallocate)
 
     def seal_ready(self, request: Request, pool: BlockPool) -> None:
         """Nothing to seal."""
@@ -58,8 +63,15 @@ class SealedBlockCodec(FullPrecisionBlocks):
         self.quant = quant
 
     def new_pool(
-        self, geometry: KVGeometry, block_size: int, max_bytes: int | None, groups: tuple[LayerGroup, ...]
+        self,
+        geometry: KVGeometry,
+        block_size: int,
+        max_bytes: int | None,
+        groups: tuple[LayerGroup, ...],
+        preallocate: bool = False,
     ) -> BlockPool:
+        if preallocate:
+            raise ValueError("A pool of sealed codes shares its cap between blocks and codes: it cannot preallocate.")
         self.quant.check_model(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, block_size)
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)
         groups = self.quant.layer_groups(groups)

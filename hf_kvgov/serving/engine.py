@@ -103,6 +103,9 @@ class ServingEngine:
             so more requests fit the cap; lossy. Its prompt streams without prefix sharing, and is held whole until
             computed with it. None keeps every token. On a hybrid model it evicts from the full-attention layers;
             sliding ones keep their window.
+        preallocate: reserve the whole `max_bytes` when the engine starts, as serving engines do: the pool never
+            grows afterwards (no resize while requests run), and a cap the device cannot hold fails here. Needs
+            `max_bytes`, and full-precision blocks (a codec's pool shares its cap between blocks and codes).
     """
 
     def __init__(
@@ -118,7 +121,11 @@ class ServingEngine:
         remote: RemoteTier | None = None,
         spill: Disk | None = None,
         policy: HeavyHitter | None = None,
+        preallocate: bool = False,
     ) -> None:
+        if preallocate and (max_bytes is None or codec is not None):
+            why = "a cap to reserve: give max_bytes" if max_bytes is None else "full-precision blocks: leave codec=None"
+            raise ValueError(f"preallocate=True needs {why} (or leave preallocate=False: the pool grows as needed).")
         config = decoder_config(model)
         eviction = eviction_for(policy, streaming=not prefix_sharing)  # a tree gets each prompt whole
         if spill is not None and not isinstance(spill, Disk):
@@ -142,7 +149,7 @@ class ServingEngine:
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
         # A sliding layer frees what left its window; a policy evicts from full-attention layers only.
-        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, layer_groups(windows))
+        self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, layer_groups(windows), preallocate)
         eviction.check(self.pool.groups, windows)
         self.prefix = PrefixCache(self.pool, remote=remote) if prefix_sharing else None
         self.swap = None if spill is None else SwapSpace(self.pool, spill)

@@ -326,3 +326,18 @@ def test_score_gives_each_prompt_token_the_log_probability_of_one_forward(llama)
     for got in (scored, [r.prompt_logprobs for r in requests]):  # type: ignore[union-attr]
         for logprobs, reference in zip(got, expected, strict=True):
             torch.testing.assert_close(torch.tensor(logprobs), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_a_preallocated_engine_holds_its_cap_from_the_start_and_never_grows(llama, mixed_prompts) -> None:  # type: ignore[no-untyped-def]
+    with ServingEngine(llama, block_size=4) as probe:
+        per_block = probe.pool.bytes_per_block
+    with ServingEngine(llama, block_size=4, max_bytes=64 * per_block, preallocate=True) as engine:
+        held = engine.stats().kv_bytes_held
+        assert held == 64 * per_block and engine.pool.capacity == 64  # reserved before any request
+        outputs = engine.generate(mixed_prompts, greedy())
+        assert engine.pool.capacity == 64 and engine.stats().kv_bytes_held == held  # no growth while serving
+    assert outputs == [alone(llama, p) for p in mixed_prompts]
+    with pytest.raises(ValueError, match="preallocate=True needs a cap to reserve: give max_bytes"):
+        ServingEngine(llama, preallocate=True)
+    with pytest.raises(ValueError, match="preallocate=True needs full-precision blocks: leave codec=None"):
+        ServingEngine(llama, max_bytes=64 * per_block, codec="int8", preallocate=True)

@@ -20,6 +20,8 @@ from hf_kvgov.cli.main import main
         (["--redis", "localhost:6379"], "--redis takes a redis://, rediss:// or unix:// URL; got 'localhost:6379'"),
         (["--redis", "redis://127.0.0.1:1/0", "--no-prefix-sharing"], "cannot go with --no-prefix-sharing"),
         (["--port", "99999"], "--port takes 0 to 65535 (0: any free port); got 99999."),
+        (["--preallocate"], "--preallocate needs --kv-budget (the cap it reserves)."),
+        (["--preallocate", "--kv-budget", "1GiB", "--codec", "int8"], "--preallocate needs no --codec"),
         (["--block-size", "0"], "--block-size must be at least 1; got 0."),
         (["--max-batched-tokens", "0"], "--max-batched-tokens must be at least 1; got 0."),
         (["--log-level", "loud"], "--log-level takes one of critical, error, warning, info, debug, trace; got 'loud'"),
