@@ -75,9 +75,10 @@ class BlockPool:
     cache's slot positions, attention mass, running statistics, recall pages) `charge`s them, and under
     ``max_bytes`` they count against the cap with the blocks, so the cap bounds every byte the pool's users hold.
 
-    Thread safety: metadata operations (allocate, incref, decref, copy-on-write) hold one re-entrant lock.
-    Tensor reads and writes by a sequence are not locked: a sequence only writes blocks it owns alone
-    (copy-on-write guarantees that), and shared blocks are immutable.
+    Thread safety: metadata operations (allocate, incref, decref, copy-on-write) and writes (`write`,
+    `write_blocks`) hold one re-entrant lock, so a write never lands in a tensor that another thread's resize has
+    copied and is about to drop. Reads are not locked: a sequence only writes blocks it owns alone (copy-on-write
+    guarantees that), shared blocks are immutable, and a resize keeps every block's data.
 
     Args:
         geometry: layers, KV heads, head dim, dtype and device(s) of the blocks (one device per layer when
@@ -441,10 +442,11 @@ class BlockPool:
 
     def zero_blocks(self, block_ids: Sequence[int]) -> None:
         """Clear blocks of every layer (used for padding blocks, which are masked but must stay finite)."""
-        for layer in self._heads:
-            index = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[layer].device)
-            self.keys[layer].index_fill_(0, index, 0)
-            self.values[layer].index_fill_(0, index, 0)
+        with self._lock:  # as `write`
+            for layer in self._heads:
+                index = torch.tensor(list(block_ids), dtype=torch.long, device=self.keys[layer].device)
+                self.keys[layer].index_fill_(0, index, 0)
+                self.values[layer].index_fill_(0, index, 0)
 
     def copy_block(self, src: int, dst: int) -> None:
         for layer in self._heads:  # one copy per distinct tensor: a group's layers share ids
@@ -468,14 +470,26 @@ class BlockPool:
             ValueError: `keys` or `values` are on another device than the layer's blocks.
         """
         g = self.geometry
-        target = self.keys[layer]
-        check_on_device(layer, target.device, "keys", keys)
-        check_on_device(layer, target.device, "values", values)
-        flat_shape = (-1, g.num_kv_heads, g.head_dim)
-        slots = slots if slots.device == target.device else slots.to(target.device)
-        target.view(flat_shape).index_copy_(0, slots, keys.to(g.dtype))
-        self.values[layer].view(flat_shape).index_copy_(0, slots, values.to(g.dtype))
-        self._written[layer] = True
+        with self._lock:  # a resize by another thread copies the tensors: a write must land in the ones kept
+            target = self.keys[layer]
+            check_on_device(layer, target.device, "keys", keys)
+            check_on_device(layer, target.device, "values", values)
+            flat_shape = (-1, g.num_kv_heads, g.head_dim)
+            slots = slots if slots.device == target.device else slots.to(target.device)
+            target.view(flat_shape).index_copy_(0, slots, keys.to(g.dtype))
+            self.values[layer].view(flat_shape).index_copy_(0, slots, values.to(g.dtype))
+            self._written[layer] = True
+
+    def write_blocks(self, layer: int, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store whole blocks of one layer (and the layers sharing its tensors): `keys`/`values` ``[n, block_size,
+        kv_heads, head_dim]`` into the blocks `block_ids` (long ``[n]``), as a tier restores them. Copied to the
+        layer's device; under the lock, as `write`."""
+        with self._lock:
+            target = self.keys[layer]
+            index = block_ids.to(target.device)
+            target.index_copy_(0, index, keys.to(target.device, self.geometry.dtype))
+            self.values[layer].index_copy_(0, index, values.to(target.device, self.geometry.dtype))
+            self._written[layer] = True
 
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous K/V of the first `length` tokens of each row.

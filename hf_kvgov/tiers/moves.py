@@ -105,9 +105,7 @@ def _restore_raw(pool: BlockPool, tier: DiskTier, handles: list[int]) -> list[in
         target = index_per_layer(fresh, g)
         for position, layer in enumerate(pool.layout.heads):  # a block holds one layer per position
             tier.read(position, handles, [byte_view(keys), byte_view(values)])
-            device = g.layer_device(layer)  # the host staging copy goes to the layer's own device
-            pool.keys[layer][target[layer]] = keys.to(device)
-            pool.values[layer][target[layer]] = values.to(device)
+            pool.write_blocks(layer, target[layer], keys, values)  # the host staging copy to the layer's device
     except BaseException:
         pool.decref(fresh)
         raise

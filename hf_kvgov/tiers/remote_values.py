@@ -191,12 +191,9 @@ def _write(pool: BlockPool, kind: int, entries: list[int], payloads: list[memory
     per_head = len(specs) // len(pool.layout.heads)
     for position, layer in enumerate(pool.layout.heads):
         mine = parts[position * per_head : (position + 1) * per_head]
-        device = pool.geometry.layer_device(layer)
         if kind == SEALED:
             assert isinstance(pool, QuantizedBlockPool)
             names = list(pool.sealed.layout(layer))
             pool.write_sealed_pieces(layer, entries, dict(zip(names, mine, strict=True)))
         else:
-            index = torch.tensor(entries, dtype=torch.long, device=device)
-            pool.keys[layer].index_copy_(0, index, mine[0].to(device))
-            pool.values[layer].index_copy_(0, index, mine[1].to(device))
+            pool.write_blocks(layer, torch.tensor(entries, dtype=torch.long), mine[0], mine[1])

@@ -9,6 +9,7 @@ fails part way leaves every tensor as long as before and the data intact.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -127,3 +128,32 @@ def test_a_sealed_growth_that_fails_part_way_leaves_the_store_as_it_was(monkeypa
     for layer, pieces in enumerate(pool.sealed.pieces):
         for name, piece in pieces.items():
             assert torch.equal(piece, before[layer][name])
+
+
+def test_a_write_during_another_threads_resize_lands_in_the_grown_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pool serves a thread per request: a request writing its block while another's allocation grows the pool
+    must not write into a tensor the resize already copied and is about to drop. The first copy is held open (the
+    resize waits up to 0.5 s for the write); the write waits for the pool's lock instead, and lands in the grown
+    tensors."""
+    pool = BlockPool(GEOMETRY, BLOCK, growth_blocks=4)
+    mine, *_ = pool.allocate(4)  # the pool is full: the next allocation grows it
+    copied, written = threading.Event(), threading.Event()
+    real = pool_module.zero_extended
+
+    def held_open(old: torch.Tensor, extra: int) -> torch.Tensor:
+        grown = real(old, extra)
+        if not copied.is_set():  # layer 0's keys are copied, not yet swapped in
+            copied.set()
+            written.wait(timeout=0.5)
+        return grown
+
+    monkeypatch.setattr(pool_module, "zero_extended", held_open)
+    grower = threading.Thread(target=pool.allocate, args=(1,))
+    grower.start()
+    assert copied.wait(timeout=10)
+    keys = torch.full((BLOCK, GEOMETRY.num_kv_heads, GEOMETRY.head_dim), 7.0)
+    pool.write(0, torch.arange(mine * BLOCK, (mine + 1) * BLOCK), keys, -keys)
+    written.set()
+    grower.join(timeout=30)
+    assert pool.capacity > 4
+    assert bool((pool.keys[0][mine] == 7.0).all()) and bool((pool.values[0][mine] == -7.0).all())
