@@ -30,6 +30,7 @@ Examples::
     kvgov serve --kv-budget 2GiB --codec int8 --port 8080
     kvgov serve --redis redis://127.0.0.1:6379/0       # servers on one Redis share the prefixes they computed
     kvgov serve --kv-budget 1GiB --swap-dir /mnt/ssd    # a full pool swaps requests to the SSD, not recomputes
+    kvgov serve --kv-budget 20GiB --preallocate         # reserve the whole cap at start (full precision)
     kvgov serve --kv-budget 256MiB --codec int8 --h2o 0.2   # each request keeps 20% of its prompt: lossy
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
