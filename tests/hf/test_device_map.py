@@ -8,6 +8,7 @@ Two CUDA tests split the model for real and are skipped without the devices.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -323,3 +324,13 @@ def test_model_split_between_gpu_and_cpu_keeps_each_layers_blocks_on_its_device(
         got = generate(model, cache, inputs)
     assert torch.equal(got, expected)
     assert_blocks_follow(cache, [torch.device("cuda", 0), CPU])
+
+
+def test_an_eviction_pool_for_a_model_on_several_devices_says_its_slots_cross_them() -> None:
+    """The pool keeps every layer's slots in one tensor, on the first parameter's device: a model whose layers run
+    elsewhere is told that its slots are copied there and back each step (its tokens stay right, as tested above)."""
+    with pytest.warns(UserWarning, match=r"layers run on .*cuda:1 too, and the pool keeps every layer's slots on cpu"):
+        eviction_pool(mapped({**TOP, "model.layers.0": 0, "model.layers.1": "cuda:1"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eviction_pool(mapped({"": "cpu"}))  # one device: nothing to say

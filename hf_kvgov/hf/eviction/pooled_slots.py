@@ -7,6 +7,7 @@ geometry, dtype and devices to lay the pool out.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,5 +80,18 @@ def _model_dtype(model: Any) -> torch.dtype:
 
 
 def _layer_devices(model: Any, layers: int) -> tuple[torch.device, ...]:
+    """Every layer's slot records on the device of the model's first parameter: one tensor holds them all (one
+    layer group per layer). A model whose layers run on several devices is warned that its slots cross devices."""
+    from hf_kvgov.hf.compat import model_layer_devices
+
     device = next(model.parameters()).device
+    elsewhere = sorted({str(d) for d in model_layer_devices(model, layers) if d is not None and d != device})
+    if elsewhere:
+        warnings.warn(
+            f"eviction_pool: the model's layers run on {', '.join(elsewhere)} too, and the pool keeps every layer's "
+            f"slots on {device} (one tensor for all layers), so each step copies those layers' slots there and "
+            "back: tokens are right, steps slower. Give each such cache its own tensors (no pool), or serve the model "
+            "on one device.",
+            stacklevel=3,
+        )
     return (device,) * layers
