@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -56,4 +57,16 @@ def make_policy(name: str, **config: Any) -> EvictionPolicy:
     if factory is None:
         accepted = ", ".join(repr(n) for n in available_policies())
         raise ValueError(f"Unknown eviction policy {name!r}; the accepted names are {accepted}.")
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**config)
+    except TypeError as error:  # a setting missing or unknown: say which, and what the policy takes
+        given = ", ".join(f"{key}={value!r}" for key, value in config.items()) or "no settings"
+        takes = ", ".join(
+            p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+            for p in signature.parameters.values()
+        )
+        raise ValueError(
+            f"The eviction policy {name!r} cannot be built from {given}: {error}; it takes ({takes})."
+        ) from None
     return factory(**config)

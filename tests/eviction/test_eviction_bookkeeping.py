@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from hf_kvgov import HeavyHitterCache, SinkCache, eviction_attention
+from hf_kvgov import HeavyHitterCache, PolicyCache, SinkCache, eviction_attention
 from hf_kvgov.hf.eviction import ATTENTION_NAME
 from hf_kvgov.registry import get_cache_spec, kv_bytes
 from tests.conftest import tiny_llama
@@ -122,6 +122,13 @@ def test_a_cache_given_another_models_kv_names_the_geometry() -> None:
     wrong = "stored K/V with 4 heads of dim 16; this cache was built for 2 KV heads"
     with pytest.raises(ValueError, match=wrong), eviction_attention(other):
         other(ids(1, 5), cache=cache)
+
+
+def test_a_policy_name_that_needs_settings_is_refused_with_the_way_to_give_them() -> None:
+    with pytest.raises(ValueError, match=r"PolicyCache: The eviction policy 'h2o' cannot be built from no settings"):
+        PolicyCache(MODEL, "h2o")
+    with pytest.raises(ValueError, match=r"Give decode_policy as a policy object .*make_policy\('sink', ...\)"):
+        PolicyCache(MODEL, "snapkv", decode_policy="sink")
 
 
 def test_cropping_and_assisted_decoding_are_refused() -> None:

@@ -47,8 +47,14 @@ def test_unknown_name_lists_the_accepted_names() -> None:
 def test_config_errors_come_from_the_policy() -> None:
     with pytest.raises(ValueError, match="window must be at least 0"):
         make_policy("sink", n_sink=4, window=-1)
-    with pytest.raises(TypeError):
+    with pytest.raises(
+        ValueError, match=r"'h2o' cannot be built from heavy=2: missing .* 'recent'; it takes \(heavy, recent\)"
+    ):
         make_policy("h2o", heavy=2)
+    with pytest.raises(
+        ValueError, match=r"unexpected keyword argument 'windw'; it takes \(window=32, kernel=7, pooling='max'\)"
+    ):
+        make_policy("snapkv", windw=16)
 
 
 @dataclass(frozen=True)

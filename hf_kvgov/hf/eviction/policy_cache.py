@@ -10,7 +10,7 @@ from hf_kvgov.engine.slots.recall import Recall
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
-from hf_kvgov.policies import EvictionPolicy, HeadAdaptive, make_policy
+from hf_kvgov.policies import EvictionPolicy, HeadAdaptive, available_policies, make_policy
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
@@ -131,7 +131,16 @@ class PolicyCache(EvictionCache):
 def _built(spec: PolicySpec, name: str) -> EvictionPolicy:
     """A policy object from a registered name or an object that follows the policy contract."""
     if isinstance(spec, str):
-        return make_policy(spec)
+        try:
+            return make_policy(spec)
+        except ValueError as error:
+            if spec not in available_policies():
+                raise  # an unknown name, with the accepted ones
+            raise ValueError(
+                f"{_NAME}: {error} Give {name} as a policy object built with its settings "
+                f"(hf_kvgov.policies.make_policy({spec!r}, ...)); HeavyHitterCache and SinkCache size H2O's parts "
+                "and a sink window from the budget."
+            ) from None
     if not isinstance(spec, EvictionPolicy):
         raise TypeError(
             f"{_NAME}: {name} must be a policy name or an object with needs, min_budget and select "
