@@ -192,6 +192,16 @@ def test_kvzip_cache_sets_its_own_compression() -> None:
         GivenScores((torch.zeros(3),))
 
 
+def test_bad_inputs_are_refused_before_scoring() -> None:
+    model, tokenizer = tiny_llama(), CharTokenizer(96)
+    ids = context(model)
+    with pytest.raises(ValueError, match=r"sinks must be an int >= 0 \(leading tokens always kept\); got -1"):
+        kvzip_cache(model, tokenizer, ids, sinks=-1)  # it was an IndexError in the middle of the scoring
+    float_ids = r"input_ids must be an integer tensor \[batch, length\] .*; got a torch.float32 tensor of shape"
+    with pytest.raises(ValueError, match=float_ids):
+        kvzip_cache(model, tokenizer, ids.float())
+
+
 def test_a_model_without_attention_modules_is_refused_by_name() -> None:
     model = tiny_llama()
     for layer in model.model.layers:

@@ -52,10 +52,22 @@ def reconstruction_scores(
     sliding-window layer, which keeps its window and is not scored). A left-padded row's scores are indexed by
     the positions its tokens get (0 for its first real token); padding scores 0."""
     config = decoder_config(model)
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a long tensor [batch, length] with length > 0; got {input_ids!r}.")
+    if (
+        not isinstance(input_ids, Tensor)
+        or input_ids.dim() != 2
+        or input_ids.shape[1] == 0
+        or input_ids.dtype not in (torch.long, torch.int)
+    ):
+        got = (
+            f"a {input_ids.dtype} tensor of shape {tuple(input_ids.shape)}"
+            if isinstance(input_ids, Tensor)
+            else f"a {type(input_ids).__name__}"
+        )
+        raise ValueError(f"input_ids must be an integer tensor [batch, length] with length > 0; got {got}.")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int number of tokens; got {chunk_size!r}.")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0 (leading tokens always kept); got {sinks!r}.")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}.")
