@@ -71,7 +71,10 @@ class SealedBlockCodec(FullPrecisionBlocks):
         preallocate: bool = False,
     ) -> BlockPool:
         if preallocate:
-            raise ValueError("A pool of sealed codes shares its cap between blocks and codes: it cannot preallocate.")
+            raise ValueError(
+                "preallocate=True needs full-precision blocks: leave codec=None (a pool of sealed codes shares its cap "
+                "between blocks and codes, so it cannot reserve it up front)."
+            )
         self.quant.check_model(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, block_size)
         formats = self.quant.formats(geometry.num_layers, geometry.dtype)
         groups = self.quant.layer_groups(groups)

@@ -123,9 +123,11 @@ class ServingEngine:
         policy: HeavyHitter | None = None,
         preallocate: bool = False,
     ) -> None:
-        if preallocate and (max_bytes is None or codec is not None):
-            why = "a cap to reserve: give max_bytes" if max_bytes is None else "full-precision blocks: leave codec=None"
-            raise ValueError(f"preallocate=True needs {why} (or leave preallocate=False: the pool grows as needed).")
+        if preallocate and max_bytes is None:
+            raise ValueError(
+                "preallocate=True needs a cap to reserve: give max_bytes (or leave preallocate=False: the pool grows "
+                "as needed)."
+            )
         config = decoder_config(model)
         eviction = eviction_for(policy, streaming=not prefix_sharing)  # a tree gets each prompt whole
         if spill is not None and not isinstance(spill, Disk):
