@@ -7,6 +7,7 @@ governance figures sampled every step, and the configuration's agreement with th
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -482,4 +483,4 @@ def _agreement(row: ServeRow) -> str:
 
 def _or_na(value: float | None, form: str = "{}") -> str:
     """`value` in `form`, or n/a where there is none (None, or NaN: no request gave a figure)."""
-    return "n/a" if value is None or value != value else form.format(value)
+    return "n/a" if value is None or math.isnan(value) else form.format(value)
