@@ -19,6 +19,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from hf_kvgov.kv_layout import unsupported_kv_layout
+
 __all__ = [
     "AttentionInterface",
     "AttentionMaskInterface",
@@ -91,6 +93,11 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
 
 
 def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
+    """(KV heads, head_dim) of a decoder config; `ValueError` for a model whose cache holds something else
+    (`hf_kvgov.kv_layout`)."""
+    reason = unsupported_kv_layout(lambda name: getattr(config, name, None), str(getattr(config, "model_type", "")))
+    if reason is not None:
+        raise ValueError(reason)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.kv_layout import unsupported_kv_layout
 from hf_kvgov.planner.catalog import find_builtin, known_model_names
 from hf_kvgov.planner.geometry import ModelGeometry
 
@@ -114,6 +115,9 @@ def geometry_from_config(config: Mapping[str, Any], name: str, source: str | Non
     """A ModelGeometry from the fields of a transformers config (a parsed ``config.json``)."""
     source = source or name
     text = _text_config(config)
+    reason = unsupported_kv_layout(text.get, str(text.get("model_type", "")))
+    if reason is not None:
+        raise ValueError(f"The model config from {source}: {reason}")
     num_layers = _require_int(text, "num_hidden_layers", source)
     num_heads = _require_int(text, "num_attention_heads", source)
     num_kv_heads = text.get("num_key_value_heads") or num_heads

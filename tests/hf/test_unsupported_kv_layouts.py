@@ -1,0 +1,106 @@
+"""Models whose K/V the caches cannot hold are refused when a cache, the engine or a plan is made, by name.
+
+Multi-head latent attention (DeepSeek-V3 and its family) caches one shared latent and rotary key per token; MiMo-V2-
+Flash's value heads are narrower than its key heads. Both used to fail at the first `update`, in the middle of
+`generate`: with a message blaming the K/V's head count, or an `IndexError` from `index_copy_`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from hf_kvgov import (
+    DiskOffloadCache,
+    GovernedCache,
+    HeavyHitter,
+    HeavyHitterCache,
+    PagedCache,
+    Paging,
+    PolicyCache,
+    QuantizedCache,
+    SinkCache,
+    kvzip_cache,
+)
+from hf_kvgov.cli.main import main
+from hf_kvgov.planner.config_loading import geometry_from_config
+from hf_kvgov.registry import get_cache_spec
+from hf_kvgov.serving import ServingEngine
+from tests.char_tokenizer import char_tokenizer
+
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    max_position_embeddings=256,
+)  # fmt: skip
+LATENT = "uses multi-head latent attention: transformers caches one shared latent of 32 values and a rotary key of 8"
+NARROW_VALUES = "has value heads of dim 8 and key heads of dim 16"
+
+
+def deepseek_v3() -> transformers.PretrainedConfig:
+    return transformers.DeepseekV3Config(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+        first_k_dense_replace=2, **SMALL,
+    )  # fmt: skip
+
+
+def mimo_v2_flash() -> transformers.PretrainedConfig:
+    return transformers.AutoConfig.for_model("mimo_v2_flash", num_key_value_heads=2, head_dim=16, v_head_dim=8, **SMALL)
+
+
+MODELS = [(deepseek_v3, LATENT), (mimo_v2_flash, NARROW_VALUES)]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=["deepseek_v3", "mimo_v2_flash"])
+def refused(request: pytest.FixtureRequest) -> tuple[Any, str]:
+    make_config, message = request.param
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(make_config()).eval(), message
+
+
+def test_transformers_itself_generates_with_these_models(refused: tuple[Any, str]) -> None:
+    model, _ = refused  # the refusal below is hf_kvgov's, not a model that cannot run
+    out = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 7)
+
+
+BUILDERS: dict[str, Callable[[Any, Path], Any]] = {
+    "PagedCache": lambda model, _: PagedCache(model),
+    "QuantizedCache": lambda model, _: QuantizedCache(model, bits=8),
+    "HeavyHitterCache": lambda model, _: HeavyHitterCache(model),
+    "SinkCache": lambda model, _: SinkCache(model),
+    "PolicyCache": lambda model, _: PolicyCache(model, "snapkv"),
+    "DiskOffloadCache": lambda model, path: DiskOffloadCache(model, path=path),
+    "GovernedCache": lambda model, _: GovernedCache(model, pool=Paging(16), codec="int8", policy=HeavyHitter(0.2)),
+    "cache name h2o@0.2:int8": lambda model, _: get_cache_spec("h2o@0.2:int8").build(model),
+    "kvzip_cache": lambda model, _: kvzip_cache(model, char_tokenizer(), torch.tensor([[5, 6, 7, 8, 9, 10]]), budget=4),
+    "ServingEngine": lambda model, _: ServingEngine(model),
+}
+
+
+@pytest.mark.parametrize("builder", list(BUILDERS), ids=list(BUILDERS))
+def test_every_cache_and_the_engine_refuse_at_construction(
+    refused: tuple[Any, str], builder: str, tmp_path: Path
+) -> None:
+    model, message = refused
+    with pytest.raises(ValueError, match=message):
+        BUILDERS[builder](model, tmp_path)
+    assert model.config._attn_implementation != "kvgov_ragged"  # the engine changed nothing before refusing
+
+
+@pytest.mark.parametrize(("make_config", "message"), MODELS, ids=["deepseek_v3", "mimo_v2_flash"])
+def test_the_planner_refuses_their_configs(
+    make_config: Callable[[], Any], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = make_config()
+    with pytest.raises(ValueError, match=message):
+        geometry_from_config(config.to_dict(), name="tiny")
+    config.save_pretrained(tmp_path)
+    assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
