@@ -103,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--redis takes a redis://, rediss:// or unix:// URL; got {args.redis!r}.")
             engine_args["redis_url"] = args.redis
         from hf_kvgov.engine.parts import codec_config
-        from hf_kvgov.serving.server import run_server, server_model_id
+        from hf_kvgov.serving.server import check_model_before_loading, run_server, server_model_id
 
         codec_config(args.codec)  # an unknown codec is refused here, not in the model's process
         for flag, value in (("--block-size", args.block_size), ("--max-batched-tokens", args.max_batched_tokens)):
@@ -113,6 +113,7 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--log-level takes one of {', '.join(LOG_LEVELS)}; got {args.log_level!r}.")
         check_listenable(args.host, args.port)  # a taken port, likewise, not after the model loaded
         server_model_id(args.model)  # a missing file, likewise
+        check_model_before_loading(args.model)  # and a model the engine cannot serve (its config, its layers)
     except ValueError as err:
         print(f"{command}: error: {err}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
     attention_implementation,
+    check_no_learned_sinks,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
@@ -75,6 +76,17 @@ class EngineStats:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def check_servable(model: Any) -> tuple[int, int]:
+    """(KV heads, head_dim) of a model the engine can serve; a `ValueError` naming why not (its layers' kinds, its K/V
+    layout, learned sink logits). A model built on the meta device answers as the loaded one (`kvgov serve` asks
+    before it loads the weights)."""
+    config = decoder_config(model)
+    layer_kinds(config)
+    heads_and_dim = kv_heads_and_head_dim(config)
+    check_no_learned_sinks(model, "the serving engine")
+    return heads_and_dim
 
 
 class ServingEngine:
@@ -134,7 +146,8 @@ class ServingEngine:
             raise TypeError(f"spill must be a Disk(path=...) or None; got a {type(spill).__name__}.")
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
-        windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
+        num_kv_heads, head_dim = check_servable(model)
+        windows = [kind.sliding_window for kind in layer_kinds(config)]
         self.model = model
         self._previous_attention = attention_implementation(model.config)
         if self._previous_attention == RAGGED_ATTENTION_NAME:
@@ -146,7 +159,6 @@ class ServingEngine:
         if placement is None:
             raise TypeError(f"ServingEngine needs a transformers model; got {type(model).__name__}.")
         dtype, self.device = placement
-        num_kv_heads, head_dim = kv_heads_and_head_dim(config)
         geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
+import transformers
 
 from hf_kvgov.cli.main import main
 
@@ -42,3 +44,23 @@ def test_a_port_already_taken_gets_one_line_before_the_model_loads(capsys: pytes
     err = capsys.readouterr().err
     assert f"Cannot listen on 127.0.0.1:{port} (Address already in use)" in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("model_type", "fields", "message"),
+    [
+        ("gpt_oss", {"num_local_experts": 4}, "GptOssForCausalLM's attention adds learned sink logits"),
+        ("deepseek_v3", {"kv_lora_rank": 32, "q_lora_rank": None}, "deepseek_v3 uses multi-head latent attention"),
+    ],
+)
+def test_a_model_the_engine_cannot_serve_gets_one_line_before_its_weights_load(
+    model_type: str, fields: dict[str, object], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **fields,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)  # the config alone: the refusal comes before any weights are read
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
