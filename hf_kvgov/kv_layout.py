@@ -4,7 +4,8 @@ Every hf_kvgov cache, the serving engine and the planner hold per-head keys and 
 families cache something else, and are refused by name when a cache is built (or a plan made), not at the first
 `update`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Mistral Large 3, ...), which caches
 one shared compressed latent and rotary key per token, and models whose value heads are narrower than their key
-heads (MiMo-V2-Flash).
+heads (MiMo-V2-Flash). Encoder-decoder models (T5, BART, Whisper) are refused too: their decoder caches the
+encoder's K/V for cross-attention beside its own, and a decoder-only cache handed to `generate` silently took both.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from typing import Any
 def unsupported_kv_layout(field: Callable[[str], Any], model_type: str) -> str | None:
     """Why a model of `model_type` whose config answers ``field(name)`` (None where it has no such field) caches
     K/V hf_kvgov cannot hold, or None when it can."""
+    if field("is_encoder_decoder") is True:
+        return (
+            f"{model_type or 'This model'} is an encoder-decoder model: its decoder caches cross-attention K/V of "
+            "the encoder's output beside its own (transformers' EncoderDecoderCache), and hf_kvgov's caches, serving "
+            "engine and planner hold the self-attention K/V of decoder-only models. Use transformers' caches."
+        )
     latent = field("kv_lora_rank")
     if latent is not None:
         rope = field("qk_rope_head_dim")
