@@ -9,6 +9,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -52,6 +54,22 @@ def tiny_gemma3(layer_types: tuple[str, ...] = (SLIDING, FULL, SLIDING), window:
         num_hidden_layers=len(layer_types), layer_types=list(layer_types), sliding_window=window, **_TINY_HYBRID
     )
     model = Gemma3ForCausalLM(config).eval()
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def tiny_gpt_oss(window: int = 8) -> GptOssForCausalLM:
+    """GPT-OSS in miniature: sliding and full layers alternating, and a learned sink logit per query head (transformers'
+    ``s_aux``), set from -1 to 3 so that every softmax gives the sink a visible share."""
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        num_hidden_layers=2, sliding_window=window, num_local_experts=4, num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_TINY_HYBRID,
+    )  # fmt: skip
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-1.0, 3.0, config.num_attention_heads))
     model.generation_config.pad_token_id = 0
     return model
 

@@ -19,7 +19,10 @@ VIEW_KEY = "kvgov_view"
 class AttentionView(Protocol):
     """One layer's step as its cache stores it."""
 
-    def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
-        """Attention of ``query`` ``[batch, q_heads, q_len, head_dim]`` under transformers' ``mask`` for this step;
-        returns ``[batch, q_len, q_heads, head_dim]``."""
+    def attend(
+        self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None, sinks: Tensor | None = None
+    ) -> Tensor:
+        """Attention of ``query`` ``[batch, q_heads, q_len, head_dim]`` under transformers' ``mask`` for this step,
+        with the model's learned sink logit per query head (``sinks`` ``[q_heads]``: transformers' ``s_aux``) in
+        each softmax's denominator when it has them; returns ``[batch, q_len, q_heads, head_dim]``."""
         ...

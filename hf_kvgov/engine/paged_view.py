@@ -29,9 +29,15 @@ class PagedView:
     consumed: bool = False
 
     def attend(
-        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of `query` `[batch, q_heads, q_len, head_dim]` over this layer's blocks.
+        """Attention of `query` `[batch, q_heads, q_len, head_dim]` over this layer's blocks (learned `sinks` as
+        `AttentionView.attend`'s).
 
         Returns `[batch, q_len, q_heads, head_dim]`.
         """
@@ -45,6 +51,7 @@ class PagedView:
             scale,
             mask=mask,
             softcap=softcap,
+            sinks=sinks,
         )
 
 
@@ -57,7 +64,12 @@ class QuantizedView(PagedView):
     after_attend: Callable[[], None] | None = None  # the last layer seals the blocks this step filled
 
     def attend(
-        self, query: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+        self,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of `query` `[batch, q_heads, q_len, head_dim]`; returns `[batch, q_len, q_heads, head_dim]`."""
         assert self.read_sealed is not None, "a QuantizedView is built with its sealed-block reader"
@@ -73,6 +85,7 @@ class QuantizedView(PagedView):
             self.sealed,
             mask=mask,
             softcap=softcap,
+            sinks=sinks,
         )
         if self.after_attend is not None:
             self.after_attend()

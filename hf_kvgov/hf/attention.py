@@ -21,6 +21,7 @@ from torch import nn
 from hf_kvgov.engine.attention_view import ATTENTION_NAME, VIEW_KEY, AttentionView
 from hf_kvgov.hf.compat import AttentionInterface, AttentionMaskInterface, attention_implementation, sdpa_mask
 from hf_kvgov.kernels.ragged import RaggedStep
+from hf_kvgov.kernels.reference import chunked_attention
 
 RAGGED_ATTENTION_NAME = "kvgov_ragged"
 RAGGED_STEP_KEY = "kvgov_ragged_step"
@@ -41,11 +42,10 @@ def kvgov_attention_forward(
     """transformers attention signature; returns `([batch, q_len, q_heads, head_dim], None)`."""
     view: AttentionView | None = kwargs.get(VIEW_KEY)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if kwargs.get("s_aux") is not None:
-        raise ValueError(f"Attention sinks given as learned logits (s_aux) are not supported by {ATTENTION_NAME}.")
+    sinks = kwargs.get("s_aux")
     if view is None:
-        return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap), None
-    return view.attend(query, attention_mask, scale, softcap), None
+        return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap, sinks), None
+    return view.attend(query, attention_mask, scale, softcap, sinks), None
 
 
 def ragged_attention_forward(
@@ -72,13 +72,11 @@ def ragged_attention_forward(
             "forward pass came without one. Close the engine (it restores the model's attention) to use the model "
             "alone."
         )
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("Attention sinks given as learned logits (s_aux) are not supported by the serving engine.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; the serving engine cannot tell its layer.")
-    return step.attend(int(layer), query, key, value, scale, softcap, sliding_window), None
+    return step.attend(int(layer), query, key, value, scale, softcap, sliding_window, kwargs.get("s_aux")), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:
@@ -93,13 +91,18 @@ def sdpa_over_given_kv(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain sdpa on the K/V transformers passed, for caches that are not ours: `[batch, q_len, q_heads, dim]`,
-    so switching a model to the hf_kvgov attention never breaks other caches."""
-    if softcap is not None:
-        raise ValueError(
-            f"{ATTENTION_NAME} without its hf_kvgov cache cannot apply logit soft-capping; use eager attention."
-        )
+    so switching a model to the hf_kvgov attention never breaks other caches. Soft-capped logits and learned sinks,
+    which sdpa has not, go through the torch reference's online softmax over the same K/V."""
+    if softcap is not None or sinks is not None:
+        length = key.shape[2]
+
+        def read(first: int, num_blocks: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return key.float(), value.float()  # one chunk of one "block": the whole given K/V
+
+        return chunked_attention(query, key.shape[1], length, length, read, scale, mask, softcap, length, sinks)
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)

@@ -104,21 +104,6 @@ def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
     return int(kv_heads), int(head_dim)
 
 
-def check_no_learned_sinks(model_or_config: Any, what: str) -> None:
-    """Refuse a model whose attention adds learned sink logits to each head's softmax (transformers passes them as
-    ``s_aux``: GPT-OSS, MiMo-V2-Flash, ...) to `what`, a path that attends with hf_kvgov's own attention, which does
-    not compute them. A config (no modules to look at) passes; the attention itself refuses at its first call."""
-    if not isinstance(model_or_config, nn.Module):
-        return
-    if any(isinstance(getattr(module, "sinks", None), nn.Parameter) for module in model_or_config.modules()):
-        raise ValueError(
-            f"{type(model_or_config).__name__}'s attention adds learned sink logits to each head's softmax (s_aux), "
-            f"which hf_kvgov's own attention does not compute, so {what} cannot serve it. The caches that hand "
-            "transformers' attention their K/V can: PagedCache, QuantizedCache and DiskOffloadCache with their "
-            "default attention."
-        )
-
-
 def model_dtype_and_device(model_or_config: Any) -> tuple[torch.dtype, torch.device] | None:
     if isinstance(model_or_config, PreTrainedModel):
         parameter = next(model_or_config.parameters())

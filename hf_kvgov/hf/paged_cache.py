@@ -18,7 +18,6 @@ from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import (
-    check_no_learned_sinks,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
@@ -84,8 +83,6 @@ class PagedCache(GovernedCacheBase, BlockStore):
         config = decoder_config(model_or_config)
         windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
-        if attention == "paged":
-            check_no_learned_sinks(model_or_config, "attention='paged' (block tables read in place)")
         num_layers = int(config.num_hidden_layers)
         BlockStore.__init__(
             self,

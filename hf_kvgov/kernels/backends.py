@@ -37,6 +37,7 @@ class Probe:
     # True when the call also gives `mask` as per-row lengths and a sliding window (`dispatch.paged_attention`),
     # which a backend that `takes_lengths` reads instead of the mask.
     ragged: bool = False
+    sinks: torch.Tensor | None = None  # learned sink logits `[q_heads]`; only the torch references take them
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,11 @@ class Backend:
     Attributes:
         name: what `set_backend` and the environment variable call it.
         attend: the path's call: `(query, key_cache, value_cache, block_table, kv_length, scale, mask=,
-            softcap=)` on "paged", plus keywords `read_sealed=` and `sealed=` on "quantized".
+            softcap=)` on "paged", plus keywords `read_sealed=` and `sealed=` on "quantized"; `sinks=` only for a
+            backend that serves every call (the torch references).
         refuses: a sentence saying why it cannot serve a call, None when it can (cheap: called per call);
-            None for a backend that serves every call.
+            None for a backend that serves every call. A backend with a `refuses` is never handed learned sinks:
+            `refuses` need not look at them.
         auto_devices: device types on which the automatic choice may pick it.
         priority: among automatic candidates, the highest one that accepts a call serves it.
         takes_lengths: attend also takes ``seq_lens=`` and ``window=`` in place of a ragged call's mask.
@@ -97,10 +100,12 @@ def _torch_quantized_attend(
     sealed: SealedBlocks | None,
     mask: torch.Tensor | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return quantized_paged_attention_reference(
-        query, key_cache, value_cache, block_table, kv_length, scale, read_sealed, mask=mask, softcap=softcap
-    )
+        query, key_cache, value_cache, block_table, kv_length, scale, read_sealed, mask=mask, softcap=softcap,
+        sinks=sinks,
+    )  # fmt: skip
 
 
 def _triton_quantized_attend(

@@ -16,13 +16,20 @@ QUERY_CHUNK = 128  # queries scored at a time: memory O(heads x QUERY_CHUNK x ke
 
 
 def attention_mass(
-    query: Tensor, keys: Tensor, scale: float, mask: Tensor | None, softcap: float | None, block_size: int
+    query: Tensor,
+    keys: Tensor,
+    scale: float,
+    mask: Tensor | None,
+    softcap: float | None,
+    block_size: int,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Per block, the attention probability `query` pays its keys, summed over heads and queries: `[batch, blocks]`.
 
     Args:
         query: `[batch, q_heads, q_len, d]`; keys: `[batch, kv_heads, length, d]` (float32).
         mask: `[batch, 1, q_len, length]` bool (True = attend); None: causal with the queries last.
+        sinks: learned sink logits `[q_heads]`, which take their share of each softmax (no block's mass).
     """
     batch, q_heads, q_len, dim = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
@@ -39,7 +46,12 @@ def attention_mass(
             rows = torch.arange(length - q_len + first, length - q_len + last, device=keys.device)[:, None]
             visible = torch.arange(length, device=keys.device)[None, :] <= rows
         logits = logits.masked_fill(~visible, float("-inf"))
-        mass += torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(1, 2, 3))
+        if sinks is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            sink = sinks.float().to(keys.device).view(1, kv_heads, q_heads // kv_heads, 1, 1)
+            probs = torch.cat((logits, sink.expand(*logits.shape[:-1], 1)), dim=-1).softmax(dim=-1)[..., :length]
+        mass += probs.nan_to_num(0.0).sum(dim=(1, 2, 3))
     blocks = -(-length // block_size)
     padded = torch.nn.functional.pad(mass, (0, blocks * block_size - length))
     return padded.view(batch, blocks, block_size).sum(dim=-1)

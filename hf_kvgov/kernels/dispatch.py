@@ -8,7 +8,8 @@ flash-attn, and a `TRITON_INTERPRET=1` set before that still takes effect. Autom
 backend whose `auto_devices` list the query's device and that accepts the call serves it, else "torch" (the Triton
 interpreter is exact but slow, so it is never picked by itself). `set_backend(name)` or `KVGOV_ATTENTION_BACKEND`
 forces one backend where it can serve; `last_backend()`, `backend_counts()` and the DEBUG logger
-`hf_kvgov.kernels.dispatch` say which backend served and why a preferred one refused.
+`hf_kvgov.kernels.dispatch` say which backend served and why a preferred one refused. A call with learned sink
+logits (`sinks=`, GPT-OSS) is served by the torch reference: every other backend is passed over for it.
 """
 
 from __future__ import annotations
@@ -155,9 +156,10 @@ def _choose(
     sealed: SealedBlocks | None,
     softcap: float | None = None,
     ragged: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[str, str]:
     """(backend name, why) for one call."""
-    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed, softcap, ragged)
+    probe = None if key_cache is None else Probe(query, key_cache, mask, sealed, softcap, ragged, sinks)
     if _forced is not None:
         return _forced_choice(registry, probe)
     why = "automatic choice"
@@ -186,6 +188,8 @@ def _refusal(backend: Backend, probe: Probe | None) -> str | None:
         return None
     if probe is None:
         return "the call's key_cache was not given"
+    if probe.sinks is not None:
+        return "learned sink logits (s_aux) are computed by the torch reference only"
     return backend.refuses(probe)
 
 
@@ -228,8 +232,9 @@ def paged_attention(
     softcap: float | None = None,
     seq_lens: torch.Tensor | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See `paged_attention_reference` for shapes; returns `[batch, q_len, q_heads, head_dim]`.
+    """See `paged_attention_reference` for shapes (and `sinks`); returns `[batch, q_len, q_heads, head_dim]`.
 
     `seq_lens` (long `[batch]`) and `window` say what `mask` is, when it is only this: row b attends causally,
     bottom-right aligned, to its first `seq_lens[b]` keys (`kv_length` without it), within the last `window`. A
@@ -237,12 +242,14 @@ def paged_attention(
     """
     registry = _registry(PAGED)
     ragged = seq_lens is not None or window is not None
-    name, why = _choose(registry, query, key_cache, mask, None, softcap, ragged)
+    name, why = _choose(registry, query, key_cache, mask, None, softcap, ragged, sinks)
     _record(PAGED, name, why)
     backend = registry[name]
     args = (query, key_cache, value_cache, block_table, kv_length, scale)
     if ragged and backend.takes_lengths:
         return backend.attend(*args, softcap=softcap, seq_lens=seq_lens, window=window)
+    if sinks is not None:
+        return backend.attend(*args, mask=mask, softcap=softcap, sinks=sinks)
     return backend.attend(*args, mask=mask, softcap=softcap)
 
 
@@ -257,12 +264,14 @@ def quantized_paged_attention(
     sealed: SealedBlocks | None = None,
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """See `quantized_paged_attention_reference` for shapes; `sealed` (the layer's sealed pieces) lets a
-    kernel read codes in place, `read_sealed` decodes them for the reference. Returns `[batch, q_len,
+    """See `quantized_paged_attention_reference` for shapes (and `sinks`); `sealed` (the layer's sealed pieces)
+    lets a kernel read codes in place, `read_sealed` decodes them for the reference. Returns `[batch, q_len,
     q_heads, head_dim]`."""
     registry = _registry(QUANTIZED)
-    name, why = _choose(registry, query, key_cache, mask, sealed, softcap)
+    name, why = _choose(registry, query, key_cache, mask, sealed, softcap, sinks=sinks)
     _record(QUANTIZED, name, why)
     args = (query, key_cache, value_cache, block_table, kv_length, scale)
-    return registry[name].attend(*args, read_sealed=read_sealed, sealed=sealed, mask=mask, softcap=softcap)
+    extra = {} if sinks is None else {"sinks": sinks}
+    return registry[name].attend(*args, read_sealed=read_sealed, sealed=sealed, mask=mask, softcap=softcap, **extra)

@@ -102,6 +102,7 @@ def quantized_paged_attention_reference(
     mask: Tensor | None = None,
     softcap: float | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of `query` over the first `kv_length` tokens of `block_table`, sealed blocks decoded.
 
@@ -111,6 +112,7 @@ def quantized_paged_attention_reference(
         block_table: long `[batch, blocks]`; entries < 0 are sealed blocks, read through `read_sealed`.
         mask: `[batch, 1, q_len, kv_length]`, bool (True = attend) or additive float; None means causal.
         softcap: optional tanh soft-capping of the logits.
+        sinks: optional learned sink logit per query head `[q_heads]`, as `paged_attention_reference`'s.
     Returns:
         `[batch, q_len, q_heads, head_dim]`, in the query's dtype (math in float32).
     """
@@ -120,4 +122,4 @@ def quantized_paged_attention_reference(
         return gather_quantized(key_cache, value_cache, ids, length, read_sealed, torch.float32)
 
     block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    return chunked_attention(query, kv_heads, block_size, kv_length, read, scale, mask, softcap, chunk_tokens)
+    return chunked_attention(query, kv_heads, block_size, kv_length, read, scale, mask, softcap, chunk_tokens, sinks)

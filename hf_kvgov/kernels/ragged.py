@@ -128,8 +128,10 @@ class RaggedStep:
         scale: float,
         softcap: float | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store `key`/`value` `[1, kv_heads, tokens, dim]` and attend `query` `[1, q_heads, tokens, dim]`.
+        """Store `key`/`value` `[1, kv_heads, tokens, dim]` and attend `query` `[1, q_heads, tokens, dim]` (with the
+        model's learned sink logit per query head, `sinks` `[q_heads]`, when it has them).
 
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
@@ -143,20 +145,21 @@ class RaggedStep:
             rows = query[0, :, :decoding].transpose(0, 1).unsqueeze(2)  # [decoding, q_heads, 1, dim]
             mask = self._decode_mask(index, window)
             table, longest, lengths = index.decode_tables, index.decode_max, index.decode_lengths
-            result = self.paged(layer, rows, table, longest, scale, mask, softcap, lengths, window)
+            result = self.paged(layer, rows, table, longest, scale, mask, softcap, lengths, window, sinks)
             out[0, :decoding] = result[:, 0]
             if masses is not None:
                 keys = self.gather_keys(layer, index.decode_tables, index.decode_max)
-                mass = attention_mass(rows, keys, scale, mask, softcap, self.pool.block_size)
+                mass = attention_mass(rows, keys, scale, mask, softcap, self.pool.block_size, sinks)
                 masses.decode[:, : mass.shape[1]] += mass
         for number, (start, length, kv_length, table) in enumerate(index.chunks):
             chunk = query[:, :, start : start + length]
             mask = self._chunk_mask(start, length, kv_length, window, query.device)
-            result = self.paged(layer, chunk, table, kv_length, scale, mask, softcap, None, window)
+            result = self.paged(layer, chunk, table, kv_length, scale, mask, softcap, None, window, sinks)
             out[0, start : start + length] = result[0]
             if masses is not None:
                 keys = self.gather_keys(layer, table, kv_length)
-                masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, self.pool.block_size)[0]
+                block_size = self.pool.block_size
+                masses.chunks[number] += attention_mass(chunk, keys, scale, mask, softcap, block_size, sinks)[0]
         return out
 
     def paged(
@@ -170,13 +173,15 @@ class RaggedStep:
         softcap: float | None,
         lengths: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One call of paged attention over `layer`'s blocks: `[batch, q_len, q_heads, dim]`. `mask` is each row's
         keys before its `lengths` (all `kv_length` when None), causal, within `window`: a backend may read those."""
         keys, values = self.pool.keys[layer], self.pool.values[layer]
         return dispatch.paged_attention(
-            query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap, seq_lens=lengths, window=window
-        )
+            query, keys, values, table, kv_length, scale, mask=mask, softcap=softcap, seq_lens=lengths, window=window,
+            sinks=sinks,
+        )  # fmt: skip
 
     def _decode_mask(self, index: GroupIndex, window: int | None) -> torch.Tensor | None:
         """`[decoding, 1, 1, longest]` bool: each row's own keys (within its window); None when nothing is hidden."""
@@ -226,6 +231,7 @@ class SealedRaggedStep(RaggedStep):
         softcap: float | None,
         lengths: torch.Tensor | None = None,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As `RaggedStep.paged`; the quantized backends read the mask (`lengths` and `window` are not used)."""
         store = self.pool.sealed
@@ -240,4 +246,5 @@ class SealedRaggedStep(RaggedStep):
             SealedBlocks(store.formats[layer].name, store.pieces[layer]),
             mask=mask,
             softcap=softcap,
+            sinks=sinks,
         )

@@ -25,6 +25,7 @@ def paged_attention_reference(
     mask: torch.Tensor | None = None,
     softcap: float | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `query` over the first `kv_length` tokens held by `block_table`.
 
@@ -35,6 +36,8 @@ def paged_attention_reference(
         block_table: long `[batch, blocks]` with `blocks * block_size >= kv_length`.
         mask: `[batch, 1, q_len, kv_length]`, bool (True = attend) or additive float; None means causal.
         softcap: optional tanh soft-capping of the logits (Gemma-2 style).
+        sinks: optional learned sink logit per query head `[q_heads]` (GPT-OSS, transformers' ``s_aux``): it joins
+            each softmax's denominator and reads no value.
     Returns:
         `[batch, q_len, q_heads, head_dim]` (the layout transformers' attention functions return).
     """
@@ -43,7 +46,8 @@ def paged_attention_reference(
     def read(first: int, num_blocks: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _read_chunk(key_cache, value_cache, block_table, first, num_blocks, length)
 
-    return chunked_attention(query, key_cache.shape[2], block_size, kv_length, read, scale, mask, softcap, chunk_tokens)
+    kv_heads = key_cache.shape[2]
+    return chunked_attention(query, kv_heads, block_size, kv_length, read, scale, mask, softcap, chunk_tokens, sinks)
 
 
 # read(first block, number of blocks, tokens) -> K, V float32 `[batch, kv_heads, tokens, head_dim]`.
@@ -60,10 +64,12 @@ def chunked_attention(
     mask: torch.Tensor | None,
     softcap: float | None,
     chunk_tokens: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The online softmax over chunks of whole blocks that every torch reference shares; how a chunk's
     K/V are read (full-precision blocks, or sealed ones decoded) is `read_chunk`'s business::
 
+        m, l, acc = sink, 1, 0                  (without sinks: -inf, 0, 0)
         for each chunk c of blocks:
             s_c   = q · k_cᵀ · scale            (masked entries = -inf)
             m_new = max(m, rowmax(s_c))
@@ -81,6 +87,12 @@ def chunked_attention(
     q = query.reshape(batch, kv_heads, group * q_len, head_dim).float()
     m = torch.full((batch, kv_heads, group * q_len, 1), float("-inf"), device=query.device)
     denom = torch.zeros_like(m)
+    if sinks is not None:  # a sink is a logit with no value: it starts the running max and denominator
+        if sinks.shape != (q_heads,):
+            raise ValueError(f"sinks must hold one logit per query head, shape ({q_heads},); got {tuple(sinks.shape)}.")
+        per_row = sinks.float().to(query.device).view(kv_heads, group, 1).expand(kv_heads, group, q_len)
+        m = per_row.reshape(1, kv_heads, group * q_len, 1).expand(batch, -1, -1, -1).clone()
+        denom = torch.ones_like(m)
     acc = torch.zeros((batch, kv_heads, group * q_len, head_dim), device=query.device)
     blocks_per_chunk = max(1, chunk_tokens // block_size)
     for first in range(0, -(-kv_length // block_size), blocks_per_chunk):

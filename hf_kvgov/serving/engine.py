@@ -27,7 +27,6 @@ from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
     attention_implementation,
-    check_no_learned_sinks,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
@@ -78,15 +77,12 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def check_servable(model: Any) -> tuple[int, int]:
+def check_servable(model_or_config: Any) -> tuple[int, int]:
     """(KV heads, head_dim) of a model the engine can serve; a `ValueError` naming why not (its layers' kinds, its K/V
-    layout, learned sink logits). A model built on the meta device answers as the loaded one (`kvgov serve` asks
-    before it loads the weights)."""
-    config = decoder_config(model)
+    layout). Its config answers as the model would (`kvgov serve` asks before it loads the weights)."""
+    config = decoder_config(model_or_config)
     layer_kinds(config)
-    heads_and_dim = kv_heads_and_head_dim(config)
-    check_no_learned_sinks(model, "the serving engine")
-    return heads_and_dim
+    return kv_heads_and_head_dim(config)
 
 
 class ServingEngine:

@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 from transformers.cli import serve as transformers_serve
 from transformers.cli.serving import model_manager
 
@@ -57,18 +56,16 @@ def server_model_id(name: str) -> str:
 
 
 def check_model_before_loading(name: str) -> None:
-    """Refuse, before the server loads any weights, a model the engine cannot serve (`check_servable` on its skeleton,
-    built on the meta device from a config at hand: a model directory's, or a hub id's in the local Hugging Face
-    cache). An embedded or ``.gguf`` model, or a hub id not yet downloaded, is checked when its process loads it."""
+    """Refuse, before the server loads any weights, a model the engine cannot serve (`check_servable` on a config at
+    hand: a model directory's, or a hub id's in the local Hugging Face cache). An embedded or ``.gguf`` model, or a
+    hub id not yet downloaded, is checked when its process loads it."""
     if name in models.EMBEDDED_MODELS or name.endswith(".gguf"):
         return
     try:
         config = AutoConfig.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
         return  # not at hand: the model's process downloads and checks it
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    check_servable(skeleton)
+    check_servable(config)
 
 
 def run_server(name: str, host: str, port: int, log_level: str = "info", **engine_args: Any) -> None:

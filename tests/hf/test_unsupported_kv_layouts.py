@@ -4,9 +4,7 @@ Multi-head latent attention (DeepSeek-V3 and its family) caches one shared laten
 Flash's value heads are narrower than its key heads. Both used to fail at the first `update`, in the middle of
 `generate`: with a message blaming the K/V's head count, or an `IndexError` from `index_copy_`. An encoder-decoder
 model (T5) took a block cache for its cross-attention K/V as well, and generated other tokens than with its own
-cache. GPT-OSS's learned sink logits are computed by transformers' attention, which the block caches hand their K/V
-(tested equal to the full cache), and not by hf_kvgov's own: the paths through it used to fail at the first
-attention call.
+cache.
 """
 
 from __future__ import annotations
@@ -119,48 +117,3 @@ def test_the_planner_refuses_their_configs(
     assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
-
-
-# ---------------------------------------------------------------- learned attention sinks (s_aux)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss() -> Any:
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        "gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4, **SMALL
-    )
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-@pytest.mark.parametrize(
-    "build",
-    [lambda m, _: PagedCache(m), lambda m, path: DiskOffloadCache(m, path=path, hot_tokens=16, block_size=4)],
-    ids=["PagedCache", "DiskOffloadCache"],
-)
-def test_caches_that_hand_transformers_their_kv_serve_learned_sinks(
-    gpt_oss: Any, build: Callable[[Any, Path], Any], tmp_path: Path
-) -> None:
-    ids = torch.randint(4, 120, (2, 24), generator=torch.Generator().manual_seed(1))
-    expected = gpt_oss.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(
-        gpt_oss.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0, cache=build(gpt_oss, tmp_path)),
-        expected,
-    )
-
-
-SINK_REFUSALS: dict[str, Callable[[Any], Any]] = {
-    "PagedCache(attention='paged')": lambda m: PagedCache(m, attention="paged"),
-    "HeavyHitterCache": lambda m: HeavyHitterCache(m),
-    "SinkCache": lambda m: SinkCache(m),
-    "PolicyCache": lambda m: PolicyCache(m, "snapkv"),
-    "GovernedCache with a policy": lambda m: GovernedCache(m, pool=Paging(16), policy=HeavyHitter(0.2)),
-    "ServingEngine": lambda m: ServingEngine(m),
-}
-
-
-@pytest.mark.parametrize("builder", list(SINK_REFUSALS), ids=list(SINK_REFUSALS))
-def test_paths_through_hf_kvgov_attention_refuse_learned_sinks_at_construction(gpt_oss: Any, builder: str) -> None:
-    with pytest.raises(ValueError, match=r"GptOssForCausalLM's attention adds learned sink logits .* PagedCache, "):
-        SINK_REFUSALS[builder](gpt_oss)
-    assert gpt_oss.config._attn_implementation != "kvgov_ragged"

@@ -49,7 +49,7 @@ def test_a_port_already_taken_gets_one_line_before_the_model_loads(capsys: pytes
 @pytest.mark.parametrize(
     ("model_type", "fields", "message"),
     [
-        ("gpt_oss", {"num_local_experts": 4}, "GptOssForCausalLM's attention adds learned sink logits"),
+        ("t5", {}, "t5 is an encoder-decoder model"),
         ("deepseek_v3", {"kv_lora_rank": 32, "q_lora_rank": None}, "deepseek_v3 uses multi-head latent attention"),
     ],
 )

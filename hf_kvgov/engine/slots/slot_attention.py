@@ -30,6 +30,7 @@ def attend_slots(
     scale: float,
     *,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     scores: Tensor | None = None,
     want_scores: bool = False,
     recent_queries: int = 0,
@@ -48,6 +49,8 @@ def attend_slots(
             whose own slot is masked (its diagonal entry is False) is padding and attends to nothing.
         scale: logit scale (usually ``head_dim ** -0.5``).
         softcap: optional logit soft-capping, ``softcap * tanh(logits / softcap)``.
+        sinks: optional learned sink logit per query head ``[q_heads]`` (transformers' ``s_aux``): it joins each
+            softmax's denominator, reads no value and is no slot's mass.
         scores: running mass ``[batch, kv_heads, kept]`` of the kept slots, or None (zero).
         want_scores: whether to return the updated mass.
         recent_queries: return the attention of the last ``recent_queries`` queries (0: do not).
@@ -74,6 +77,7 @@ def attend_slots(
     running = scores if want_scores else None
     recent: Tensor | None = None
     first_recent = q_len - recent_queries if recent_queries else q_len
+    sink = None if sinks is None else sinks.to(device=query.device, dtype=work).view(1, kv_heads, group, 1, 1)
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
@@ -83,7 +87,12 @@ def attend_slots(
         logits = (stacked @ keys_t).view(batch, kv_heads, group, size, slots) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        probs = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if sink is None:
+            probs = logits.softmax(dim=-1)
+        else:  # the sink's column takes its share of each row and goes
+            probs = torch.cat((logits, sink.expand(batch, kv_heads, group, size, 1)), dim=-1).softmax(dim=-1)
+            probs = probs[..., :slots]
         # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing. Most
         # chunks have none, and on a CPU the check is cheaper than the rewrite of every probability (elsewhere it
         # would wait for the device, or find no values: the rewrite always runs there).

@@ -68,7 +68,9 @@ class EvictionView:
     observe: QueryObserver | None = None
     consumed: bool = False
 
-    def attend(self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None) -> Tensor:
+    def attend(
+        self, query: Tensor, mask: Tensor | None, scale: float, softcap: float | None, sinks: Tensor | None = None
+    ) -> Tensor:
         """Attention of ``query`` ``[batch, q_heads, q_len, head_dim]``; returns ``[batch, q_len, q_heads, head_dim]``.
 
         ``mask`` is the mask transformers built for the new tokens only, bool ``[batch, 1, q_len, q_len]``
@@ -105,6 +107,7 @@ class EvictionView:
             new_mask,
             scale,
             softcap=softcap,
+            sinks=sinks,
             scores=scores,
             want_scores=self.needs.mass,
             recent_queries=self.needs.recent_queries,
