@@ -37,7 +37,7 @@ class Probe:
     # True when the call also gives `mask` as per-row lengths and a sliding window (`dispatch.paged_attention`),
     # which a backend that `takes_lengths` reads instead of the mask.
     ragged: bool = False
-    sinks: torch.Tensor | None = None  # learned sink logits `[q_heads]`; only the torch references take them
+    sinks: torch.Tensor | None = None  # learned sink logits `[q_heads]`, for the backends that `takes_sinks`
 
 
 @dataclass(frozen=True)
@@ -47,14 +47,15 @@ class Backend:
     Attributes:
         name: what `set_backend` and the environment variable call it.
         attend: the path's call: `(query, key_cache, value_cache, block_table, kv_length, scale, mask=,
-            softcap=)` on "paged", plus keywords `read_sealed=` and `sealed=` on "quantized"; `sinks=` only for a
-            backend that serves every call (the torch references).
+            softcap=)` on "paged", plus keywords `read_sealed=` and `sealed=` on "quantized", and `sinks=` (learned
+            sink logits `[q_heads]`) where `takes_sinks`.
         refuses: a sentence saying why it cannot serve a call, None when it can (cheap: called per call);
-            None for a backend that serves every call. A backend with a `refuses` is never handed learned sinks:
-            `refuses` need not look at them.
+            None for a backend that serves every call. A call with sinks never reaches a backend that does not
+            `takes_sinks`, so `refuses` need not look at them.
         auto_devices: device types on which the automatic choice may pick it.
         priority: among automatic candidates, the highest one that accepts a call serves it.
         takes_lengths: attend also takes ``seq_lens=`` and ``window=`` in place of a ragged call's mask.
+        takes_sinks: attend also takes ``sinks=`` (the torch references, Triton).
     """
 
     name: str
@@ -63,6 +64,7 @@ class Backend:
     auto_devices: frozenset[str] = frozenset()
     priority: int = 0
     takes_lengths: bool = False
+    takes_sinks: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -120,12 +122,13 @@ def _triton_quantized_attend(
     sealed: SealedBlocks | None,
     mask: torch.Tensor | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from hf_kvgov.kernels.triton_quantized import quantized_paged_attention_triton
 
     assert sealed is not None, "the kernel refuses calls without sealed blocks before it is chosen"
     return quantized_paged_attention_triton(
-        query, key_cache, value_cache, block_table, kv_length, scale, sealed, mask=mask, softcap=softcap
+        query, key_cache, value_cache, block_table, kv_length, scale, sealed, mask=mask, softcap=softcap, sinks=sinks
     )
 
 
@@ -144,16 +147,18 @@ def _sdpa_refuses(probe: Probe) -> str | None:
     return gathered_sdpa.unsupported_reason(probe.softcap)
 
 
-TORCH = Backend("torch", paged_attention_reference)
+TORCH = Backend("torch", paged_attention_reference, takes_sinks=True)
 # Gather + fused sdpa: on a CPU (or a GPU without Triton) faster than the reference at any batch.
 SDPA = Backend("sdpa", gathered_sdpa.paged_attention_gathered_sdpa, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5)
-TORCH_QUANTIZED = Backend("torch", _torch_quantized_attend)
+TORCH_QUANTIZED = Backend("torch", _torch_quantized_attend, takes_sinks=True)
 # Sealed blocks decoded into one layer's gathered K/V, then fused sdpa: on a CPU faster than the chunked reference.
 SDPA_QUANTIZED = Backend(
     "sdpa", gathered_sdpa.quantized_paged_attention_gathered_sdpa, _sdpa_refuses, frozenset({"cpu", "cuda"}), 5
 )
-TRITON = Backend("triton", _triton_attend, _triton_refuses, frozenset({"cuda"}), priority=10)
-TRITON_QUANTIZED = Backend("triton", _triton_quantized_attend, _triton_quantized_refuses, frozenset({"cuda"}), 10)
+TRITON = Backend("triton", _triton_attend, _triton_refuses, frozenset({"cuda"}), priority=10, takes_sinks=True)
+TRITON_QUANTIZED = Backend(
+    "triton", _triton_quantized_attend, _triton_quantized_refuses, frozenset({"cuda"}), 10, takes_sinks=True
+)
 FLASH_ATTN = Backend(
     "flash_attn", flash_paged.paged_attention_flash, _flash_refuses, frozenset({"cuda"}), 20, takes_lengths=True
 )

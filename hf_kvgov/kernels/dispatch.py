@@ -9,7 +9,7 @@ backend whose `auto_devices` list the query's device and that accepts the call s
 interpreter is exact but slow, so it is never picked by itself). `set_backend(name)` or `KVGOV_ATTENTION_BACKEND`
 forces one backend where it can serve; `last_backend()`, `backend_counts()` and the DEBUG logger
 `hf_kvgov.kernels.dispatch` say which backend served and why a preferred one refused. A call with learned sink
-logits (`sinks=`, GPT-OSS) is served by the torch reference: every other backend is passed over for it.
+logits (`sinks=`, GPT-OSS) goes to the backends that take them (`Backend.takes_sinks`: Triton and the references).
 """
 
 from __future__ import annotations
@@ -184,12 +184,12 @@ def _forced_choice(registry: dict[str, Backend], probe: Probe | None) -> tuple[s
 
 
 def _refusal(backend: Backend, probe: Probe | None) -> str | None:
+    if probe is not None and probe.sinks is not None and not backend.takes_sinks:
+        return "it does not compute learned sink logits (s_aux)"
     if backend.refuses is None:
         return None
     if probe is None:
         return "the call's key_cache was not given"
-    if probe.sinks is not None:
-        return "learned sink logits (s_aux) are computed by the torch reference only"
     return backend.refuses(probe)
 
 

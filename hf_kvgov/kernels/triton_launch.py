@@ -110,13 +110,19 @@ def partial_state(
     return m, torch.empty_like(m), acc
 
 
-def combine_splits(m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Merge the splits of `partial_state` into the output `[batch, 1, q_heads, head_dim]` of `dtype`."""
+def combine_splits(
+    m: torch.Tensor, denom: torch.Tensor, acc: torch.Tensor, dtype: torch.dtype, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Merge the splits of `partial_state` into the output `[batch, 1, q_heads, head_dim]` of `dtype`, with each
+    query head's learned sink logit (`sinks` `[q_heads]`) in its denominator when given."""
     batch, q_heads, splits, head_dim = acc.shape
+    if sinks is not None and tuple(sinks.shape) != (q_heads,):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({q_heads},); got {tuple(sinks.shape)}.")
+    sink_logits = m if sinks is None else sinks.to(device=acc.device, dtype=torch.float32).contiguous()
     out = torch.empty((batch, 1, q_heads, head_dim), dtype=dtype, device=acc.device)
     paged_decode_combine_kernel[(batch, q_heads)](
-        m, denom, acc, out, splits, out.stride(0), out.stride(2), out.stride(3),
-        SPLITS=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+        m, denom, acc, sink_logits, out, splits, out.stride(0), out.stride(2), out.stride(3),
+        SPLITS=triton.next_power_of_2(splits), HEAD_DIM=head_dim, USE_SINKS=sinks is not None,
     )  # fmt: skip
     return out
 

@@ -105,6 +105,7 @@ def paged_attention_triton(
     *,
     seq_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query` over the tokens held by `block_table`, as `paged_attention_reference`.
 
@@ -120,6 +121,7 @@ def paged_attention_triton(
         seq_lens: optional int `[batch]`; row b attends to its first `seq_lens[b]` tokens (default: all
             `kv_length`).
         num_splits: split-K factor (None: chosen from the device, see `triton_launch`).
+        sinks: optional learned sink logit per query head `[q_heads]`, merged with the splits.
     Returns:
         `[batch, 1, q_heads, head_dim]` in the query's dtype.
     Raises:
@@ -151,7 +153,7 @@ def paged_attention_triton(
         KV_FORMAT=KV_FORMAT_NATIVE,
         **dot_options(query.dtype),
     )  # fmt: skip
-    return combine_splits(m, denom, acc, query.dtype)
+    return combine_splits(m, denom, acc, query.dtype, sinks)
 
 
 def _check_operands(

@@ -230,6 +230,7 @@ def paged_decode_combine_kernel(
     m_ptr,
     l_ptr,
     acc_ptr,
+    sinks_ptr,
     out_ptr,
     num_splits,
     stride_ob,
@@ -237,8 +238,10 @@ def paged_decode_combine_kernel(
     stride_od,
     SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
-    """Merge the splits of one (row, query head) into `out[row, 0, head, :]`."""
+    """Merge the splits of one (row, query head) into `out[row, 0, head, :]`; with `USE_SINKS`, the head's learned
+    sink logit `sinks[head]` joins the denominator as one more split that read no value (m = sink, l = 1)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     q_heads = tl.num_programs(1)
@@ -252,9 +255,14 @@ def paged_decode_combine_kernel(
     acc = tl.load(acc_ptr + state[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0)
 
     m_max = tl.reduce(m, 0, _MAX)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     shift = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp(m - shift)  # 0 for empty splits (m = -inf)
     denom = tl.reduce(weight * l, 0, _SUM)
+    if USE_SINKS:
+        denom = denom + tl.exp(sink - shift)
     out = tl.reduce(weight[:, None] * acc, 0, _SUM) / tl.maximum(denom, 1.1754943508222875e-38)
     out_ptrs = out_ptr + row * stride_ob + head * stride_oh + dims * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))

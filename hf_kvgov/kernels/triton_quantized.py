@@ -125,6 +125,7 @@ def quantized_paged_attention_triton(
     *,
     seq_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a table of full-precision (id >= 0) and sealed (id < 0) blocks.
 
@@ -133,7 +134,7 @@ def quantized_paged_attention_triton(
         key_cache, value_cache: `[num_blocks, block_size, kv_heads, head_dim]`, the full-precision blocks.
         block_table: int32/int64 `[batch, blocks]`; entry b < 0 is sealed id -1 - b of `sealed`.
         sealed: the layer's sealed blocks (see `sealed_blocks` for the pieces' shapes).
-        kv_length, scale, mask, softcap, chunk_tokens, seq_lens, num_splits: as `paged_attention_triton`.
+        kv_length, scale, mask, softcap, chunk_tokens, seq_lens, num_splits, sinks: as `paged_attention_triton`.
     Returns:
         `[batch, 1, q_heads, head_dim]` in the query's dtype.
     Raises:
@@ -170,7 +171,7 @@ def quantized_paged_attention_triton(
         SEALED_FORMAT=fmt.code, KEY_ZERO=fmt.key_zero, VALUE_ZERO=fmt.value_zero, VALUE_GROUP=pieces.value_group,
         LOG_SCALES=pieces.log_scales, BYTE_ZEROS=pieces.byte_zeros, **dot_options(query.dtype),
     )  # fmt: skip
-    return combine_splits(m, denom, acc, query.dtype)
+    return combine_splits(m, denom, acc, query.dtype, sinks)
 
 
 def _sealed_operands(sealed: SealedBlocks, key_cache: torch.Tensor) -> _SealedOperands:

@@ -321,6 +321,29 @@ def test_dispatch_forced_triton_runs_the_kernel() -> None:
     assert_matches(out, naive_attention(case, 0.125, case.within_length()))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_learned_sinks_join_every_denominator(num_splits: int) -> None:
+    """GPT-OSS's sink logits (one per query head) merged with the splits, empty splits included; through dispatch,
+    Triton keeps a decode call that has them (the sdpa backend would not take it)."""
+    case = make_case([150, 90, 1], gqa=3, head_dim=64, block_size=16, seed=14)
+    sinks = torch.linspace(-1.0, 3.0, 6, device=DEVICE)
+    args = (case.query, case.key_cache, case.value_cache, case.table, 150, 0.125)
+    out = paged_attention_triton(*args, seq_lens=case.seq_lens, num_splits=num_splits, sinks=sinks)
+    group, allowed = 3, case.within_length().to(DEVICE)
+    keys = case.keys.double().nan_to_num().repeat_interleave(group, dim=1)
+    values = case.values.double().nan_to_num().repeat_interleave(group, dim=1)
+    scores = (case.query.double() @ keys.transpose(-1, -2) * 0.125).masked_fill(~allowed[:, None, None], -math.inf)
+    column = sinks.double().view(1, -1, 1, 1).expand(3, -1, 1, 1)
+    weights = torch.cat((scores, column), dim=-1).softmax(dim=-1)[..., :-1]
+    expected = (weights @ values).transpose(1, 2)
+    assert_matches(out, expected)
+    assert (out - paged_attention_triton(*args, seq_lens=case.seq_lens)).abs().max() > 0.05  # the sinks count
+    dispatch.set_backend("triton")
+    via = dispatch.paged_attention(*args, mask=allowed[:, None, None], sinks=sinks)
+    assert dispatch.last_backend() == "triton"
+    assert_matches(via, expected)
+
+
 def test_dispatch_falls_back_to_torch_for_prefill() -> None:
     generator = torch.Generator().manual_seed(12)
     keys = torch.randn(1, 2, 40, 64, generator=generator)
@@ -372,9 +395,9 @@ from triton.compiler import ASTSource
 from hf_kvgov.kernels import triton_paged_kernel as k
 
 pointers = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", table_ptr="*i64", lens_ptr="*i64", mask_ptr="*i8",
-                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr="*fp16")
+                m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", sinks_ptr="*fp32", out_ptr="*fp16")
 constants = dict(GROUP=3, BLOCK_H=16, HEAD_DIM=64, PAGE=16, BLOCK_N=64, MASK_MODE=k.MASK_BOOL, USE_SOFTCAP=True,
-                 KV_FORMAT=k.KV_FORMAT_NATIVE, DOT_PRECISION="tf32", WIDEN_BF16=False, SPLITS=4)
+                 KV_FORMAT=k.KV_FORMAT_NATIVE, DOT_PRECISION="tf32", WIDEN_BF16=False, SPLITS=4, USE_SINKS=True)
 for fn in (k.paged_decode_split_kernel, k.paged_decode_combine_kernel):
     names = [p.name for p in fn.params]
     signature = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n in ("scale", "softcap") else "i32")

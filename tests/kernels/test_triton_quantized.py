@@ -84,6 +84,22 @@ def test_matches_the_reference_and_dense_attention(
     assert_matches(out, case.dense_attention(scale), dtype)
 
 
+def test_learned_sinks_match_the_reference() -> None:
+    case = make_case(
+        [70, 33], q_heads=KV_HEADS * 2, kv_heads=KV_HEADS, head_dim=64, block_size=16, dtype=torch.float32,
+        device=DEVICE, sealed_format="int8", sink_blocks=1, seed=21,
+    )  # fmt: skip
+    sinks = torch.linspace(-1.0, 3.0, KV_HEADS * 2, device=DEVICE)
+    out = run_kernel(case, 0.125, seq_lens=case.seq_lens, num_splits=3, sinks=sinks)
+    key_cache, value_cache = case.key_cache.nan_to_num(), case.value_cache.nan_to_num()
+    expected = quantized_paged_attention_reference(
+        case.query, key_cache, value_cache, case.block_table, case.kv_length, 0.125, case.read_sealed,
+        mask=case.attention_mask(), sinks=sinks,
+    )  # fmt: skip
+    assert_matches(out, expected, torch.float32)
+    assert (out - run_kernel(case, 0.125, seq_lens=case.seq_lens)).abs().max() > 0.05  # the sinks count
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
 def test_scale_dtype_and_value_groups_are_read_from_the_stored_tensors(fmt: str) -> None:
     """fp32 scales and zero points, values in groups of 16 channels: nothing about them is hard-coded."""
