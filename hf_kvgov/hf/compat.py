@@ -104,6 +104,21 @@ def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
     return int(kv_heads), int(head_dim)
 
 
+def check_attention_view(model_or_config: Any, what: str) -> None:
+    """Refuse a model `what` cannot serve by handing attention a view of its own storage (`AttentionView`): one whose
+    later layers reuse the K/V an earlier layer's `cache.update` returned (KV sharing: Gemma-3n, Gemma 4), which
+    needs them whole. (A model whose attention never reads the view is refused at its first step, by name.)"""
+    config = decoder_config(model_or_config)
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    if shared > 0:
+        raise ValueError(
+            f"{getattr(config, 'model_type', 'This model')}'s last {shared} layers reuse the keys and values an "
+            f"earlier layer's cache.update returned (KV sharing), and {what} returns only the new tokens, attending "
+            "through a view of its own storage. PagedCache, QuantizedCache and DiskOffloadCache with their default "
+            "attention, and the serving engine, serve it."
+        )
+
+
 def model_dtype_and_device(model_or_config: Any) -> tuple[torch.dtype, torch.device] | None:
     if isinstance(model_or_config, PreTrainedModel):
         parameter = next(model_or_config.parameters())

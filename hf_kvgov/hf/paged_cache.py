@@ -18,6 +18,7 @@ from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import (
+    check_attention_view,
     decoder_config,
     kv_heads_and_head_dim,
     layer_kinds,
@@ -83,6 +84,8 @@ class PagedCache(GovernedCacheBase, BlockStore):
         config = decoder_config(model_or_config)
         windows = [kind.sliding_window for kind in layer_kinds(config)]  # refuses layer types it cannot serve
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
+        if attention == "paged":
+            check_attention_view(model_or_config, "attention='paged'")
         num_layers = int(config.num_hidden_layers)
         BlockStore.__init__(
             self,

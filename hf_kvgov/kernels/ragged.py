@@ -92,6 +92,7 @@ class RaggedStep:
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
     # Set by `observe_masses`: each block's attention, summed over the layers (heavy-hitter eviction's score).
     masses: BlockMasses | None = None
+    attended: set[int] = field(default_factory=set)  # the layers whose attention went through this step
 
     @classmethod
     def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
@@ -135,6 +136,7 @@ class RaggedStep:
 
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
+        self.attended.add(layer)
         group = self.pool.group_of(layer)
         index = self.groups[group]
         masses = self.masses if self.pool.groups[group].window is None else None

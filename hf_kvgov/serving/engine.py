@@ -79,7 +79,8 @@ class EngineStats:
 
 def check_servable(model_or_config: Any) -> tuple[int, int]:
     """(KV heads, head_dim) of a model the engine can serve; a `ValueError` naming why not (its layers' kinds, its K/V
-    layout). Its config answers as the model would (`kvgov serve` asks before it loads the weights)."""
+    layout). Its config answers as the model would (`kvgov serve` asks before it loads the weights); whether its
+    layers attend through the engine's step is checked on the model (`ModelRunner.check_layers_reach_the_step`)."""
     config = decoder_config(model_or_config)
     layer_kinds(config)
     return kv_heads_and_head_dim(config)
@@ -191,6 +192,11 @@ class ServingEngine:
         self._generated = 0
         self._peak_bytes = 0
         self._closed = False
+        try:
+            self.runner.check_layers_reach_the_step()
+        except BaseException:
+            self.close()  # the model gets its attention back
+            raise
 
     # ------------------------------------------------------------------ requests
 

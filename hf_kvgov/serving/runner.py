@@ -68,14 +68,7 @@ class ModelRunner:
                 samplers.append(request)
         ragged = self.step_class.build(self.pool, slices, self.device)
         masses = ragged.observe_masses() if self.observe_masses else None
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(sampling + scored, dtype=torch.long, device=self.device),
-            **{self.step_key: ragged},
-        )
-        logits = out.logits[0]
+        logits = self._forward(ids, positions, sampling + scored, ragged)
         if scored:
             rows = logits[len(sampling) :].float().log_softmax(dim=-1)
             logprobs = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
@@ -91,6 +84,46 @@ class ModelRunner:
         full = full_group(self.pool.groups)  # the tables that evict
         assert full is not None, "block masses are observed only with a full-attention group"
         return sampled, list(masses.per_sequence([-(-s.kv_lengths[full] // size) for s in slices[:decoding]]))
+
+    def _forward(self, ids: list[int], positions: list[int], keep: list[int], ragged: RaggedStep) -> torch.Tensor:
+        """The model over one packed row; the logits `[len(keep), vocab]` of the packed indices `keep`. Every layer
+        must have attended through `ragged`: one that did not saw none of its sequences' earlier tokens."""
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            **{self.step_key: ragged},
+        )
+        missed = sorted(set(range(self.pool.geometry.num_layers)) - ragged.attended)
+        if missed:
+            raise ValueError(
+                f"{type(self.model).__name__} cannot be served by the engine: layers {missed} attended without its "
+                "step (their attention bypasses transformers' attention interface, or the model does not pass its "
+                "keyword arguments down to it), so they would see no earlier token of any request."
+            )
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def check_layers_reach_the_step(self) -> None:
+        """One token through the model on a block of its own: a `ValueError` naming a model whose layers do not all
+        attend through the engine's step, before any request is served (rather than answers without context)."""
+        (block,) = self.pool.allocate(1)
+        try:
+            groups = len(self.pool.groups)
+            ragged = self.step_class.build(self.pool, [SequenceSlice(1, [1] * groups, [[block]] * groups)], self.device)
+            try:
+                self._forward([0], [0], [0], ragged)
+            except ValueError:
+                raise
+            except Exception as err:  # e.g. the kvgov_ragged attention called without the step, or a model's own
+                # attention code reading the mask the packed step does not build
+                raise ValueError(
+                    f"{type(self.model).__name__} cannot be served by the engine: one token through its step failed "
+                    f"({type(err).__name__}: {err})"
+                ) from err
+        finally:
+            self.pool.decref([block])
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:

@@ -20,7 +20,7 @@ from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.engine.slots.slot_layer import SlotLayer
 from hf_kvgov.engine.slots.slot_steps import check_attention, check_shapes
 from hf_kvgov.engine.slots.view import KeyReader
-from hf_kvgov.hf.compat import attention_implementation, kv_heads_and_head_dim
+from hf_kvgov.hf.compat import attention_implementation, check_attention_view, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool, pooled_homes
@@ -122,6 +122,7 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         name = type(self).__name__
         config = checked_decoder_config(model, name)
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
+        check_attention_view(model, f"an eviction cache ({name})")
         windows = layer_windows(config)
         self._config = config
         # A policy that forecasts queries turns them with the layers' RoPE; a model without it is refused by

@@ -1,4 +1,6 @@
-"""Models whose K/V the caches cannot hold are refused when a cache, the engine or a plan is made, by name.
+"""Which model families each path serves, and the refusals, by name and when a cache, the engine or a plan is made.
+
+Models whose K/V the caches cannot hold are refused everywhere.
 
 Multi-head latent attention (DeepSeek-V3 and its family) caches one shared latent and rotary key per token; MiMo-V2-
 Flash's value heads are narrower than its key heads. Both used to fail at the first `update`, in the middle of
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from transformers import DynamicCache
 
 from hf_kvgov import (
     DiskOffloadCache,
@@ -32,7 +35,7 @@ from hf_kvgov import (
 from hf_kvgov.cli.main import main
 from hf_kvgov.planner.config_loading import geometry_from_config
 from hf_kvgov.registry import get_cache_spec
-from hf_kvgov.serving import ServingEngine
+from hf_kvgov.serving import SamplingParams, ServingEngine
 from tests.char_tokenizer import char_tokenizer
 
 SMALL = dict(
@@ -117,3 +120,76 @@ def test_the_planner_refuses_their_configs(
     assert main(["plan", "--model", str(tmp_path / "config.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+# ---------------------------------------------------------------- attention the engine's step does not reach
+
+
+def bloom() -> Any:
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.5)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def stablelm() -> Any:
+    torch.manual_seed(0)
+    config = transformers.StableLmConfig(num_key_value_heads=2, **SMALL)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("make_model", "message"),
+    [
+        (bloom, r"BloomForCausalLM cannot be served by the engine: layers \[0, 1\] attended without its step"),
+        (stablelm, r"StableLmForCausalLM cannot be served by the engine: one token through its step failed"),
+    ],
+    ids=["bloom", "stablelm"],
+)
+def test_the_engine_refuses_a_model_whose_layers_attend_without_its_step(
+    make_model: Callable[[], Any], message: str
+) -> None:
+    """Bloom computes attention in its own code (the engine used to answer every request without its context after
+    the first token); StableLM's layers do not pass the model's keyword arguments down to attention (it failed at the
+    first step). One token through the engine's step at construction finds both."""
+    model = make_model()
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=message):
+        ServingEngine(model)
+    assert model.config._attn_implementation == before  # the model has its own attention back
+
+
+# ---------------------------------------------------------------- KV sharing (Gemma-3n, Gemma 4)
+
+
+@pytest.fixture(scope="module")
+def gemma3n() -> Any:
+    torch.manual_seed(0)
+    config = transformers.Gemma3nTextConfig(
+        vocab_size=128, vocab_size_per_layer_input=128, hidden_size=64, hidden_size_per_layer_input=8,
+        intermediate_size=[128] * 4, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_kv_shared_layers=2, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16, max_position_embeddings=256,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda m: PagedCache(m, attention="paged"), lambda m: HeavyHitterCache(m), lambda m: PolicyCache(m, "snapkv")],
+    ids=["PagedCache(attention='paged')", "HeavyHitterCache", "PolicyCache"],
+)
+def test_views_refuse_kv_sharing_at_construction(gemma3n: Any, build: Callable[[Any], Any]) -> None:
+    """Gemma-3n's last layers reuse the K/V `cache.update` returned to an earlier layer: a view of the new tokens
+    crashed attention='paged' and made an eviction cache's tokens differ from the full cache's, silently."""
+    with pytest.raises(ValueError, match="gemma3n_text's last 2 layers reuse the keys and values an earlier layer"):
+        build(gemma3n)
+
+
+def test_block_caches_and_the_engine_serve_kv_sharing(gemma3n: Any) -> None:
+    prompt = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(2))
+    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    expected = gemma3n.generate(prompt, cache=DynamicCache(config=gemma3n.config), **kw)
+    assert torch.equal(gemma3n.generate(prompt, cache=PagedCache(gemma3n, block_size=4), **kw), expected)
+    with ServingEngine(gemma3n, block_size=4) as engine:
+        got = engine.generate([prompt[0].tolist()], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert got == [expected[0, 30:].tolist()]
