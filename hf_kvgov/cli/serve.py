@@ -117,7 +117,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"{command}: error: {err}", file=sys.stderr)
         return 2
-    run_server(args.model, args.host, args.port, args.log_level, **engine_args)
+    try:
+        run_server(args.model, args.host, args.port, args.log_level, **engine_args)
+    except RuntimeError as err:  # transformers relays a refusal from the model's process as "ValueError: ..."
+        reason = str(err)
+        if not reason.startswith("ValueError: "):
+            raise
+        print(f"{command}: error: {reason.removeprefix('ValueError: ')}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -10,6 +10,7 @@ one block pool under one byte cap, with prefix sharing and codes as configured. 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,7 +38,13 @@ class GovernedModelLoader(model_manager.ModelLoader):
 
     def load_model_and_processor(self, model_id: str, on_progress: Any = None) -> tuple[Any, Any]:
         model, processor = super().load_model_and_processor(model_id, on_progress)
-        install(model, **self.engine_args)
+        try:
+            install(model, **self.engine_args)
+        except ValueError:
+            # The engine refused the model (`kvgov serve` prints the reason in one line): transformers' model process
+            # would log the refusal with a traceback first, as it logs a crash.
+            logging.getLogger(model_manager.__name__).disabled = True
+            raise
         return model, processor
 
 

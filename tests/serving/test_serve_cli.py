@@ -6,9 +6,11 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from hf_kvgov.cli.main import main
+from tests.char_tokenizer import char_tokenizer
 
 
 @pytest.mark.parametrize(
@@ -64,3 +66,18 @@ def test_a_model_the_engine_cannot_serve_gets_one_line_before_its_weights_load(
     assert main(["serve", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_model_the_engine_refuses_after_loading_gets_one_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Bloom's config looks servable; the engine refuses the loaded model (its attention never reaches the engine's
+    step) in the model's process, which transformers' server relays: one line, no traceback from either process."""
+    torch.manual_seed(0)
+    bloom = transformers.BloomConfig(vocab_size=96, hidden_size=64, n_layer=2, n_head=4)
+    transformers.AutoModelForCausalLM.from_config(bloom).save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
+    err = capfd.readouterr().err
+    assert "kvgov serve: error: BloomForCausalLM cannot be served by the engine: layers [0, 1]" in err, err
+    assert "Traceback" not in err, err
