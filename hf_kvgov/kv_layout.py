@@ -1,17 +1,19 @@
 """Which transformers models cache K/V in a shape hf_kvgov can hold, in one torch-free place.
 
-Every hf_kvgov cache, the serving engine and the planner hold per-head keys and values of one ``head_dim``. Two
-families cache something else, and are refused by name when a cache is built (or a plan made), not at the first
-`update`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Mistral Large 3, ...), which caches
-one shared compressed latent and rotary key per token, and models whose value heads are narrower than their key
-heads (MiMo-V2-Flash). Encoder-decoder models (T5, BART, Whisper) are refused too: their decoder caches the
-encoder's K/V for cross-attention beside its own, and a decoder-only cache handed to `generate` silently took both.
+Every hf_kvgov cache, the serving engine and the planner hold per-head keys and values of one ``head_dim`` and one
+KV-head count for every layer. These models cache something else, and are refused by name when a cache is built (or
+a plan made), not at the first `update`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Mistral
+Large 3, ...), which caches one shared compressed latent and rotary key per token; value heads narrower than key
+heads (MiMo-V2-Flash); layers of different head_dim or KV heads (Gemma 4); and encoder-decoder models (T5, BART,
+Whisper), whose decoder caches the encoder's K/V beside its own (a decoder-only cache silently took both).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+_GEOMETRY = ("head_dim", "num_key_value_heads", "v_head_dim")  # what the pool's one geometry fixes for every layer
 
 
 def unsupported_kv_layout(field: Callable[[str], Any], model_type: str) -> str | None:
@@ -22,6 +24,13 @@ def unsupported_kv_layout(field: Callable[[str], Any], model_type: str) -> str |
             f"{model_type or 'This model'} is an encoder-decoder model: its decoder caches cross-attention K/V of "
             "the encoder's output beside its own (transformers' EncoderDecoderCache), and hf_kvgov's caches, serving "
             "engine and planner hold the self-attention K/V of decoder-only models. Use transformers' caches."
+        )
+    varying = _per_layer_geometry(field)
+    if varying is not None:
+        return (
+            f"{model_type or 'This model'} gives its layers different attention geometry ({varying}), and hf_kvgov's "
+            "caches, serving engine and planner hold one head_dim and KV-head count for every layer. Use transformers' "
+            "DynamicCache."
         )
     latent = field("kv_lora_rank")
     if latent is not None:
@@ -42,6 +51,34 @@ def unsupported_kv_layout(field: Callable[[str], Any], model_type: str) -> str |
             "DynamicCache."
         )
     return None
+
+
+def _per_layer_geometry(field: Callable[[str], Any]) -> str | None:
+    """Which layers' K/V geometry differs from the rest (``per_layer_config``: Gemma 4's full-attention layers have
+    twice the sliding ones' head_dim), as "layers 5, 11 have head_dim 512", or None. A config object gives one view
+    per layer; a config.json, the overrides by layer index."""
+    layers = field("per_layer_config")
+    if not layers:
+        return None
+    if isinstance(layers, Mapping):
+        rows = {int(index): dict(override) for index, override in layers.items()}
+        base = {name: field(name) for name in _GEOMETRY}
+    else:
+        rows = dict(enumerate({name: getattr(layer, name, None) for name in _GEOMETRY} for layer in layers))
+        base = rows.get(0, {})
+    changes: dict[str, list[int]] = {}
+    for index, values in sorted(rows.items()):
+        for name in _GEOMETRY:
+            if name in values and values[name] != base.get(name):
+                changes.setdefault(f"{name} {values[name]}", []).append(index)
+    if not changes:
+        return None
+    return "; ".join(
+        f"layer {indices[0]} has {change}"
+        if len(indices) == 1
+        else f"layers {', '.join(map(str, indices))} have {change}"
+        for change, indices in changes.items()
+    )
 
 
 def _dims(field: Callable[[str], Any]) -> str | None:
