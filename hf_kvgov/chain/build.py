@@ -18,7 +18,7 @@ from hf_kvgov.engine.parts import (
 )
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.engine.rules import layout_for
-from hf_kvgov.hf.compat import decoder_config
+from hf_kvgov.hf.compat import cached_layer_count, decoder_config
 from hf_kvgov.hf.disk_cache import DiskOffloadCache
 from hf_kvgov.hf.eviction import HeavyHitterCache, PolicyCache, SinkCache
 from hf_kvgov.hf.eviction.pooled_slots import eviction_pool
@@ -73,7 +73,7 @@ def GovernedCache(
         layers=layers,
         attention=attention,
     )
-    layout = layout_for(parts, int(decoder_config(model_or_config).num_hidden_layers))
+    layout = layout_for(parts, cached_layer_count(decoder_config(model_or_config)))
     return _BUILDERS[layout.name](model_or_config, parts)
 
 

@@ -92,6 +92,14 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
     return kinds
 
 
+def cached_layer_count(config: PretrainedConfig) -> int:
+    """The decoder layers that cache K/V of their own: all but the last ``num_kv_shared_layers`` (KV sharing,
+    Gemma-3n: those read the K/V an earlier layer's `cache.update` returned and never call it themselves)."""
+    total = int(config.num_hidden_layers)
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    return total - shared if 0 < shared < total else total
+
+
 def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
     """(KV heads, head_dim) of a decoder config; `ValueError` for a model whose cache holds something else
     (`hf_kvgov.kv_layout`)."""
@@ -146,17 +154,26 @@ def model_layer_devices(model_or_config: Any, num_layers: int) -> tuple[torch.de
 
 
 def decoder_layer_names(model: PreTrainedModel, num_layers: int) -> list[str] | None:
-    """Module names of the text decoder's layers (e.g. "model.layers.3"), or None if they cannot be found."""
+    """Module names of the text decoder's first `num_layers` layers (e.g. "model.layers.3"; fewer than the model has
+    when its last layers share K/V), or None if they cannot be found."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     found = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers and (layers is None or module is layers)
+        if isinstance(module, nn.ModuleList) and _holds_layers(module, layers, num_layers)
     ]
     if not found:
         return None
     return [f"{found[0]}.{i}" if found[0] else str(i) for i in range(num_layers)]
+
+
+def _holds_layers(module: nn.ModuleList, layers: Any, num_layers: int) -> bool:
+    """Whether `module` is the decoder's layer list (`layers`, when the model names it) holding at least `num_layers`
+    layers; without a name, a list of exactly `num_layers`."""
+    if layers is not None:
+        return module is layers and len(module) >= num_layers
+    return len(module) == num_layers
 
 
 def _mapped_device(device_map: Mapping[str, Any], modules: Mapping[str, nn.Module], layer: str) -> torch.device | None:

@@ -18,6 +18,7 @@ from hf_kvgov.engine.paged_view import PagedView
 from hf_kvgov.engine.parts import ATTENTION_PATHS, ChainParts, Paging
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.compat import (
+    cached_layer_count,
     check_attention_view,
     decoder_config,
     kv_heads_and_head_dim,
@@ -86,7 +87,8 @@ class PagedCache(GovernedCacheBase, BlockStore):
         num_kv_heads, head_dim = kv_heads_and_head_dim(config)
         if attention == "paged":
             check_attention_view(model_or_config, "attention='paged'")
-        num_layers = int(config.num_hidden_layers)
+        num_layers = cached_layer_count(config)  # layers sharing an earlier layer's K/V hold no blocks
+        windows = windows[:num_layers]
         BlockStore.__init__(
             self,
             num_layers,

@@ -122,6 +122,12 @@ def geometry_from_config(config: Mapping[str, Any], name: str, source: str | Non
     num_heads = _require_int(text, "num_attention_heads", source)
     num_kv_heads = text.get("num_key_value_heads") or num_heads
     window, sliding = _sliding_layers(text, num_layers, source)
+    # KV sharing (Gemma-3n, Gemma 4): the last layers read the K/V of earlier ones and cache none of their own.
+    shared = text.get("num_kv_shared_layers") or 0
+    if isinstance(shared, int) and 0 < shared < num_layers:
+        num_layers -= shared
+        sliding = tuple(i for i in sliding if i < num_layers)
+        window = window if sliding else None
     return ModelGeometry(
         name=name,
         num_layers=num_layers,

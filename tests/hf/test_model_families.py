@@ -32,8 +32,12 @@ from hf_kvgov import (
     QuantizedCache,
     SinkCache,
     kvzip_cache,
+    prefix_tree,
 )
+from hf_kvgov.bench.plan_setups import planner_geometry
 from hf_kvgov.cli.main import main
+from hf_kvgov.planner import CacheSetup
+from hf_kvgov.planner.accounting import sequence_bytes
 from hf_kvgov.planner.config_loading import geometry_from_config
 from hf_kvgov.registry import get_cache_spec
 from hf_kvgov.serving import SamplingParams, ServingEngine
@@ -201,11 +205,32 @@ def test_views_refuse_kv_sharing_at_construction(gemma3n: Any, build: Callable[[
         build(gemma3n)
 
 
-def test_block_caches_and_the_engine_serve_kv_sharing(gemma3n: Any) -> None:
-    prompt = torch.randint(3, 120, (1, 30), generator=torch.Generator().manual_seed(2))
-    kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+def test_block_caches_and_the_engine_serve_kv_sharing(gemma3n: Any, tmp_path: Path) -> None:
+    """The block caches hold blocks for the two layers that cache K/V (the pool used to give the two sharing layers
+    blocks they never wrote: twice the bytes here), as the planner counts them; answers as the full cache's."""
+    prompt = torch.randint(3, 120, (2, 30), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    kw = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0, "eos_token_id": None}
     expected = gemma3n.generate(prompt, cache=DynamicCache(config=gemma3n.config), **kw)
-    assert torch.equal(gemma3n.generate(prompt, cache=PagedCache(gemma3n, block_size=4), **kw), expected)
+    paged = PagedCache(gemma3n, block_size=4)
+    assert torch.equal(gemma3n.generate(prompt, cache=paged, **kw), expected)
+    assert len(paged.layers) == 2 and paged.pool.geometry.num_layers == 2
+    geometry = planner_geometry(gemma3n)
+    assert geometry is not None and geometry.num_layers == 2
+    one_row = sequence_bytes(geometry, CacheSetup(block_size=4, kv_dtype="fp32"), 37).device
+    assert paged.stats().bytes_used == 2 * one_row  # two rows of 37 stored tokens (the padding row's too)
+    disk = DiskOffloadCache(gemma3n, path=tmp_path, hot_tokens=8, block_size=4)
+    assert torch.equal(gemma3n.generate(prompt, cache=disk, **kw), expected)
+    tree = prefix_tree(gemma3n)
+    for _ in range(2):  # the second turn hits what the first published
+        cache = PagedCache(gemma3n, prefix=tree)
+        inputs = cache.match(prompt[:1])
+        out = gemma3n.generate(**inputs, cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert out[0, -8:].tolist() == expected[0, 30:].tolist()
+        cache.publish(out)
+        cache.release()
+    assert tree.stats().hit_tokens > 0
     with ServingEngine(gemma3n, block_size=4) as engine:
         got = engine.generate([prompt[0].tolist()], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert got == [expected[0, 30:].tolist()]
