@@ -45,6 +45,8 @@ def kvgov_attention_forward(
     sinks = kwargs.get("s_aux")
     if view is None:
         return sdpa_over_given_kv(query, key, value, attention_mask, scale, softcap, sinks), None
+    if sinks is None:  # a view written before views took sinks still serves every model without them
+        return view.attend(query, attention_mask, scale, softcap), None
     return view.attend(query, attention_mask, scale, softcap, sinks), None
 
 

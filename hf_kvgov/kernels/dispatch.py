@@ -3,13 +3,12 @@
 Two paths, each a registry from backend name to a `Backend` record: "paged" (`paged_attention`, full-precision
 blocks) with "torch" (the reference, which serves every call), "sdpa", "triton" and "flash_attn"; "quantized"
 (`quantized_paged_attention`, tables mixing full-precision and sealed blocks) with "torch", "sdpa" and "triton"
-(decode only). Fast backends' modules are imported on first use, so importing hf_kvgov pays for neither triton nor
-flash-attn, and a `TRITON_INTERPRET=1` set before that still takes effect. Automatically, the highest-`priority`
-backend whose `auto_devices` list the query's device and that accepts the call serves it, else "torch" (the Triton
-interpreter is exact but slow, so it is never picked by itself). `set_backend(name)` or `KVGOV_ATTENTION_BACKEND`
-forces one backend where it can serve; `last_backend()`, `backend_counts()` and the DEBUG logger
-`hf_kvgov.kernels.dispatch` say which backend served and why a preferred one refused. A call with learned sink
-logits (`sinks=`, GPT-OSS) goes to the backends that take them (`Backend.takes_sinks`: Triton and the references).
+(decode only). Fast backends' modules are imported on first use (a `TRITON_INTERPRET=1` set before still counts).
+Automatically, the highest-`priority` backend whose `auto_devices` list the query's device and that accepts the call
+serves it, else "torch" (the Triton interpreter is exact but slow, so never picked by itself); a call with learned
+sink logits (GPT-OSS) only by one that `takes_sinks`. `set_backend(name)` or `KVGOV_ATTENTION_BACKEND` forces one
+backend where it can serve; `last_backend()`, `backend_counts()` and the DEBUG logger `hf_kvgov.kernels.dispatch`
+say which backend served and why a preferred one refused.
 """
 
 from __future__ import annotations
