@@ -100,6 +100,17 @@ def cached_layer_count(config: PretrainedConfig) -> int:
     return total - shared if 0 < shared < total else total
 
 
+def kv_sources(config: PretrainedConfig) -> dict[int, int]:
+    """Each KV-sharing layer (past `cached_layer_count`) -> the layer whose K/V it attends over: the last caching layer
+    of its type (Gemma-3n's ``kv_shared_layer_index``); empty without KV sharing."""
+    cached, types = cached_layer_count(config), getattr(config, "layer_types", None)
+    total = int(config.num_hidden_layers)
+    if cached == total:
+        return {}
+    types = list(types) if types is not None else ["full_attention"] * total
+    return {layer: max(i for i in range(cached) if types[i] == types[layer]) for layer in range(cached, total)}
+
+
 def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
     """(KV heads, head_dim) of a decoder config; `ValueError` for a model whose cache holds something else
     (`hf_kvgov.kv_layout`)."""

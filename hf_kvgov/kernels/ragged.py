@@ -13,7 +13,7 @@ group (`GroupIndex`: with a hybrid model's groups, a sliding group's rows start 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -93,13 +93,22 @@ class RaggedStep:
     # Set by `observe_masses`: each block's attention, summed over the layers (heavy-hitter eviction's score).
     masses: BlockMasses | None = None
     attended: set[int] = field(default_factory=set)  # the layers whose attention went through this step
+    # KV sharing (Gemma-3n): a layer past the pool's that attends over an earlier layer's K/V -> that layer, which
+    # wrote them earlier in this step.
+    kv_sources: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, pool: BlockPool, sequences: Sequence[SequenceSlice], device: torch.device) -> RaggedStep:
+    def build(
+        cls,
+        pool: BlockPool,
+        sequences: Sequence[SequenceSlice],
+        device: torch.device,
+        kv_sources: Mapping[int, int] | None = None,
+    ) -> RaggedStep:
         """`sequences` in packing order: the leading slices of one query are the decode rows, the rest chunks."""
         size = pool.block_size
         indexes = [GroupIndex.build(sequences, g, group.window, size, device) for g, group in enumerate(pool.groups)]
-        return cls(pool=pool, groups=tuple(indexes))
+        return cls(pool=pool, groups=tuple(indexes), kv_sources=dict(kv_sources or {}))
 
     @property
     def num_decoding(self) -> int:
@@ -134,13 +143,20 @@ class RaggedStep:
         """Store `key`/`value` `[1, kv_heads, tokens, dim]` and attend `query` `[1, q_heads, tokens, dim]` (with the
         model's learned sink logit per query head, `sinks` `[q_heads]`, when it has them).
 
+        A layer that shares an earlier layer's K/V (`kv_sources`) attends over that layer's blocks and stores nothing:
+        its `key`/`value` are the ones that layer wrote.
+
         Returns `[1, tokens, q_heads, dim]`, the layout transformers' attention functions return.
         """
         self.attended.add(layer)
+        source = self.kv_sources.get(layer)
+        if source is not None:
+            layer = source
         group = self.pool.group_of(layer)
         index = self.groups[group]
         masses = self.masses if self.pool.groups[group].window is None else None
-        self.pool.write(layer, index.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        if source is None:
+            self.pool.write(layer, index.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
         out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
         decoding = self.num_decoding
         if decoding:

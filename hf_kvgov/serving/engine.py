@@ -27,8 +27,10 @@ from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
     attention_implementation,
+    cached_layer_count,
     decoder_config,
     kv_heads_and_head_dim,
+    kv_sources,
     layer_kinds,
     model_dtype_and_device,
 )
@@ -144,7 +146,8 @@ class ServingEngine:
         if remote is not None and not prefix_sharing:
             raise ValueError("remote= shares prefixes through a tier, so it needs prefix_sharing=True.")
         num_kv_heads, head_dim = check_servable(model)
-        windows = [kind.sliding_window for kind in layer_kinds(config)]
+        num_layers = cached_layer_count(config)  # layers sharing an earlier layer's K/V attend over its blocks
+        windows = [kind.sliding_window for kind in layer_kinds(config)][:num_layers]
         self.model = model
         self._previous_attention = attention_implementation(model.config)
         if self._previous_attention == RAGGED_ATTENTION_NAME:
@@ -156,7 +159,7 @@ class ServingEngine:
         if placement is None:
             raise TypeError(f"ServingEngine needs a transformers model; got {type(model).__name__}.")
         dtype, self.device = placement
-        geometry = KVGeometry(int(config.num_hidden_layers), num_kv_heads, head_dim, dtype, self.device)
+        geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, self.device)
         quant = codec_config(codec)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
         # A sliding layer frees what left its window; a policy evicts from full-attention layers only.
@@ -177,7 +180,13 @@ class ServingEngine:
         register()
         model.set_attn_implementation(RAGGED_ATTENTION_NAME)
         self.runner = ModelRunner(
-            model, self.pool, RAGGED_STEP_KEY, self.device, self.blocks.step_class, observe_masses=eviction.observes
+            model,
+            self.pool,
+            RAGGED_STEP_KEY,
+            self.device,
+            self.blocks.step_class,
+            eviction.observes,
+            kv_sources(config),
         )
         eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
         self.eos_token_ids: tuple[int, ...] = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])

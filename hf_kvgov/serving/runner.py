@@ -7,7 +7,7 @@ at its own positions), the `kvgov_ragged` attention reads the step's `RaggedStep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,9 +30,11 @@ class ModelRunner:
         device: torch.device,
         step_class: type[RaggedStep],
         observe_masses: bool = False,
+        kv_sources: Mapping[int, int] | None = None,
     ) -> None:
         self.model = model
         self.step_class = step_class
+        self.kv_sources = dict(kv_sources or {})  # layers past the pool's -> the layer whose K/V they attend over
         self.observe_masses = observe_masses  # score blocks by the attention they receive (an eviction policy)
         self.pool = pool
         self.step_key = step_key
@@ -66,7 +68,7 @@ class ModelRunner:
             if end == request.num_tokens:
                 sampling.append(len(ids) - 1)
                 samplers.append(request)
-        ragged = self.step_class.build(self.pool, slices, self.device)
+        ragged = self.step_class.build(self.pool, slices, self.device, self.kv_sources)
         masses = ragged.observe_masses() if self.observe_masses else None
         logits = self._forward(ids, positions, sampling + scored, ragged)
         if scored:
@@ -95,7 +97,7 @@ class ModelRunner:
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
             **{self.step_key: ragged},
         )
-        missed = sorted(set(range(self.pool.geometry.num_layers)) - ragged.attended)
+        missed = sorted((set(range(self.pool.geometry.num_layers)) | set(self.kv_sources)) - ragged.attended)
         if missed:
             raise ValueError(
                 f"{type(self.model).__name__} cannot be served by the engine: layers {missed} attended without its "
@@ -111,7 +113,8 @@ class ModelRunner:
         (block,) = self.pool.allocate(1)
         try:
             groups = len(self.pool.groups)
-            ragged = self.step_class.build(self.pool, [SequenceSlice(1, [1] * groups, [[block]] * groups)], self.device)
+            probe = [SequenceSlice(1, [1] * groups, [[block]] * groups)]
+            ragged = self.step_class.build(self.pool, probe, self.device, self.kv_sources)
             try:
                 self._forward([0], [0], [0], ragged)
             except ValueError:

@@ -231,6 +231,8 @@ def test_block_caches_and_the_engine_serve_kv_sharing(gemma3n: Any, tmp_path: Pa
         cache.publish(out)
         cache.release()
     assert tree.stats().hit_tokens > 0
-    with ServingEngine(gemma3n, block_size=4) as engine:
-        got = engine.generate([prompt[0].tolist()], SamplingParams(max_new_tokens=8, ignore_eos=True))
-    assert got == [expected[0, 30:].tolist()]
+    rows = [prompt[0].tolist(), prompt[1, 4:].tolist()]  # the second without its padding
+    with ServingEngine(gemma3n, block_size=4, max_batched_tokens=7) as engine:  # prompts chunked beside decode
+        got = engine.generate(rows, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert engine.pool.geometry.num_layers == 2  # sharing layers attend over the blocks of the layers they share
+    assert got == [expected[0, 30:].tolist(), expected[1, 30:].tolist()]
