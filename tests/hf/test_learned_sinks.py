@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM
 
 from hf_kvgov import HeavyHitter, HeavyHitterCache, PagedCache, eviction_attention, paged_attention
 from hf_kvgov.serving import ServingEngine
@@ -108,3 +108,21 @@ def test_the_engine_evicts_blocks_with_sinks(model: Any, prompts: list[list[int]
         outputs = engine.generate(prompts, greedy())
         assert engine.pool.num_used == 0
     assert [len(o) for o in outputs] == [12] * len(prompts)
+
+
+def test_the_kvgov_attention_over_another_caches_kv_soft_caps_too() -> None:
+    """Without a view (another cache's K/V), soft-capped logits go through the same reference as the sinks; they
+    used to be refused ("use eager attention"). A tiny Gemma-2, its logits capped at 5, left padding."""
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, attn_logit_softcapping=5.0, sliding_window=8,
+        attn_implementation="eager",
+    )  # fmt: skip
+    gemma2 = Gemma2ForCausalLM(config).eval()
+    expected = run(gemma2, DynamicCache(config=gemma2.config))
+    with paged_attention(gemma2):
+        got = run(gemma2, DynamicCache(config=gemma2.config))
+    assert torch.equal(got.sequences, expected.sequences)
+    for ours, theirs in zip(got.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
