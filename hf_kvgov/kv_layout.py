@@ -2,10 +2,10 @@
 
 Every hf_kvgov cache, the serving engine and the planner hold per-head keys and values of one ``head_dim`` and one
 KV-head count for every layer. These models cache something else, and are refused by name when a cache is built (or
-a plan made), not at the first `update`: multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash, Mistral
-Large 3, ...), which caches one shared compressed latent and rotary key per token; value heads narrower than key
-heads (MiMo-V2-Flash); layers of different head_dim or KV heads (Gemma 4); and encoder-decoder models (T5, BART,
-Whisper), whose decoder caches the encoder's K/V beside its own (a decoder-only cache silently took both).
+a plan made), not at the first `update`: multi-head latent attention (deepseek_v2, deepseek_v3, minicpm3, every
+config with a ``kv_lora_rank``), which caches one shared compressed latent and rotary key per token; value heads
+narrower than key heads (MiMo-V2-Flash); layers of different head_dim or KV heads (Gemma 4); and encoder-decoder
+models (T5, BART, Whisper), whose decoder caches the encoder's K/V beside its own (a block cache took both).
 """
 
 from __future__ import annotations
