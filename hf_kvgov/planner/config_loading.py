@@ -124,10 +124,11 @@ def geometry_from_config(config: Mapping[str, Any], name: str, source: str | Non
     window, sliding = _sliding_layers(text, num_layers, source)
     # KV sharing (Gemma-3n, Gemma 4): the last layers read the K/V of earlier ones and cache none of their own.
     shared = text.get("num_kv_shared_layers") or 0
-    if isinstance(shared, int) and 0 < shared < num_layers:
-        num_layers -= shared
-        sliding = tuple(i for i in sliding if i < num_layers)
-        window = window if sliding else None
+    if not (isinstance(shared, int) and 0 < shared < num_layers):
+        shared = 0
+    num_layers -= shared
+    sliding = tuple(i for i in sliding if i < num_layers)
+    window = window if sliding else None
     return ModelGeometry(
         name=name,
         num_layers=num_layers,
@@ -137,6 +138,7 @@ def geometry_from_config(config: Mapping[str, Any], name: str, source: str | Non
         sliding_window=window,
         sliding_layers=sliding,
         num_params=estimate_params(config),
+        shared_kv_layers=shared,
     )
 
 

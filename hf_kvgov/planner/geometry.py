@@ -26,6 +26,8 @@ class ModelGeometry:
         sliding_layers: indices of the layers that use ``sliding_window``; the others attend to all
             tokens. Must be empty when ``sliding_window`` is None.
         num_params: parameters of the whole model, for weight memory (None: unknown).
+        shared_kv_layers: further layers that attend over an earlier layer's keys and values and store none
+            (KV sharing, Gemma-3n); they cost nothing here and are only named in `describe`.
     """
 
     name: str
@@ -36,6 +38,7 @@ class ModelGeometry:
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     num_params: int | None = None
+    shared_kv_layers: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_dim", "max_position_embeddings"):
@@ -44,6 +47,12 @@ class ModelGeometry:
             _check_positive_int("ModelGeometry", "sliding_window", self.sliding_window)
         if self.num_params is not None:
             _check_positive_int("ModelGeometry", "num_params", self.num_params)
+        if (
+            isinstance(self.shared_kv_layers, bool)
+            or not isinstance(self.shared_kv_layers, int)
+            or self.shared_kv_layers < 0
+        ):
+            raise ValueError(f"ModelGeometry.shared_kv_layers must be an int >= 0; got {self.shared_kv_layers!r}.")
         if self.sliding_window is None and self.sliding_layers:
             raise ValueError(
                 f"ModelGeometry {self.name!r} lists sliding layers {list(self.sliding_layers)} but no "
@@ -86,6 +95,8 @@ class ModelGeometry:
         if self.sliding_window is not None:
             window, count = self.sliding_window, self.num_sliding_layers
             text += f", sliding window {window} on {count} of {self.num_layers} layers"
+        if self.shared_kv_layers:
+            text += f", and {self.shared_kv_layers} more layers that reuse earlier layers' K/V"
         if self.num_params is not None:
             text += f", {self.num_params / 1e9:.3g}B parameters"
         return text

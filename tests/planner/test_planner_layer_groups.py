@@ -191,3 +191,24 @@ def test_the_planner_still_loads_without_torch() -> None:
     # The planner takes the window formula from hf_kvgov.storage.layer_groups, which must stay torch-free.
     code = "import sys, hf_kvgov.planner; assert 'torch' not in sys.modules, 'the planner imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_kv_sharing_config_counts_the_layers_that_cache(tmp_path: Path) -> None:
+    """Gemma-3n's last `num_kv_shared_layers` layers reuse earlier layers' K/V and store none: the plan counts the
+    others (as the block caches now hold them; `tests/hf/test_model_families.py` checks a built cache against it)
+    and names the rest."""
+    config = {
+        "model_type": "gemma3n_text", "num_hidden_layers": 35, "num_kv_shared_layers": 15, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "sliding_window": 512, "max_position_embeddings": 32768,
+        "layer_types": _layer_types(["sliding_attention"] * 4 + ["full_attention"], 35),
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    geometry = resolve_model(str(path))
+    assert (geometry.num_layers, geometry.shared_kv_layers) == (20, 15)
+    assert geometry.layer_windows() == tuple(None if i % 5 == 4 else 512 for i in range(20))
+    assert geometry.kv_bytes_per_token("fp16") == 2 * 20 * 2 * 256 * 2
+    assert (
+        "20 layers" in geometry.describe()
+        and "and 15 more layers that reuse earlier layers' K/V" in geometry.describe()
+    )
