@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hf_kvgov.kernels.sinks import softmax_with_sinks
+
 QUERY_CHUNK = 128  # queries scored at a time: memory O(heads x QUERY_CHUNK x keys) for a long prefill chunk
 
 
@@ -46,11 +48,7 @@ def attention_mass(
             rows = torch.arange(length - q_len + first, length - q_len + last, device=keys.device)[:, None]
             visible = torch.arange(length, device=keys.device)[None, :] <= rows
         logits = logits.masked_fill(~visible, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(logits, dim=-1)
-        else:
-            sink = sinks.float().to(keys.device).view(1, kv_heads, q_heads // kv_heads, 1, 1)
-            probs = torch.cat((logits, sink.expand(*logits.shape[:-1], 1)), dim=-1).softmax(dim=-1)[..., :length]
+        probs = softmax_with_sinks(logits, sinks)
         mass += probs.nan_to_num(0.0).sum(dim=(1, 2, 3))
     blocks = -(-length // block_size)
     padded = torch.nn.functional.pad(mass, (0, blocks * block_size - length))

@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from hf_kvgov.kernels.sinks import checked_sinks
+
 DEFAULT_CHUNK_TOKENS = 2048
 
 
@@ -88,9 +90,7 @@ def chunked_attention(
     m = torch.full((batch, kv_heads, group * q_len, 1), float("-inf"), device=query.device)
     denom = torch.zeros_like(m)
     if sinks is not None:  # a sink is a logit with no value: it starts the running max and denominator
-        if sinks.shape != (q_heads,):
-            raise ValueError(f"sinks must hold one logit per query head, shape ({q_heads},); got {tuple(sinks.shape)}.")
-        per_row = sinks.float().to(query.device).view(kv_heads, group, 1).expand(kv_heads, group, q_len)
+        per_row = checked_sinks(sinks, q_heads, query.device).view(kv_heads, group, 1).expand(kv_heads, group, q_len)
         m = per_row.reshape(1, kv_heads, group * q_len, 1).expand(batch, -1, -1, -1).clone()
         denom = torch.ones_like(m)
     acc = torch.zeros((batch, kv_heads, group * q_len, head_dim), device=query.device)

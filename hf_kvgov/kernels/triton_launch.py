@@ -20,6 +20,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
+from hf_kvgov.kernels.sinks import checked_sinks
 from hf_kvgov.kernels.triton_paged_kernel import (
     MASK_ADDITIVE,
     MASK_BOOL,
@@ -116,9 +117,7 @@ def combine_splits(
     """Merge the splits of `partial_state` into the output `[batch, 1, q_heads, head_dim]` of `dtype`, with each
     query head's learned sink logit (`sinks` `[q_heads]`) in its denominator when given."""
     batch, q_heads, splits, head_dim = acc.shape
-    if sinks is not None and tuple(sinks.shape) != (q_heads,):
-        raise ValueError(f"sinks must hold one logit per query head, shape ({q_heads},); got {tuple(sinks.shape)}.")
-    sink_logits = m if sinks is None else sinks.to(device=acc.device, dtype=torch.float32).contiguous()
+    sink_logits = m if sinks is None else checked_sinks(sinks, q_heads, acc.device).contiguous()
     out = torch.empty((batch, 1, q_heads, head_dim), dtype=dtype, device=acc.device)
     paged_decode_combine_kernel[(batch, q_heads)](
         m, denom, acc, sink_logits, out, splits, out.stride(0), out.stride(2), out.stride(3),

@@ -35,6 +35,7 @@ class ModelRunner:
         self.model = model
         self.step_class = step_class
         self.kv_sources = dict(kv_sources or {})  # layers past the pool's -> the layer whose K/V they attend over
+        self._attending = frozenset(range(pool.geometry.num_layers)) | self.kv_sources.keys()  # every step, each once
         self.observe_masses = observe_masses  # score blocks by the attention they receive (an eviction policy)
         self.pool = pool
         self.step_key = step_key
@@ -97,7 +98,7 @@ class ModelRunner:
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
             **{self.step_key: ragged},
         )
-        missed = sorted((set(range(self.pool.geometry.num_layers)) | set(self.kv_sources)) - ragged.attended)
+        missed = sorted(self._attending - ragged.attended)
         if missed:
             raise ValueError(
                 f"{type(self.model).__name__} cannot be served by the engine: layers {missed} attended without its "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hf_kvgov.kernels.sinks import softmax_with_sinks
 from hf_kvgov.policies import accumulate_attention
 
 DEFAULT_QUERY_CHUNK = 256
@@ -77,7 +78,6 @@ def attend_slots(
     running = scores if want_scores else None
     recent: Tensor | None = None
     first_recent = q_len - recent_queries if recent_queries else q_len
-    sink = None if sinks is None else sinks.to(device=query.device, dtype=work).view(1, kv_heads, group, 1, 1)
     for start in range(0, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
@@ -87,12 +87,7 @@ def attend_slots(
         logits = (stacked @ keys_t).view(batch, kv_heads, group, size, slots) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        if sink is None:
-            probs = logits.softmax(dim=-1)
-        else:  # the sink's column takes its share of each row and goes
-            probs = torch.cat((logits, sink.expand(batch, kv_heads, group, size, 1)), dim=-1).softmax(dim=-1)
-            probs = probs[..., :slots]
+        probs = softmax_with_sinks(logits.masked_fill(~allowed, float("-inf")), sinks)
         # A row with every slot masked (a padding query) is NaN after softmax; it reads and adds nothing. Most
         # chunks have none, and on a CPU the check is cheaper than the rewrite of every probability (elsewhere it
         # would wait for the device, or find no values: the rewrite always runs there).
