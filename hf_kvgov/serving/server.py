@@ -48,6 +48,28 @@ class GovernedModelLoader(model_manager.ModelLoader):
         return model, processor
 
 
+class GovernedModelManager(model_manager.ModelManager):
+    """transformers' model manager, answering for the served model under the name `kvgov serve` was given too.
+
+    A server pinned to one model answers only requests that name the id it loads the model by, which for an embedded
+    model is its GGUF's path in the local cache: a client that sends ``model="smollm2"``, as ``kvgov serve --help``
+    shows, would get a 400. `run_server` sets `served_name`; `/v1/models` lists the model under it.
+    """
+
+    served_name: ClassVar[str | None] = None
+
+    def get_engine(self, model: str | None) -> Any:
+        if model is not None and model == self.served_name:
+            model = self.force_model
+        return super().get_engine(model)
+
+    def list_models(self, cache_dir: str | None = None) -> list[dict[str, Any]]:
+        listed: list[dict[str, Any]] = super().list_models(cache_dir)
+        if self.force_model is not None and self.served_name is not None:
+            listed = [{**entry, "id": self.served_name} for entry in listed]
+        return listed
+
+
 def server_model_id(name: str) -> str:
     """The id transformers' server loads `name` by: an embedded model's GGUF as ``<directory>:<file>.gguf`` (fetched
     once if it is not yet), a ``.gguf`` path likewise, anything else (a hub id, a local directory) as given."""
@@ -78,9 +100,11 @@ def check_model_before_loading(name: str) -> None:
 def run_server(name: str, host: str, port: int, log_level: str = "info", **engine_args: Any) -> None:
     """Serve `name` on `host:port` until interrupted; each request's KV lives in the governed engine's pool."""
     model_id = server_model_id(name)
-    own_loader = model_manager.ModelLoader
+    own_loader, own_manager = model_manager.ModelLoader, model_manager.ModelManager
     GovernedModelLoader.engine_args = dict(engine_args)
+    GovernedModelManager.served_name = name
     model_manager.ModelLoader = GovernedModelLoader  # type: ignore[misc]
+    model_manager.ModelManager = GovernedModelManager  # type: ignore[misc]
     try:
         transformers_serve.Serve(
             force_model=model_id,
@@ -92,3 +116,4 @@ def run_server(name: str, host: str, port: int, log_level: str = "info", **engin
         )
     finally:
         model_manager.ModelLoader = own_loader  # type: ignore[misc]
+        model_manager.ModelManager = own_manager  # type: ignore[misc]

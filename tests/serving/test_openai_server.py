@@ -92,6 +92,23 @@ def test_a_streamed_completion_is_the_greedy_answer(server: tuple[str, Path], sm
     assert "".join(pieces) == _greedy_alone(smollm2, PROMPT, 16)
 
 
+def test_the_model_answers_to_the_name_the_server_was_given(server: tuple[str, Path], smollm2: Any) -> None:
+    """`kvgov serve` (the embedded model) is asked for ``model="smollm2"``, as its help shows; transformers' pinned
+    server would answer that with a 400, since it loads the model by its GGUF's path. Another name is still refused."""
+    url, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert [entry.id for entry in client.models.list().data] == ["smollm2"]
+    answer = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert answer.choices[0].text == _greedy_alone(smollm2, PROMPT, 8)
+    chat = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hello"}], max_tokens=4, temperature=0
+    )
+    assert chat.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="gemma3-270m", prompt=PROMPT, max_tokens=4)
+    assert "requested 'gemma3-270m'" in refused.value.response.text
+
+
 def test_a_sampled_completion_with_a_seed_is_reproducible(server: tuple[str, Path]) -> None:
     """The server seeds torch's generator with a request's `seed`; the engine draws the request's own seed from it.
     (The model's generation config does not sample: the request's own `generation_config` turns sampling on.)"""
