@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -124,9 +124,13 @@ def kv_heads_and_head_dim(config: PretrainedConfig) -> tuple[int, int]:
 
 
 def check_attention_view(model_or_config: Any, what: str) -> None:
-    """Refuse a model `what` cannot serve by handing attention a view of its own storage (`AttentionView`): one whose
-    later layers reuse the K/V an earlier layer's `cache.update` returned (KV sharing: Gemma-3n, Gemma 4), which
-    needs them whole. (A model whose attention never reads the view is refused at its first step, by name.)"""
+    """Refuse a model `what` cannot serve by handing attention a view of its own storage (`AttentionView`).
+
+    Two kinds: a model whose later layers reuse the K/V an earlier layer's `cache.update` returned (KV sharing:
+    Gemma-3n, Gemma 4), which needs them whole; and, for a model (not a config), one whose attention does not pass
+    its attention kwargs to `cache.update` (GPT-NeoX, Falcon, Bloom), which the view is staged from
+    (`passes_update_kwargs`). A model whose attention never reads the view is refused at its first step, by name.
+    """
     config = decoder_config(model_or_config)
     shared = getattr(config, "num_kv_shared_layers", None) or 0
     if shared > 0:
@@ -136,6 +140,47 @@ def check_attention_view(model_or_config: Any, what: str) -> None:
             "through a view of its own storage. PagedCache, QuantizedCache and DiskOffloadCache with their default "
             "attention, and the serving engine, serve it."
         )
+    if isinstance(model_or_config, PreTrainedModel) and passes_update_kwargs(model_or_config) is False:
+        raise ValueError(
+            f"{type(model_or_config).__name__}'s attention does not pass its attention kwargs to cache.update, and "
+            f"{what} attends through a view of its own storage staged from them. PagedCache, QuantizedCache and "
+            "DiskOffloadCache with their default attention serve it."
+        )
+
+
+class _UpdateRecorder(DynamicCache):
+    """transformers' own cache, noting whether each `update` was given the attention kwargs (``kwargs=``)."""
+
+    calls = 0
+    with_kwargs = 0
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.with_kwargs += kwargs.get("kwargs") is not None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+# Whether a model class's attention passes its kwargs to `cache.update`: a fact of its code, probed once per class.
+_PASSES_UPDATE_KWARGS: dict[type, bool] = {}
+
+
+def passes_update_kwargs(model: PreTrainedModel) -> bool | None:
+    """Whether every layer of `model` passes its attention kwargs to `cache.update` (transformers 5 decoders do:
+    ``cache.update(k, v, layer_idx, kwargs=kwargs)``; GPT-NeoX, Falcon and Bloom do not). One token through the
+    model finds out, once per model class; None when that forward fails or stores nothing (left to the first step)."""
+    kind = type(model)
+    if kind not in _PASSES_UPDATE_KWARGS:
+        recorder = _UpdateRecorder(config=decoder_config(model))
+        token = torch.zeros(1, 1, dtype=torch.long, device=next(model.parameters()).device)
+        try:
+            with torch.no_grad():
+                model(input_ids=token, cache=recorder, use_cache=True)
+        except Exception:  # a model this forward does not suit is checked at its first step instead
+            return None
+        if recorder.calls == 0:
+            return None
+        _PASSES_UPDATE_KWARGS[kind] = recorder.with_kwargs == recorder.calls
+    return _PASSES_UPDATE_KWARGS.get(kind)
 
 
 def model_dtype_and_device(model_or_config: Any) -> tuple[torch.dtype, torch.device] | None:

@@ -178,6 +178,37 @@ def test_the_engine_refuses_a_model_whose_layers_attend_without_its_step(
     assert model.config._attn_implementation == before  # the model has its own attention back
 
 
+def gpt_neox() -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(**SMALL)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+VIEWS: dict[str, Callable[[Any], Any]] = {
+    "PagedCache(attention='paged')": lambda m: PagedCache(m, attention="paged"),
+    "HeavyHitterCache": lambda m: HeavyHitterCache(m, budget=8),
+    "PolicyCache": lambda m: PolicyCache(m, "snapkv", budget=40),
+}
+
+
+@pytest.mark.parametrize("make_model", [gpt_neox, bloom], ids=["gpt_neox", "bloom"])
+@pytest.mark.parametrize("build", list(VIEWS.values()), ids=list(VIEWS))
+def test_views_refuse_a_model_that_keeps_its_attention_kwargs_from_cache_update(
+    make_model: Callable[[], Any], build: Callable[[Any], Any]
+) -> None:
+    """GPT-NeoX and Bloom call ``cache.update(k, v, layer_idx)`` without the attention kwargs a view is staged from:
+    these caches used to be built, then raise in the middle of `generate`. The block caches' default attention still
+    serves them, and a config (no model to run) is left to the first step."""
+    model = make_model()
+    with pytest.raises(ValueError, match=f"{type(model).__name__}'s attention does not pass its attention kwargs"):
+        build(model)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, cache=DynamicCache(config=model.config))
+    got = model.generate(ids, max_new_tokens=4, do_sample=False, cache=PagedCache(model, block_size=4))
+    assert torch.equal(got, expected)
+    PagedCache(model.config, attention="paged")  # built: nothing to probe
+
+
 # ---------------------------------------------------------------- KV sharing (Gemma-3n, Gemma 4)
 
 
