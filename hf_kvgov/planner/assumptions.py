@@ -103,6 +103,12 @@ def _step_lines(plan: Plan, ssd_bytes_per_s: float) -> list[str]:
             "prefix is kept whole. The quality cost (the article says ~2%) is not modelled: measure it "
             "(kvgov eval)."
         )
+        if plan.inputs.geometry.shared_kv_layers:
+            lines.append(
+                "This model's layers that reuse earlier layers' K/V need them whole from cache.update, so hf_kvgov's "
+                "eviction caches (HeavyHitterCache, PolicyCache, SinkCache) refuse it: the H2O step is what they "
+                "would hold. The serving engine's H2O, which keeps whole blocks (kvgov serve --h2o), serves it."
+            )
     if "spill" in names:
         lines.extend(_spill_lines(plan, ssd_bytes_per_s))
     if "recall" in names:

@@ -267,3 +267,7 @@ def test_block_caches_and_the_engine_serve_kv_sharing(gemma3n: Any, tmp_path: Pa
         got = engine.generate(rows, SamplingParams(max_new_tokens=8, ignore_eos=True))
         assert engine.pool.geometry.num_layers == 2  # sharing layers attend over the blocks of the layers they share
     assert got == [expected[0, 30:].tolist(), expected[1, 30:].tolist()]
+    # The engine's H2O, which `kvgov plan` names for such a model, with nothing to evict: the same tokens.
+    with ServingEngine(gemma3n, block_size=4, policy=HeavyHitter(4096)) as engine:
+        kept = engine.generate(rows, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert kept == got

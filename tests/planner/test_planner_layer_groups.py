@@ -212,3 +212,10 @@ def test_a_kv_sharing_config_counts_the_layers_that_cache(tmp_path: Path) -> Non
         "20 layers" in geometry.describe()
         and "and 15 more layers that reuse earlier layers' K/V" in geometry.describe()
     )
+    # The eviction caches refuse such a model (tests/hf/test_model_families.py): the H2O row says so.
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_kvgov.cli.main", "plan", "--model", str(path), "--memory", "24GiB", "--params",
+         "4e9", "--chain", "paged,int8,h2o"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "eviction caches (HeavyHitterCache, PolicyCache, SinkCache) refuse it" in out
