@@ -286,6 +286,28 @@ class BlockStore:
             if tables.rows:
                 tables.reorder(indices)
 
+    def fork_into(self, copy: BlockStore) -> None:
+        """Give `copy`, a new store of this configuration on the same pool, every token this one holds.
+
+        Each row's blocks are shared (one more reference each, copied only when a row writes into one, as beams
+        share them) and the prefix tree's blocks locked once more. A disk tier's cold blocks live in this store's
+        own spill file, so a store with one is not forked (its cache refuses first).
+        """
+        assert self.spill_link is None and copy.pool is self.pool
+        if self.tables is not None:
+            copy.tables = self.tables.fork()
+            copy.other_tables = [tables.fork() for tables in self.other_tables]
+        for layer, copied in zip(self.store_layers, copy.store_layers, strict=True):
+            copied.length = layer.length
+        if self.prefix is not None and self.prefix_locks:
+            self.prefix.lock(self.prefix_locks)
+            copy.prefix_locks = list(self.prefix_locks)
+        copy.row_layouts = None if self.row_layouts is None else list(self.row_layouts)
+        copy.published_blocks = self.published_blocks
+        copy.expand_rows_on_next_forward = self.expand_rows_on_next_forward
+        if self.sealer is not None and copy.sealer is not None:
+            copy.sealer.sealed_columns = self.sealer.sealed_columns
+
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of every row; a spilled block the new tail falls in comes back, and a
         sealed one is decoded (the next write lands there)."""

@@ -8,6 +8,7 @@ configurations: `QuantizedCache` sets a codec, `DiskOffloadCache` a disk tier, `
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 from typing import Any, Self
 
 import torch
@@ -120,6 +121,7 @@ class PagedCache(GovernedCacheBase, BlockStore):
             spill=spill,
             attention=attention,
         )
+        self.model_config = config  # what a copy is built from (`__deepcopy__`)
         layers = [PagedLayer(self, i) for i in range(num_layers)]
         for layer in layers:
             layer.is_sliding = self.group(layer.index).window is not None
@@ -182,6 +184,27 @@ class PagedCache(GovernedCacheBase, BlockStore):
         """Forget every token and return every block to the pool (the cache stays usable); with a disk tier, disk
         slots return to the spill file, which stays."""
         self.forget(close_tier=False)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        """A copy holding the same tokens, for transformers' prompt reuse (``copy.deepcopy(prompt_cache)`` before each
+        `generate` that continues the prompt). The copy draws from the same pool and shares every block (one more
+        reference each, copied only when a copy writes into one), so the prompt is stored once for every copy."""
+        if self.spill_link is not None:
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied: its cold blocks live in its own spill file. To reuse a "
+                "prompt's K/V across requests, build the caches on a prefix tree (prefix=prefix_tree(model, ...)) "
+                "and call cache.match(input_ids) before generate, publish after."
+            )
+        # A pool this cache created is shared through its object; one from a prefix tree comes with the tree.
+        parts = self.parts if self.pool is None or self.prefix is not None else replace(self.parts, pool=self.pool)
+        copy = type(self).from_parts(self.model_config, parts)
+        copy.parts = self.parts
+        memo[id(self)] = copy
+        self.fork_into(copy)
+        for layer, copied in zip(self.store_layers, copy.store_layers, strict=True):
+            assert isinstance(layer, PagedLayer) and isinstance(copied, PagedLayer)
+            copied.is_initialized = layer.is_initialized
+        return copy
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):

@@ -232,6 +232,11 @@ class PrefixCache:
             swapped[index] = pool_id(cached_id)
         return swapped, _pool_ids(result.block_ids)
 
+    def lock(self, block_ids: Sequence[int]) -> None:
+        """Lock cached blocks once more (a copy of a cache that matched them holds them too), as `match` does."""
+        if block_ids:
+            self.tree.lock(_tree_ids(block_ids))
+
     def unlock(self, block_ids: Sequence[int]) -> None:
         if block_ids:
             self.tree.unlock(_tree_ids(block_ids))

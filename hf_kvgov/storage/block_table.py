@@ -334,6 +334,13 @@ class BlockTables:
         self.rows = new_rows
         self.invalidate_views()
 
+    def fork(self) -> BlockTables:
+        """New tables of the same rows, sharing every block (one more reference each, copied only when written)."""
+        fork = BlockTables(self.pool, self.group)
+        fork.rows = [row.fork() for row in self.rows]
+        fork.num_tokens, fork.first_block = self.num_tokens, self.first_block
+        return fork
+
     def check_truncate(self, num_tokens: int) -> None:
         """Raise a `ValueError` if `truncate(num_tokens)` would need tokens this sliding group already freed.
 

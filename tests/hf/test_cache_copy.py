@@ -1,0 +1,144 @@
+"""`copy.deepcopy` of a block cache: transformers' prompt reuse, where a prompt is run once into a cache and each
+request continues from a copy of it. It used to raise "cannot pickle '_thread.RLock' object" (the pool's lock).
+
+A copy shares the original's pool and blocks, copying a block only when a copy writes into it, so the prompt is
+stored once however many copies continue it; every copy answers as `DynamicCache`'s copy does. Caches that cannot
+be copied so (a disk tier's spill file, an eviction cache's running state) refuse by name.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kvgov import (
+    DiskOffloadCache,
+    HeavyHitterCache,
+    PagedCache,
+    QuantizedCache,
+    SinkCache,
+    paged_attention,
+    prefix_tree,
+)
+from tests.conftest import tiny_gemma3, tiny_llama
+
+LLAMA = tiny_llama()
+BLOCK = 4
+NEW = 6
+
+
+def _prompt(length: int, seed: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _reuse(model: Any, cache: Any, system: torch.Tensor, questions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """transformers' pattern: the system prompt into `cache` once, then each question from a copy of it."""
+    with torch.no_grad():
+        model(system, cache=cache)
+    return [_continue(model, copy.deepcopy(cache), system, question) for question in questions]
+
+
+def _continue(model: Any, cache: Any, system: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
+    ids = torch.cat([system, question], dim=1)
+    return model.generate(ids, cache=cache, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1] :]
+
+
+def _fresh(model: Any, build: Callable[[Any], Any], system: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
+    """The same steps on a cache of its own: the prompt, then the question."""
+    cache = build(model)
+    with torch.no_grad():
+        model(system, cache=cache)
+    return _continue(model, cache, system, question)
+
+
+BUILDERS: dict[str, Callable[[Any], Any]] = {
+    "PagedCache": lambda m: PagedCache(m, block_size=BLOCK),
+    "PagedCache(attention='paged')": lambda m: PagedCache(m, block_size=BLOCK, attention="paged"),
+    "QuantizedCache int8": lambda m: QuantizedCache(m, bits=8, block_size=BLOCK),
+}
+
+
+@pytest.mark.parametrize("build", list(BUILDERS.values()), ids=list(BUILDERS))
+@pytest.mark.parametrize("make_model", [lambda: LLAMA, tiny_gemma3], ids=["llama", "gemma3 (sliding layers)"])
+def test_copies_continue_a_prompt_as_dynamic_cache_copies_do(
+    make_model: Callable[[], Any], build: Callable[[Any], Any]
+) -> None:
+    model = make_model()
+    system = _prompt(18, seed=1)  # four full blocks and a partial one, which the copies both write into
+    questions = [_prompt(5, seed=2), _prompt(9, seed=3)]
+    expected = _reuse(model, DynamicCache(config=model.config), system, questions)
+    cache = build(model)
+    with paged_attention(model):
+        got = _reuse(model, cache, system, questions)
+        alone = [_fresh(model, build, system, question) for question in questions]
+    for answer, own, reference in zip(got, alone, expected, strict=True):
+        assert torch.equal(answer, own)  # bit for bit what a cache of its own computes (int8 codes included)
+        if not isinstance(cache, QuantizedCache):
+            assert torch.equal(answer, reference)
+    assert cache.get_seq_length() == 18  # the copies' tokens went to the copies
+
+
+def test_a_copy_shares_the_prompt_blocks_and_release_returns_every_one() -> None:
+    system, question = _prompt(18, seed=1), _prompt(5, seed=2)
+    cache = PagedCache(LLAMA, block_size=BLOCK)
+    with torch.no_grad():
+        LLAMA(system, cache=cache)
+    pool = cache.pool
+    assert pool is not None
+    prompt_blocks = pool.num_used
+    copies = [copy.deepcopy(cache) for _ in range(3)]
+    assert all(c.pool is pool for c in copies)
+    assert pool.num_used == prompt_blocks  # nothing copied until written
+    ids = torch.cat([system, question], dim=1)
+    for c in copies:
+        LLAMA.generate(ids, cache=c, max_new_tokens=NEW, do_sample=False)
+    # A block holds every layer's tokens. Each copy copied the partial fifth block when it wrote into it, then took
+    # blocks of its own: 28 tokens in 7 blocks, the first 4 shared.
+    assert prompt_blocks == 5
+    assert pool.num_used == 5 + 3 * (7 - 4)
+    for c in copies:
+        c.release()
+    assert pool.num_used == prompt_blocks
+    cache.release()
+    assert pool.num_used == 0
+
+
+def test_a_copy_of_a_cache_on_a_prefix_tree_holds_its_own_locks() -> None:
+    tree = prefix_tree(LLAMA, pool=None)
+    prompt = _prompt(17, seed=4)
+    first = PagedCache(LLAMA, prefix=tree)
+    first.publish(LLAMA.generate(**first.match(prompt), cache=first, max_new_tokens=NEW, do_sample=False))
+    first.release()
+    cache = PagedCache(LLAMA, prefix=tree)
+    inputs = cache.match(prompt)
+    assert tree.stats().shared_blocks > 0
+    held = tree.stats().shared_blocks
+    twin = copy.deepcopy(cache)
+    expected = LLAMA.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(LLAMA.generate(**inputs, cache=twin, max_new_tokens=NEW, do_sample=False), expected)
+    cache.release()
+    assert tree.stats().shared_blocks == held  # the copy still holds the tree's blocks
+    twin.release()
+    assert tree.stats().shared_blocks == 0
+
+
+REFUSED: dict[str, tuple[Callable[[Any, Path], Any], str]] = {
+    "DiskOffloadCache": (lambda m, p: DiskOffloadCache(m, path=p, hot_tokens=8, block_size=BLOCK), "spill file"),
+    "HeavyHitterCache": (lambda m, p: HeavyHitterCache(m, budget=8), "running state"),
+    "SinkCache": (lambda m, p: SinkCache(m, n_sink=2, window=6), "running state"),
+}
+
+
+@pytest.mark.parametrize(("build", "reason"), list(REFUSED.values()), ids=list(REFUSED))
+def test_caches_that_cannot_be_shared_refuse_a_copy_by_name(
+    build: Callable[[Any, Path], Any], reason: str, tmp_path: Path
+) -> None:
+    cache = build(LLAMA, tmp_path)
+    with pytest.raises(TypeError, match=rf"{type(cache).__name__} cannot be copied: .*{reason}.*prefix_tree"):
+        copy.deepcopy(cache)
