@@ -109,6 +109,25 @@ def test_a_copy_shares_the_prompt_blocks_and_release_returns_every_one() -> None
     assert pool.num_used == 0
 
 
+def test_copies_of_a_quantized_cache_share_its_codes() -> None:
+    system, question = _prompt(18, seed=1), _prompt(5, seed=2)
+    cache = QuantizedCache(LLAMA, bits=8, block_size=BLOCK)
+    with torch.no_grad():
+        LLAMA(system, cache=cache)
+    pool = cache.pool
+    assert pool is not None
+    held = (pool.num_used, pool.sealed.num_used)
+    copies = [copy.deepcopy(cache) for _ in range(2)]
+    assert (pool.num_used, pool.sealed.num_used) == held
+    for c in copies:
+        _continue(LLAMA, c, system, question)
+    for c in copies:
+        c.release()
+    assert (pool.num_used, pool.sealed.num_used) == held
+    cache.release()
+    assert (pool.num_used, pool.sealed.num_used) == (0, 0)
+
+
 def test_a_copy_of_a_cache_on_a_prefix_tree_holds_its_own_locks() -> None:
     tree = prefix_tree(LLAMA, pool=None)
     prompt = _prompt(17, seed=4)
