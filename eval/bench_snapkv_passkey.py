@@ -1,9 +1,10 @@
 """SnapKV settings on passkey retrieval: which observation window, pooling kernel and pooling keep a needle.
 
-The prompts of `tests/eviction/test_eviction_passkey.py` (SmolLM2-135M, ~1,000 tokens of Pride and Prejudice, a
-5-digit pass key at 10% depth, RULER's question, the answer's start "The pass key is"; the 8 of 10 draws the full
-cache answers), 20% of the prompt kept per KV head, greedy. The perplexity protocols of `bench_policies.py` favour
-kvpress's settings slightly; this is the retrieval side of the same choice.
+The prompts of `hf_kvgov.bench.passkey_prompts`, which `tests/eviction/test_eviction_passkey.py` uses too
+(SmolLM2-135M, ~1,000 tokens of Pride and Prejudice, a 5-digit pass key at 10% depth, RULER's question, the
+answer's start "The pass key is"; the 8 of 10 draws the full cache answers), 20% of the prompt kept per KV
+head, greedy. The perplexity protocols of `bench_policies.py` favour kvpress's settings slightly; this is the
+retrieval side of the same choice.
 
     python eval/bench_snapkv_passkey.py
     python eval/bench_snapkv_passkey.py --settings 32,7,max 64,5,avg 64,7,max 32,5,avg
@@ -12,32 +13,14 @@ kvpress's settings slightly; this is the retrieval side of the same choice.
 from __future__ import annotations
 
 import argparse
-import random
-import sys
-from pathlib import Path
 
 import torch
 
 from hf_kvgov import PolicyCache, eviction_attention
+from hf_kvgov.bench.passkey_prompts import passkey_prompts
 from hf_kvgov.bench.timing import machine_description
-from hf_kvgov.data_text import pride_and_prejudice
 from hf_kvgov.models import load_model
 from hf_kvgov.policies import SnapKV
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the prompts are the passkey test's own
-from tests.eviction.test_eviction_passkey import FULL_WRONG, passkey_prompt
-
-
-def prompts(tokenizer) -> list[tuple[int, dict[str, torch.Tensor]]]:  # type: ignore[no-untyped-def]
-    """The test's draws: (key, prompt) for the 8 of 10 the full cache answers."""
-    rng = random.Random(0)
-    draws = [(rng.randrange(10000, 99999), rng.randrange(10000, 600000)) for _ in range(10)]
-    text = pride_and_prejudice()
-    return [
-        (key, passkey_prompt(tokenizer, text, key, start))
-        for i, (key, start) in enumerate(draws)
-        if i not in FULL_WRONG
-    ]
 
 
 def main() -> None:
@@ -48,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = load_model("smollm2")
-    samples = prompts(tokenizer)
+    samples = passkey_prompts(tokenizer)
     print(f"{machine_description()}; {len(samples)} prompts, {args.keep:.0%} kept\n")
     print("| SnapKV setting | pass keys | answers |\n| --- | ---: | --- |")
     for setting in args.settings:

@@ -4,7 +4,8 @@ Each prompt (~1,000 tokens, chat template) states a 5-digit pass key at 10% dept
 passage and ends with the question and the answer's start, as RULER asks it: "What is the pass key?" then
 "The pass key is". Budgets are 20% of the prompt (199 slots per KV head); greedy, float32 on CPU.
 
-Measured on the 10 prompts below (the full cache answers 8; the other two are left out):
+Measured on the 10 prompts of `hf_kvgov.bench.passkey_prompts` (the full cache answers 8; the other two are left
+out):
 
     full cache (DynamicCache)                   8 / 8
     SnapKV, window 32, max pool of 7 (default)  5 / 8   the 3 misses give the first 4 digits, not the 5th
@@ -24,48 +25,21 @@ BLAS builds to flip a greedy digit.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import DynamicCache
 
 from hf_kvgov import HeavyHitterCache, eviction_attention
+from hf_kvgov.bench.passkey_prompts import passkey_prompts
 from hf_kvgov.hf.eviction import PolicyCache
 from hf_kvgov.policies import SnapKV
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
-FILLER_TOKENS = 900
-DEPTH = 0.1
-FULL_WRONG = {2, 7}  # the full cache misses these two of the ten draws
-
-
-def passkey_prompt(tokenizer, text: str, key: int, start: int) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
-    filler = tokenizer(text[start : start + 8000])["input_ids"][:FILLER_TOKENS]
-    cut = int(len(filler) * DEPTH)
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    body = (
-        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-        "I will quiz you about the important information there.\n"
-        + tokenizer.decode(filler[:cut]) + needle + tokenizer.decode(filler[cut:]) + "\nWhat is the pass key?"
-    )  # fmt: skip
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True
-    )
-    return tokenizer(chat + "The pass key is", return_tensors="pt")
-
 
 @pytest.fixture(scope="module")
-def samples(smollm2, austen_text):  # type: ignore[no-untyped-def]
-    _, tokenizer = smollm2
-    rng = random.Random(0)
-    draws = [(rng.randrange(10000, 99999), rng.randrange(10000, 600000)) for _ in range(10)]
-    return [
-        (key, passkey_prompt(tokenizer, austen_text, key, start))
-        for i, (key, start) in enumerate(draws)
-        if i not in FULL_WRONG
-    ]
+def samples(smollm2):  # type: ignore[no-untyped-def]
+    return passkey_prompts(smollm2[1])
 
 
 def answers(model, tokenizer, samples, make_cache) -> list[bool]:  # type: ignore[no-untyped-def]
