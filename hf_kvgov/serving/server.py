@@ -4,7 +4,8 @@ batching run by the governed engine.
 transformers' server loads each model in a process of its own through its `ModelLoader`, a copy of which the process
 receives. `run_server` hands the server a `GovernedModelLoader`, whose load installs the engine on the model it
 loaded (`hf_kvgov.serving.install`), so the server's batching manager is `GovernedBatchingManager`: its requests share
-one block pool under one byte cap, with prefix sharing and codes as configured. Needs transformers' serving extras
+one block pool under one byte cap, with prefix sharing and codes as configured. Its `GovernedModelManager` answers
+to the name `kvgov serve` was given as well as to the id the model loads by. Needs transformers' serving extras
 (`pip install hf-kvgov[serve]`: fastapi, uvicorn, openai).
 """
 
