@@ -32,15 +32,6 @@ class GovernedCacheBase(Cache):
 
     parts: ChainParts
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """Refused by name (the block caches without a disk tier copy by sharing their blocks, `PagedCache`)."""
-        raise TypeError(
-            f"{type(self).__name__} cannot be copied: the slots it keeps are chosen step by step from its own "
-            "running state. To reuse a prompt's K/V across requests, build the caches on a prefix tree "
-            "(prefix=prefix_tree(model, ...)) and call cache.match(input_ids) before generate, publish after; "
-            "PagedCache and QuantizedCache copy (copy.deepcopy) by sharing their blocks."
-        )
-
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
         """transformers' `Cache.update`, after checking that the layer is one the cache was built for."""
         if not 0 <= layer_idx < len(self.layers):

@@ -1,9 +1,10 @@
-"""`copy.deepcopy` of a block cache: transformers' prompt reuse, where a prompt is run once into a cache and each
-request continues from a copy of it. It used to raise "cannot pickle '_thread.RLock' object" (the pool's lock).
+"""`copy.deepcopy` of a cache: transformers' prompt reuse, where a prompt is run once into a cache and each request
+continues from a copy of it. A block cache used to raise "cannot pickle '_thread.RLock' object" (the pool's lock).
 
-A copy shares the original's pool and blocks, copying a block only when a copy writes into it, so the prompt is
-stored once however many copies continue it; every copy answers as `DynamicCache`'s copy does. Caches that cannot
-be copied so (a disk tier's spill file, an eviction cache's running state) refuse by name.
+A block cache's copy shares the original's pool and blocks, copying a block only when a copy writes into it, so the
+prompt is stored once however many copies continue it; every copy answers as `DynamicCache`'s copy does. An
+eviction cache is copied by value (its slots and running state). What a copy could not own (a disk tier's spill
+file, slots in a pool's blocks, recall's pages) is refused by name.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from hf_kvgov import (
     DiskOffloadCache,
     HeavyHitterCache,
     PagedCache,
+    PolicyCache,
     QuantizedCache,
+    Recall,
     SinkCache,
+    eviction_attention,
     paged_attention,
     prefix_tree,
 )
+from hf_kvgov.policies import ExpectedAttention, HeadAdaptive, QueryForecast
 from tests.conftest import tiny_gemma3, tiny_llama
 
 LLAMA = tiny_llama()
@@ -147,17 +152,50 @@ def test_a_copy_of_a_cache_on_a_prefix_tree_holds_its_own_locks() -> None:
     assert tree.stats().shared_blocks == 0
 
 
+EVICTING: dict[str, Callable[[Any], Any]] = {
+    "HeavyHitterCache": lambda m: HeavyHitterCache(m, budget=12),
+    "HeavyHitterCache int8 slots": lambda m: HeavyHitterCache(m, budget=12, codec="int8"),
+    "SinkCache": lambda m: SinkCache(m, n_sink=2, window=10),
+    "PolicyCache(snapkv), compressed once": lambda m: PolicyCache(m, "snapkv", budget=40, compress="prefill"),
+    "PolicyCache(expected attention, running)": lambda m: PolicyCache(
+        m, ExpectedAttention(forecast=QueryForecast(running=True)), budget=40
+    ),
+}
+
+
+@pytest.mark.parametrize("build", list(EVICTING.values()), ids=list(EVICTING))
+def test_an_eviction_cache_is_copied_by_value(build: Callable[[Any], Any]) -> None:
+    """A context compressed once, each question from a copy: what a cache of its own computes, and the original
+    keeps its slots (its running state is the copy's own)."""
+    system, questions = _prompt(30, seed=1), [_prompt(7, seed=2), _prompt(4, seed=3)]
+    with eviction_attention(LLAMA):
+        cache = build(LLAMA)
+        got = _reuse(LLAMA, cache, system, questions)
+        kept = cache.stats().slots
+        alone = [_fresh(LLAMA, build, system, question) for question in questions]
+        again = _continue(LLAMA, copy.deepcopy(cache), system, questions[0])
+    assert all(torch.equal(answer, own) for answer, own in zip(got, alone, strict=True))
+    assert torch.equal(again, alone[0]) and cache.stats().slots == kept
+
+
 REFUSED: dict[str, tuple[Callable[[Any, Path], Any], str]] = {
     "DiskOffloadCache": (lambda m, p: DiskOffloadCache(m, path=p, hot_tokens=8, block_size=BLOCK), "spill file"),
-    "HeavyHitterCache": (lambda m, p: HeavyHitterCache(m, budget=8), "running state"),
-    "SinkCache": (lambda m, p: SinkCache(m, n_sink=2, window=6), "running state"),
+    "HeavyHitterCache, head-adaptive": (
+        lambda m, p: HeavyHitterCache(m, budget=8, head_budgets=HeadAdaptive()),
+        "slots live in a pool's blocks",
+    ),
+    "HeavyHitterCache with recall": (
+        lambda m, p: HeavyHitterCache(m, budget=8, recall=Recall(path=str(p))),
+        "recall keeps its pages",
+    ),
 }
 
 
 @pytest.mark.parametrize(("build", "reason"), list(REFUSED.values()), ids=list(REFUSED))
-def test_caches_that_cannot_be_shared_refuse_a_copy_by_name(
+def test_caches_that_cannot_be_copied_refuse_by_name(
     build: Callable[[Any, Path], Any], reason: str, tmp_path: Path
 ) -> None:
+    """These used to raise "cannot pickle '_thread.RLock' object" (a pool's lock) or the like."""
     cache = build(LLAMA, tmp_path)
     with pytest.raises(TypeError, match=rf"{type(cache).__name__} cannot be copied: .*{reason}.*prefix_tree"):
         copy.deepcopy(cache)

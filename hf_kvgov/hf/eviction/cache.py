@@ -7,6 +7,7 @@ stages each layer's step for the hf_kvgov attention (`slot_attention`) from the 
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import Tensor
@@ -145,6 +146,27 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         # Last, once every argument is checked: the tier checks (and creates) its spill directory.
         tier = None if recall is None else page_tier_for(recall, model, head_dim, read_keys, name)
         self.attach(layers, pool, homes, tier)  # with a pool, every layer's slots live in its blocks between steps
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy by value of the kept slots and the running state, for transformers' prompt reuse (a context
+        compressed once, each continuation from ``copy.deepcopy(cache)``). Refused by name where the cache holds
+        what a copy could not own: slots in a pool's blocks, recall's spill file, a prefix tree's blocks."""
+        held = {
+            "its slots live in a pool's blocks (pool=, or head-adaptive budgets)": self.pool is not None,
+            "recall keeps its pages in the cache's own spill file": self.recall is not None,
+            "it holds blocks of a prefix tree": self.prefix is not None,
+        }
+        if any(held.values()):
+            raise TypeError(
+                f"{type(self).__name__} cannot be copied: {'; '.join(what for what, on in held.items() if on)}. To "
+                "reuse a prompt's K/V across requests, share it through a prefix tree (prefix=prefix_tree(model, "
+                "...)): a fresh cache for each request, cache.match(input_ids) before generate, publish after."
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
 
     # generate sets this on a cache the caller passes in, before its prefill: the mark `BudgetBasis` reads.
     @property
