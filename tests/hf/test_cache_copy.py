@@ -3,8 +3,8 @@ continues from a copy of it. A block cache used to raise "cannot pickle '_thread
 
 A block cache's copy shares the original's pool and blocks, copying a block only when a copy writes into it, so the
 prompt is stored once however many copies continue it; every copy answers as `DynamicCache`'s copy does. An
-eviction cache is copied by value (its slots and running state). What a copy could not own (a disk tier's spill
-file, slots in a pool's blocks, recall's pages) is refused by name.
+eviction cache is copied by value (its slots and running state; slots in pool blocks into blocks of its own). What a
+copy could not own (a disk tier's spill file, recall's pages, a prefix tree's blocks) is refused by name.
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ from hf_kvgov import (
     HeavyHitterCache,
     PagedCache,
     PolicyCache,
+    PoolExhausted,
     QuantizedCache,
     Recall,
     SinkCache,
     eviction_attention,
+    eviction_pool,
     paged_attention,
     prefix_tree,
 )
@@ -160,6 +162,12 @@ EVICTING: dict[str, Callable[[Any], Any]] = {
     "PolicyCache(expected attention, running)": lambda m: PolicyCache(
         m, ExpectedAttention(forecast=QueryForecast(running=True)), budget=40
     ),
+    "HeavyHitterCache, head-adaptive (slots in pool blocks)": lambda m: HeavyHitterCache(
+        m, budget=12, head_budgets=HeadAdaptive()
+    ),
+    "HeavyHitterCache int8 slots in pool blocks": lambda m: HeavyHitterCache(
+        m, budget=12, codec="int8", pool=eviction_pool(m, codec="int8")
+    ),
 }
 
 
@@ -178,11 +186,43 @@ def test_an_eviction_cache_is_copied_by_value(build: Callable[[Any], Any]) -> No
     assert torch.equal(again, alone[0]) and cache.stats().slots == kept
 
 
+def test_a_copy_of_slots_in_pool_blocks_takes_blocks_of_its_own_and_gives_them_back() -> None:
+    pool = eviction_pool(LLAMA)
+    cache = HeavyHitterCache(LLAMA, budget=12, pool=pool)
+    with eviction_attention(LLAMA), torch.no_grad():
+        LLAMA(_prompt(30, seed=1), cache=cache)
+    held, charged = pool.num_used, pool.stats().bytes_charged
+    twin = copy.deepcopy(cache)
+    assert (pool.num_used, pool.stats().bytes_charged) == (2 * held, 2 * charged)
+    twin.release()
+    assert (pool.num_used, pool.stats().bytes_charged) == (held, charged)
+    cache.release()
+    assert (pool.num_used, pool.stats().bytes_charged) == (0, 0)
+
+
+def test_a_copy_that_does_not_fit_the_cap_holds_nothing() -> None:
+    """A copy past the pool's cap raises `PoolExhausted` whichever layer it fails at; the layers copied before give
+    their blocks back."""
+    probe = HeavyHitterCache(LLAMA, budget=12, pool=eviction_pool(LLAMA))
+    with eviction_attention(LLAMA), torch.no_grad():
+        LLAMA(_prompt(30, seed=1), cache=probe)
+    assert probe.pool is not None
+    one_copy = probe.pool.num_used * probe.pool.bytes_per_block + probe.pool.stats().bytes_charged
+    pool = eviction_pool(LLAMA, max_bytes=one_copy + one_copy // 2)  # room for the cache and half a copy
+    cache = HeavyHitterCache(LLAMA, budget=12, pool=pool)
+    with eviction_attention(LLAMA), torch.no_grad():
+        LLAMA(_prompt(30, seed=1), cache=cache)
+    held, charged = pool.num_used, pool.stats().bytes_charged
+    with pytest.raises(PoolExhausted):
+        copy.deepcopy(cache)
+    assert (pool.num_used, pool.stats().bytes_charged) == (held, charged)
+
+
 REFUSED: dict[str, tuple[Callable[[Any, Path], Any], str]] = {
     "DiskOffloadCache": (lambda m, p: DiskOffloadCache(m, path=p, hot_tokens=8, block_size=BLOCK), "spill file"),
-    "HeavyHitterCache, head-adaptive": (
-        lambda m, p: HeavyHitterCache(m, budget=8, head_budgets=HeadAdaptive()),
-        "slots live in a pool's blocks",
+    "HeavyHitterCache on a prefix tree": (
+        lambda m, p: HeavyHitterCache(m, budget=8, prefix=prefix_tree(m)),
+        "holds blocks of a prefix tree",
     ),
     "HeavyHitterCache with recall": (
         lambda m, p: HeavyHitterCache(m, budget=8, recall=Recall(path=str(p))),

@@ -152,6 +152,29 @@ class PooledSlotHome:
         if spare:
             self.pool.decref(spare)
 
+    def copy(self) -> PooledSlotHome:
+        """A home on the same pool holding copies of this one's blocks and its charge (a copy of the cache writes its
+        own blocks each step). Raises `PoolExhausted`, holding nothing, when the pool cannot hand them out."""
+        copied = PooledSlotHome(self.pool, self.layer, self.records)
+        held = [block for table in self.tables for block in table]
+        self.pool.charge(copied, self.pool.charged(self))
+        try:
+            fresh = self.pool.allocate(len(held))
+        except PoolExhausted:
+            self.pool.charge(copied, 0)
+            raise
+        blocks = iter(fresh)
+        copied.tables = [[next(blocks) for _ in table] for table in self.tables]
+        if held:
+            with self.pool.lock:  # another request may grow the pool's tensors meanwhile
+                source, target = (torch.tensor(ids, dtype=torch.long) for ids in (held, fresh))
+                for tensor in (self.pool.keys[self.layer], self.pool.values[self.layer]):
+                    tensor.index_copy_(0, target.to(tensor.device), tensor.index_select(0, source.to(tensor.device)))
+        copied.count, copied.valid = self.count, None if self.valid is None else self.valid.clone()
+        if self.valid is not None and any(copied.tables):
+            copied._places = _locate(self.valid, copied.tables, self.per_block)
+        return copied
+
     def release(self) -> None:
         """Give every block and charged byte back to the pool."""
         held = [block for table in self.tables for block in table]

@@ -15,6 +15,7 @@ from torch import Tensor
 from hf_kvgov.engine.attention_view import VIEW_KEY
 from hf_kvgov.engine.slots.eviction_store import EvictionStore, PolicyFactory
 from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
+from hf_kvgov.engine.slots.pooled_slots import PooledSlotHome
 from hf_kvgov.engine.slots.recall import Recall, page_tier_for
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
@@ -149,10 +150,10 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy by value of the kept slots and the running state, for transformers' prompt reuse (a context
-        compressed once, each continuation from ``copy.deepcopy(cache)``). Refused by name where the cache holds
-        what a copy could not own: slots in a pool's blocks, recall's spill file, a prefix tree's blocks."""
+        compressed once, each continuation from ``copy.deepcopy(cache)``). Slots kept in a pool's blocks are copied
+        into blocks of the same pool. Refused by name where the cache holds what a copy could not own: recall's
+        spill file, a prefix tree's blocks."""
         held = {
-            "its slots live in a pool's blocks (pool=, or head-adaptive budgets)": self.pool is not None,
             "recall keeps its pages in the cache's own spill file": self.recall is not None,
             "it holds blocks of a prefix tree": self.prefix is not None,
         }
@@ -162,6 +163,18 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
                 "reuse a prompt's K/V across requests, share it through a prefix tree (prefix=prefix_tree(model, "
                 "...)): a fresh cache for each request, cache.match(input_ids) before generate, publish after."
             )
+        homes = [layer.home for layer in self.slot_layers if isinstance(layer.home, PooledSlotHome)]
+        copies: list[PooledSlotHome] = []
+        try:
+            for home in homes:
+                copies.append(home.copy())
+        except BaseException:
+            for made in copies:
+                made.release()
+            raise
+        if self.pool is not None:
+            memo[id(self.pool)] = self.pool  # the copy draws from the same pool
+        memo.update({id(home): made for home, made in zip(homes, copies, strict=True)})
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         for name, value in self.__dict__.items():
