@@ -4,7 +4,7 @@ continues from a copy of it. A block cache used to raise "cannot pickle '_thread
 A block cache's copy shares the original's pool and blocks, copying a block only when a copy writes into it, so the
 prompt is stored once however many copies continue it; every copy answers as `DynamicCache`'s copy does. An
 eviction cache is copied by value (its slots and running state; slots in pool blocks into blocks of its own). What a
-copy could not own (a disk tier's spill file, recall's pages, a prefix tree's blocks) is refused by name.
+copy could not own (a disk tier's spill file, recall's pages) is refused by name.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hf_kvgov import (
     DiskOffloadCache,
     HeavyHitterCache,
     PagedCache,
+    Paging,
     PolicyCache,
     PoolExhausted,
     QuantizedCache,
@@ -218,12 +219,28 @@ def test_a_copy_that_does_not_fit_the_cap_holds_nothing() -> None:
     assert (pool.num_used, pool.stats().bytes_charged) == (held, charged)
 
 
+def test_a_copy_of_an_eviction_cache_on_a_prefix_tree_holds_the_matched_blocks_again() -> None:
+    tree = prefix_tree(LLAMA, pool=Paging(BLOCK))
+    document = _prompt(24, seed=4)
+    first = PagedCache(LLAMA, prefix=tree)
+    first.publish(LLAMA.generate(**first.match(document), cache=first, max_new_tokens=2, do_sample=False))
+    first.release()
+    prompt = torch.cat((document, _prompt(7, seed=5)), dim=1)
+    cache = HeavyHitterCache(LLAMA, budget=6, recent=2, prefix=tree)
+    inputs = cache.match(prompt)
+    assert cache.shared is not None and cache.shared.tokens == [24]
+    twin = copy.deepcopy(cache)
+    with eviction_attention(LLAMA):
+        expected = LLAMA.generate(**inputs, cache=cache, max_new_tokens=NEW, do_sample=False)
+        cache.release()  # the copy still holds the document's blocks
+        assert torch.equal(LLAMA.generate(**inputs, cache=twin, max_new_tokens=NEW, do_sample=False), expected)
+    twin.release()
+    tree.clear()
+    assert tree.pool.num_used == 0  # every lock and reference the copy took went back
+
+
 REFUSED: dict[str, tuple[Callable[[Any, Path], Any], str]] = {
     "DiskOffloadCache": (lambda m, p: DiskOffloadCache(m, path=p, hot_tokens=8, block_size=BLOCK), "spill file"),
-    "HeavyHitterCache on a prefix tree": (
-        lambda m, p: HeavyHitterCache(m, budget=8, prefix=prefix_tree(m)),
-        "holds blocks of a prefix tree",
-    ),
     "HeavyHitterCache with recall": (
         lambda m, p: HeavyHitterCache(m, budget=8, recall=Recall(path=str(p))),
         "recall keeps its pages",

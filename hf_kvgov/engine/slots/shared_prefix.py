@@ -120,6 +120,18 @@ class SharedPrefix:
     def select_rows(self, rows: Tensor) -> None:
         self.rows = [self.rows[int(r)] for r in rows.tolist()]
 
+    def copy(self) -> SharedPrefix:
+        """The same matched blocks held once more (a pool reference each, and the tree's locks again), for a copy of
+        the cache that matched them."""
+        held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
+        if held:
+            self.prefix.pool.incref(held)
+        if self.locks:
+            self.prefix.lock(self.locks)
+        copied = SharedPrefix(self.prefix, [[list(blocks) for blocks in hit] for hit in self.hits], list(self.locks))
+        copied.rows = list(self.rows)
+        return copied
+
     def release(self) -> None:
         """Give the tree's blocks back: one pool reference per matched block, and the tree's locks."""
         held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]

@@ -151,15 +151,11 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy by value of the kept slots and the running state, for transformers' prompt reuse (a context
         compressed once, each continuation from ``copy.deepcopy(cache)``). Slots kept in a pool's blocks are copied
-        into blocks of the same pool. Refused by name where the cache holds what a copy could not own: recall's
-        spill file, a prefix tree's blocks."""
-        held = {
-            "recall keeps its pages in the cache's own spill file": self.recall is not None,
-            "it holds blocks of a prefix tree": self.prefix is not None,
-        }
-        if any(held.values()):
+        into blocks of the same pool; a prefix tree's matched blocks are held once more. Refused by name with
+        recall, whose pages live in the cache's own spill file."""
+        if self.recall is not None:
             raise TypeError(
-                f"{type(self).__name__} cannot be copied: {'; '.join(what for what, on in held.items() if on)}. To "
+                f"{type(self).__name__} cannot be copied: recall keeps its pages in the cache's own spill file. To "
                 "reuse a prompt's K/V across requests, share it through a prefix tree (prefix=prefix_tree(model, "
                 "...)): a fresh cache for each request, cache.match(input_ids) before generate, publish after."
             )
@@ -172,9 +168,14 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
             for made in copies:
                 made.release()
             raise
-        if self.pool is not None:
-            memo[id(self.pool)] = self.pool  # the copy draws from the same pool
         memo.update({id(home): made for home, made in zip(homes, copies, strict=True)})
+        # The copy draws from the same pool and tree, and reads the model's own config (its attention is switched
+        # there) and RoPE frequencies.
+        for shared in (self.pool, self.prefix, self._config, self._rotary):
+            if shared is not None:
+                memo[id(shared)] = shared
+        if self.shared is not None:
+            memo[id(self.shared)] = self.shared.copy()
         copied = type(self).__new__(type(self))
         memo[id(self)] = copied
         for name, value in self.__dict__.items():
