@@ -41,8 +41,8 @@ BLOCK = 4
 NEW = 6
 
 
-def _prompt(length: int, seed: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(3, 96, (batch, length), generator=torch.Generator().manual_seed(seed))
+def _prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 def _reuse(model: Any, cache: Any, system: torch.Tensor, questions: list[torch.Tensor]) -> list[torch.Tensor]:

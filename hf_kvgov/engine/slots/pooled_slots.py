@@ -152,11 +152,15 @@ class PooledSlotHome:
         if spare:
             self.pool.decref(spare)
 
+    def _blocks(self) -> list[int]:
+        """Every block the rows' tables hold, row by row."""
+        return [block for table in self.tables for block in table]
+
     def copy(self) -> PooledSlotHome:
         """A home on the same pool holding copies of this one's blocks and its charge (a copy of the cache writes its
         own blocks each step). Raises `PoolExhausted`, holding nothing, when the pool cannot hand them out."""
         copied = PooledSlotHome(self.pool, self.layer, self.records)
-        held = [block for table in self.tables for block in table]
+        held = self._blocks()
         self.pool.charge(copied, self.pool.charged(self))
         try:
             fresh = self.pool.allocate(len(held))
@@ -177,7 +181,7 @@ class PooledSlotHome:
 
     def release(self) -> None:
         """Give every block and charged byte back to the pool."""
-        held = [block for table in self.tables for block in table]
+        held = self._blocks()
         self.tables, self.count, self.valid, self._places, self._cached = [], 0, None, None, None
         self.pool.charge(self, 0)
         if held:

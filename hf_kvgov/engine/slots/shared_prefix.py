@@ -120,10 +120,14 @@ class SharedPrefix:
     def select_rows(self, rows: Tensor) -> None:
         self.rows = [self.rows[int(r)] for r in rows.tolist()]
 
+    def _pool_blocks(self) -> list[int]:
+        """Every pool block the matched rows hold a reference on (a sliding group's blocks before its window none)."""
+        return [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
+
     def copy(self) -> SharedPrefix:
         """The same matched blocks held once more (a pool reference each, and the tree's locks again), for a copy of
         the cache that matched them."""
-        held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
+        held = self._pool_blocks()
         if held:
             self.prefix.pool.incref(held)
         if self.locks:
@@ -134,7 +138,7 @@ class SharedPrefix:
 
     def release(self) -> None:
         """Give the tree's blocks back: one pool reference per matched block, and the tree's locks."""
-        held = [block for hit in self.hits for blocks in hit for block in blocks if block is not None]
+        held = self._pool_blocks()
         locks = self.locks
         self.hits, self.rows, self.locks, self._gathers = [], [], [], {}
         if held:
