@@ -13,7 +13,12 @@ if TYPE_CHECKING:
 
 
 class PagedLayer(CacheLayerMixin):
-    """One decoder layer's view of a block store; the blocks themselves belong to the pool."""
+    """One decoder layer's view of a block store; the blocks themselves belong to the pool.
+
+    ``keys`` and ``values`` read the store, as transformers' layers expose them: ``[batch, kv_heads, tokens,
+    head_dim]`` (a copy: sealed blocks decoded, spilled ones read back; a sliding layer from its first kept
+    block), or None while it holds no token.
+    """
 
     is_compileable = False
     is_croppable = True
@@ -25,6 +30,32 @@ class PagedLayer(CacheLayerMixin):
         self.owner = owner
         self.index = index
         self.length = 0
+
+    # transformers' CacheLayerMixin declares keys/values as attributes and sets them to None on init; here
+    # they are read from the blocks, and only that None may be assigned.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.owner.layer_kv(self.index)[0] if self.length > 0 else None
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._refuse_tensor(value, "keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.owner.layer_kv(self.index)[1] if self.length > 0 else None
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._refuse_tensor(value, "values")
+
+    @staticmethod
+    def _refuse_tensor(value: torch.Tensor | None, name: str) -> None:
+        if value is not None:
+            raise AttributeError(
+                f"PagedLayer.{name} reads the layer's blocks and cannot be assigned a tensor; the cache writes "
+                "blocks in `update`."
+            )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner.ensure_pool(key_states)

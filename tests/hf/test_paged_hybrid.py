@@ -120,3 +120,33 @@ def test_layer_kv_reads_each_groups_own_table() -> None:
         keys = everything.layers[index].keys[:, :, first:]
         torch.testing.assert_close(cache.layer_kv(index)[0], keys)
         assert ratios[index] == outlier_ratio(keys)
+
+
+@pytest.mark.parametrize("make", ["paged", "int8", "int8+disk"])
+def test_layer_keys_and_values_read_the_blocks_as_transformers_layers_expose_them(make: str, tmp_path: Any) -> None:
+    """`cache.layers[i].keys` / `.values` are what DynamicCache's layers hold (a sliding layer from its first kept
+    block; int8 decoded, so within its error), None once the cache is reset, and cannot be assigned."""
+    model = MODELS["gemma3"]
+    ids = batch()["input_ids"][:1, :41]
+    cache = {
+        "paged": lambda: PagedCache(model, block_size=BLOCK),
+        "int8": lambda: QuantizedCache(model, block_size=BLOCK),
+        "int8+disk": lambda: QuantizedDiskCache(model, tmp_path / "spill", block_size=BLOCK, hot_tokens=BLOCK),
+    }[make]()
+    everything = DynamicCache()
+    assert cache.layers[0].keys is None
+    with torch.inference_mode():
+        for kv in (cache, everything):
+            model(ids[:, :40], cache=kv)
+            model(ids[:, 40:], cache=kv)
+    tolerance = {"rtol": 0.0, "atol": 0.0} if make == "paged" else {"rtol": 0.0, "atol": 0.05}
+    for index in range(6):
+        first = 16 if index % 3 != 2 else 0  # sliding layers keep block 2 (16-23) on; full layers keep all
+        torch.testing.assert_close(cache.layers[index].keys, everything.layers[index].keys[:, :, first:], **tolerance)
+        torch.testing.assert_close(
+            cache.layers[index].values, everything.layers[index].values[:, :, first:], **tolerance
+        )
+    with pytest.raises(AttributeError, match="cannot be assigned a tensor"):
+        cache.layers[0].keys = everything.layers[0].keys
+    cache.reset()
+    assert cache.layers[0].keys is None and cache.layers[0].values is None
