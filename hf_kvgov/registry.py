@@ -32,6 +32,7 @@ from hf_kvgov.hf.attention import paged_attention
 from hf_kvgov.hf.compat import decoder_config, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction import SLOT_CODECS, eviction_attention
 from hf_kvgov.policies import make_policy
+from hf_kvgov.policies.budget import BUDGET_TEXT_FORMS, read_budget
 from hf_kvgov.policies.head_adaptive import HeadAdaptive
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.tiers.recall_pages import DEFAULT_NEIGHBOURS
@@ -188,16 +189,12 @@ def _count(name: str, text: str, what: str, minimum: int = 1) -> int:
 
 def _budget(name: str, text: str) -> int | float:
     """`0.2` -> a fraction in (0, 1] (it has a decimal point); `256` -> tokens (an integer of at least 1)."""
-    accepted = "the budget must be a fraction in (0, 1] with a decimal point (0.2) or a number of tokens (256)"
     if text.isdecimal():
         return _count(name, text, "a budget in tokens")
-    try:
-        fraction = float(text)
-    except ValueError:
-        raise _bad_argument(name, text, accepted) from None
-    if "." not in text or not 0.0 < fraction <= 1.0:
-        raise _bad_argument(name, text, accepted)
-    return fraction
+    budget = read_budget(text)
+    if budget is None:
+        raise _bad_argument(name, text, f"the budget must be {BUDGET_TEXT_FORMS}")
+    return budget
 
 
 def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> int:

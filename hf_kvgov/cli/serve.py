@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import socket
 import sys
+from typing import Any
 
 from hf_kvgov import models
 
@@ -21,8 +22,8 @@ from one governed KV pool.
 It is transformers' own server (`transformers serve --continuous-batching`: /v1/completions, /v1/chat/completions,
 /v1/responses, streaming, cancel on disconnect) with its continuous batching run by hf_kvgov's engine: admission by
 KV bytes, prefix sharing, preemption instead of out-of-memory, int8 codes with --codec, H2O eviction with --h2o
-(each request keeps a share of its prompt in blocks, so more requests fit). Needs the serving extras:
-``pip install hf-kvgov[serve]``.
+(each request keeps a share of its prompt, or a number of tokens, in blocks, so more requests fit). Needs the
+serving extras: ``pip install hf-kvgov[serve]``.
 
 Examples::
 
@@ -32,6 +33,7 @@ Examples::
     kvgov serve --kv-budget 1GiB --swap-dir /mnt/ssd    # a full pool swaps requests to the SSD, not recomputes
     kvgov serve --kv-budget 20GiB --preallocate         # reserve the whole cap at start (full precision)
     kvgov serve --kv-budget 256MiB --codec int8 --h2o 0.2   # each request keeps 20% of its prompt: lossy
+    kvgov serve --kv-budget 256MiB --h2o 512            # at most 512 tokens a request: chats shorter keep all
     python -c "import openai; print(openai.OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-')
       .completions.create(model='smollm2', prompt='Hello', max_tokens=16).choices[0].text)"
 """
@@ -62,6 +64,43 @@ def check_listenable(host: str, port: int) -> None:
             ) from None
 
 
+def engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The `ServingEngine` arguments the options give; a ValueError names a wrong option."""
+    from hf_kvgov.planner.units import parse_memory
+
+    built: dict[str, Any] = {
+        "max_bytes": None if args.kv_budget is None else parse_memory(args.kv_budget, "KV byte cap"),
+        "block_size": args.block_size,
+        "prefix_sharing": not args.no_prefix_sharing,
+        "max_batched_tokens": args.max_batched_tokens,
+        "codec": args.codec,
+    }
+    if args.preallocate:
+        if args.kv_budget is None or args.codec is not None:
+            need = "--kv-budget (the cap it reserves)" if args.kv_budget is None else "no --codec (full precision)"
+            raise ValueError(f"--preallocate needs {need}.")
+        built["preallocate"] = True
+    if args.h2o is not None:
+        from hf_kvgov.engine.parts import HeavyHitter
+        from hf_kvgov.policies.budget import BUDGET_TEXT_FORMS, read_budget
+
+        budget = read_budget(args.h2o)
+        if budget is None:
+            raise ValueError(f"--h2o takes what each request keeps: {BUDGET_TEXT_FORMS}; got {args.h2o!r}.")
+        built["policy"] = HeavyHitter(budget)
+    if args.swap_dir is not None:
+        from hf_kvgov.engine.parts import Disk
+
+        built["spill"] = Disk(path=args.swap_dir)  # refuses a path that is not a directory, here
+    if args.redis is not None:
+        if args.no_prefix_sharing:
+            raise ValueError("--redis shares prefixes between servers, so it cannot go with --no-prefix-sharing.")
+        if not args.redis.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--redis takes a redis://, rediss:// or unix:// URL; got {args.redis!r}.")
+        built["redis_url"] = args.redis
+    return built
+
+
 def _run(args: argparse.Namespace) -> int:
     command = "kvgov serve"
     missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
@@ -72,36 +111,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 1
     try:
-        from hf_kvgov.planner.units import parse_memory
-
-        engine_args = {
-            "max_bytes": None if args.kv_budget is None else parse_memory(args.kv_budget, "KV byte cap"),
-            "block_size": args.block_size,
-            "prefix_sharing": not args.no_prefix_sharing,
-            "max_batched_tokens": args.max_batched_tokens,
-            "codec": args.codec,
-        }
-        if args.preallocate:
-            if args.kv_budget is None or args.codec is not None:
-                need = "--kv-budget (the cap it reserves)" if args.kv_budget is None else "no --codec (full precision)"
-                raise ValueError(f"--preallocate needs {need}.")
-            engine_args["preallocate"] = True
-        if args.h2o is not None:
-            from hf_kvgov.engine.parts import HeavyHitter
-
-            if not 0 < args.h2o <= 1:
-                raise ValueError(f"--h2o takes the share of each prompt a request keeps, in (0, 1]; got {args.h2o}.")
-            engine_args["policy"] = HeavyHitter(float(args.h2o))
-        if args.swap_dir is not None:
-            from hf_kvgov.engine.parts import Disk
-
-            engine_args["spill"] = Disk(path=args.swap_dir)  # refuses a path that is not a directory, here
-        if args.redis is not None:
-            if args.no_prefix_sharing:
-                raise ValueError("--redis shares prefixes between servers, so it cannot go with --no-prefix-sharing.")
-            if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-                raise ValueError(f"--redis takes a redis://, rediss:// or unix:// URL; got {args.redis!r}.")
-            engine_args["redis_url"] = args.redis
+        engine_kwargs = engine_args(args)
         from hf_kvgov.engine.parts import codec_config
         from hf_kvgov.serving.server import check_model_before_loading, run_server, server_model_id
 
@@ -118,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{command}: error: {err}", file=sys.stderr)
         return 2
     try:
-        run_server(args.model, args.host, args.port, args.log_level, **engine_args)
+        run_server(args.model, args.host, args.port, args.log_level, **engine_kwargs)
     except RuntimeError as err:  # transformers relays a refusal from the model's process as "ValueError: ..."
         reason = str(err)
         if not reason.startswith("ValueError: "):
@@ -150,9 +160,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-prefix-sharing", action="store_true", help="do not share prompts' blocks")
     parser.add_argument(
         "--h2o",
-        type=float,
-        metavar="SHARE",
-        help="H2O eviction: each request keeps SHARE of its prompt in blocks (lossy; default: keep every token)",
+        metavar="BUDGET",
+        help="H2O eviction: each request keeps BUDGET in blocks, a share of its prompt (0.2) or a number of tokens "
+        "(512: short chats keep every token) (lossy; default: keep every token)",
     )
     parser.add_argument(
         "--swap-dir",

@@ -11,6 +11,9 @@ import math
 
 BudgetSpec = int | float
 
+# What a budget typed as text may be (`h2o@0.2`, `h2o@256`, `kvgov serve --h2o 0.2`).
+BUDGET_TEXT_FORMS = "a fraction in (0, 1] with a decimal point (0.2) or a number of tokens (256)"
+
 # 0.29 * 100 is 28.999999999999996 in floating point; the epsilon keeps such products from rounding down.
 _EPSILON = 1e-9
 
@@ -28,6 +31,18 @@ def check_budget_spec(owner: str, name: str, value: object, *, allow_zero: bool 
     if isinstance(value, float) and not (0.0 <= value <= 1.0 if allow_zero else 0.0 < value <= 1.0):
         interval = "[0, 1]" if allow_zero else "(0, 1]"
         raise ValueError(f"{owner}: {name} as a fraction must lie in {interval}; got {value}.")
+
+
+def read_budget(text: str) -> BudgetSpec | None:
+    """`0.2` -> a fraction in (0, 1] (it has a decimal point); `256` -> tokens (an integer of at least 1); None
+    when `text` is neither (the caller names the option: `BUDGET_TEXT_FORMS` says what is accepted)."""
+    if text.isdecimal():
+        return int(text) if int(text) >= 1 else None
+    try:
+        fraction = float(text)
+    except ValueError:
+        return None
+    return fraction if "." in text and 0.0 < fraction <= 1.0 else None
 
 
 def fraction_of(value: BudgetSpec, total: int) -> int:

@@ -9,7 +9,9 @@ import pytest
 import torch
 import transformers
 
-from hf_kvgov.cli.main import main
+from hf_kvgov.cli.main import build_parser, main
+from hf_kvgov.cli.serve import engine_args
+from hf_kvgov.engine.parts import HeavyHitter
 from tests.char_tokenizer import char_tokenizer
 
 
@@ -20,7 +22,9 @@ from tests.char_tokenizer import char_tokenizer
         (["--kv-budget", "lots"], "KV byte cap"),
         (["--model", "/nowhere/model.gguf"], "No GGUF file at '/nowhere/model.gguf'"),
         (["--swap-dir", __file__], "path must be a directory for the spill file"),
-        (["--h2o", "1.5"], "--h2o takes the share of each prompt a request keeps, in (0, 1]; got 1.5"),
+        (["--h2o", "1.5"], "--h2o takes what each request keeps: a fraction in (0, 1] with a decimal point (0.2) or a"),
+        (["--h2o", "0"], "number of tokens (256); got '0'."),
+        (["--h2o", "most"], "got 'most'."),
         (["--redis", "localhost:6379"], "--redis takes a redis://, rediss:// or unix:// URL; got 'localhost:6379'"),
         (["--redis", "redis://127.0.0.1:1/0", "--no-prefix-sharing"], "cannot go with --no-prefix-sharing"),
         (["--port", "99999"], "--port takes 0 to 65535 (0: any free port); got 99999."),
@@ -35,6 +39,15 @@ def test_bad_options_get_one_line(argv: list[str], message: str, capsys: pytest.
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("value", "policy"), [("0.2", HeavyHitter(0.2)), ("512", HeavyHitter(512))])
+def test_h2o_takes_a_share_of_the_prompt_or_a_number_of_tokens(value: str, policy: HeavyHitter) -> None:
+    """As cache names do (`h2o@0.2`, `h2o@512`): a token budget keeps a short chat whole (the engine's tests show a
+    budget above the request's length changes no token)."""
+    args = build_parser().parse_args(["serve", "--h2o", value, "--kv-budget", "64MiB"])
+    assert engine_args(args)["policy"] == policy
+    assert engine_args(build_parser().parse_args(["serve"])).get("policy") is None
 
 
 def test_a_port_already_taken_gets_one_line_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
