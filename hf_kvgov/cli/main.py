@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import EXIT_INTERRUPTED
@@ -23,8 +24,23 @@ SUBCOMMANDS = (
 )
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a command line is one line naming the (sub)command, and exit status 2.
+
+    Its subcommands' parsers are of this class too (argparse builds them with the parent's class); each records
+    itself as the namespace's ``command_parser``, so options one of them does not know are refused in its name.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_parser=self)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists what it takes)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kvgov",
         description="Govern the KV cache of HuggingFace transformers models: compare caches, plan capacity.",
     )
@@ -42,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "kvgov"
     try:
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         if not getattr(args, "func", None):
             parser.print_help()
             return 0
