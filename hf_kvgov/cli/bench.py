@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import run_reported
+from hf_kvgov.cli.refusal import refuse
 from hf_kvgov.data_text import demo_text
 from hf_kvgov.partial import Progress, mark_partial, partial_note
 
@@ -266,11 +266,9 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return run_reported(command, lambda: bench.run(args), lambda r, done: bench.show(r, args, done), args.json)
     except ValueError as err:
-        print(f"{command}: error: {err}", file=sys.stderr)
-        return 2
+        return refuse(command, err)
     except ImportError as err:  # matplotlib missing for --plots
-        print(f"{command}: error: {err}", file=sys.stderr)
-        return 1
+        return refuse(command, err, status=1)
 
 
 def _common(parser: argparse.ArgumentParser, new_tokens: int | None) -> None:

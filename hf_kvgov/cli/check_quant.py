@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hf_kvgov import models
+from hf_kvgov.cli.refusal import refuse
 from hf_kvgov.quality.check_defaults import (
     DEFAULT_MAX_ROWS,
     DEFAULT_MAX_TOKENS,
@@ -174,8 +175,7 @@ def run(args: argparse.Namespace) -> int:
         if args.passages != 1 and args.recommend is None:
             raise ValueError("--passages applies to --recommend only; the check scores one passage.")
     except (ValueError, OSError) as error:
-        print(f"kvgov check-quant: {error}", file=sys.stderr)
-        return 2
+        return refuse("kvgov check-quant", error)
     if args.recommend is not None:
         return _recommend(args, options, text)
     with torch_threads(args.threads) as threads:
@@ -207,8 +207,7 @@ def _recommend(args: argparse.Namespace, options: CheckOptions, text: str | None
                 model, tokenizer, text, options.tolerance_pct, options.formats, options, passages=args.passages
             )
         except ValueError as error:  # a text too short for the passages asked for
-            print(f"kvgov check-quant: {error}", file=sys.stderr)
-            return 2
+            return refuse("kvgov check-quant", error)
     layer_map.save(args.recommend)
     print(layer_map.render())
     print(f"Written to {args.recommend}: QuantizedCache.from_config(model, {str(args.recommend)!r})")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import run_reported
+from hf_kvgov.cli.refusal import refuse
 from hf_kvgov.evaluation.longbench.data import HUB_DATASET
 from hf_kvgov.partial import Progress
 
@@ -239,8 +240,7 @@ def _main(args: argparse.Namespace, name: str, prepare: Callable[[argparse.Names
     try:
         job = prepare(args)
     except (ValueError, TypeError, OSError, ImportError, RuntimeError) as error:
-        print(f"{command}: {error}", file=sys.stderr)
-        return 2
+        return refuse(command, error)
     workers = current_workers()
 
     def run() -> EvalReport:
@@ -258,7 +258,6 @@ def _main(args: argparse.Namespace, name: str, prepare: Callable[[argparse.Names
         completed = code == 0  # an interrupted process may have peers that never reach the barrier
         return code
     except ValueError as error:  # options that only the tokenizer or the model can refuse (e.g. too short a length)
-        print(f"{command}: {error}", file=sys.stderr)
-        return 2
+        return refuse(command, error)
     finally:
         workers.finish(completed)

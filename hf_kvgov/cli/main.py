@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 from hf_kvgov import models
 from hf_kvgov.cli.interrupted import EXIT_INTERRUPTED
 from hf_kvgov.cli.outputs import check_outputs
+from hf_kvgov.cli.refusal import refuse
 
 # Subcommand modules; each defines add_parser(subparsers) which sets `func` on its parser.
 SUBCOMMANDS = (
@@ -70,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_outputs(args)  # and a path no result could be written to, before anything is measured
         return int(args.func(args))
     except ValueError as err:  # a mistake the command did not answer itself (the model check's, an unknown name)
-        print(f"{command}: error: {err}", file=sys.stderr)
-        return 2
+        return refuse(command, err)
     except KeyboardInterrupt:
         print(f"{command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hf_kvgov.cli.refusal import refuse
 from hf_kvgov.planner.chain import (
     DEFAULT_CHAIN,
     DEFAULT_H2O_BUDGET,
@@ -201,8 +202,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan, claims = build_plan(args)
     except (ValueError, TypeError) as err:
-        print(f"kvgov plan: error: {err}", file=sys.stderr)
-        return 2
+        return refuse("kvgov plan", err)
     title = f"Scenario {args.scenario!r}: {find_scenario(args.scenario).description}" if args.scenario else None
     if args.json != "-":
         print(render_plan(plan, claims, title))
@@ -218,6 +218,5 @@ def run(args: argparse.Namespace) -> int:
         try:
             print(f"Wrote {plot_plan(plan, args.plot, show_claims=bool(claims))}")
         except ImportError as err:
-            print(f"kvgov plan: error: {err}", file=sys.stderr)
-            return 1
+            return refuse("kvgov plan", err, status=1)
     return 0

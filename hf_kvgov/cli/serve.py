@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from hf_kvgov import models
+from hf_kvgov.cli.refusal import refuse
 
 HELP = """\
 `kvgov serve`: an OpenAI-compatible HTTP server on the embedded (or any) model, its requests served continuously
@@ -125,8 +126,7 @@ def _run(args: argparse.Namespace) -> int:
         server_model_id(args.model)  # a missing file, likewise
         check_model_before_loading(args.model)  # and a model the engine cannot serve (its config, its layers)
     except ValueError as err:
-        print(f"{command}: error: {err}", file=sys.stderr)
-        return 2
+        return refuse(command, err)
     try:
         run_server(args.model, args.host, args.port, args.log_level, **engine_kwargs)
     except RuntimeError as err:  # transformers relays a refusal from the model's process as "ValueError: ..."

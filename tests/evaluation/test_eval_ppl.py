@@ -206,7 +206,7 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path, capsys: pytest.Captu
 def test_cli_refuses_bad_options_before_loading(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")  # passes the name check, but no model loads from it
     assert main(["eval", "ppl", "--model", str(tmp_path), "--caches", "dynamic,h2o@2.0"]) == 2
-    assert "kvgov eval ppl: Cannot read the cache name 'h2o@2.0'" in capsys.readouterr().err
+    assert "kvgov eval ppl: error: Cannot read the cache name 'h2o@2.0'" in capsys.readouterr().err
 
 
 @pytest.mark.real_model

@@ -114,7 +114,7 @@ def test_cli_on_the_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_cli_reports_lengths_too_short_for_the_task(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = save_tiny_model(tmp_path / "tiny")
     assert main(["eval", "synthetic", "--model", str(model_dir), "--lengths", "64", "--caches", "dynamic"]) == 2
-    assert "kvgov eval synthetic: target_length=64 tokens is shorter than the task's fixed text alone" in (
+    assert "kvgov eval synthetic: error: target_length=64 tokens is shorter than the task's fixed text alone" in (
         capsys.readouterr().err
     )
     with pytest.raises(SystemExit):  # argparse refuses it

@@ -176,6 +176,6 @@ def test_the_command_chooses_on_two_passages_and_refuses_passages_it_cannot_cut(
     assert "on the worst of 2 passages" in capsys.readouterr().out
     assert kvgov([*argv, "--passages", "6"]) == 2  # the text has 600 characters, 6 x 120 = 720 tokens
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading lines
-    assert last.startswith("kvgov check-quant: 6 passages of 120 tokens need 720 tokens of text; it has 600")
+    assert last.startswith("kvgov check-quant: error: 6 passages of 120 tokens need 720 tokens of text; it has 600")
     assert kvgov(["--model", str(tiny_dir), "--passages", "2"]) == 2
     assert "--passages applies to --recommend only" in capsys.readouterr().err
