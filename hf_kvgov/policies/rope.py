@@ -81,11 +81,8 @@ def _check_shapes(x: Tensor, amount: Tensor, inv_freq: Tensor) -> None:
             f"inv_freq must be 1-D with between 1 and head_dim/2 = {x.shape[-1] // 2} entries; "
             f"got shape {tuple(inv_freq.shape)}."
         )
-    try:
-        broadcast = torch.broadcast_shapes(amount.shape, x.shape[:3])
-    except RuntimeError:
-        broadcast = None
-    if broadcast != x.shape[:3]:
+    target = x.shape[:3]  # `amount` broadcasts to it exactly: each of its trailing dims is 1 or the target's
+    if amount.dim() > 3 or any(a not in (1, t) for a, t in zip(reversed(amount.shape), reversed(target), strict=False)):
         raise ValueError(
             f"Positions/deltas of shape {tuple(amount.shape)} do not broadcast to [batch, heads, seq] = "
             f"{tuple(x.shape[:3])}; pass [batch, heads, seq] or [seq]."

@@ -75,11 +75,14 @@ class SinkKeys:
     def __call__(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
         """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""
         delta = sink_shift(positions, valid, self.n_sink)
-        moved = delta != 0
-        if not bool(moved.any()):
+        # The sinks are each row's first valid slots: turn the leading slots up to the last one that moves (a zero
+        # turn leaves a key exactly as stored) and keep the others as they are, with no per-key indexing.
+        moved = (delta != 0).flatten(0, 1).any(dim=0).nonzero()
+        if moved.numel() == 0:
             return keys
-        turned = rerotate(keys[moved][None, None], delta[moved], self.inv_freq)[0, 0]
-        return keys.index_put((moved,), turned)
+        span = int(moved[-1]) + 1
+        turned = rerotate(keys[:, :, :span], delta[:, :, :span], self.inv_freq)
+        return torch.cat((turned, keys[:, :, span:]), dim=2)
 
 
 def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
@@ -89,7 +92,7 @@ def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
     other valid position and ``n`` the sinks present. Valid slots must be stored in ascending position
     order, which the cache guarantees (policies return kept slots in position order, new tokens come last).
     """
-    is_sink = oldest_valid(positions, valid, n_sink)
+    is_sink = valid & (valid.long().cumsum(dim=-1) <= n_sink)  # the first valid slots are the oldest
     rest = valid & ~is_sink
     oldest_rest = torch.where(rest, positions, torch.iinfo(torch.long).max).amin(dim=-1, keepdim=True)
     rank = is_sink.long().cumsum(dim=-1) - 1

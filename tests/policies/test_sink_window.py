@@ -104,3 +104,43 @@ def test_config_is_frozen_and_declares_its_needs() -> None:
         policy.window = 5  # type: ignore[misc]
     assert policy.needs == FactNeeds()
     assert policy.min_budget == 64
+
+
+def test_sink_keys_turn_each_rows_first_valid_slots_to_just_before_its_window() -> None:
+    """`SinkKeys` against the definition, slot by slot: in each (row, head) the ``n`` first valid slots (the oldest:
+    kept slots are stored in position order) are read as if at ``w0 - n + j``; every other key is returned exactly
+    as stored, whatever padding precedes the sinks or follows the window."""
+    from hf_kvgov.policies.rope import rerotate
+    from hf_kvgov.policies.sink_window import SinkKeys
+
+    n_sink, slots, head_dim = 2, 9, 8
+    inv_freq = 1.0 / (10_000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    keys = torch.randn(2, 2, slots, head_dim, generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor(
+        [
+            [[False, False, True, True, True, True, True, False, False], [True] * 9],
+            [[False, True, True, True, True, True, True, True, True], [True] * 3 + [False] * 6],
+        ]
+    )  # fmt: skip
+    starts = torch.tensor([[0, 40], [7, 100]])  # sinks at start, start + 1; the window from start + 30 on
+    positions = torch.zeros(2, 2, slots, dtype=torch.long)
+    for b in range(2):
+        for h in range(2):
+            at = [i for i in range(slots) if valid[b, h, i]]
+            sequence = [int(starts[b, h]), int(starts[b, h]) + 1] + [
+                int(starts[b, h]) + 30 + k for k in range(len(at) - 2)
+            ]
+            positions[b, h, at] = torch.tensor(sequence)
+    read = SinkKeys(n_sink, inv_freq)(keys, positions, valid)
+    for b in range(2):
+        for h in range(2):
+            at = [i for i in range(slots) if valid[b, h, i]]
+            window_start = int(positions[b, h, at[n_sink]]) if len(at) > n_sink else None
+            for i in range(slots):
+                if window_start is not None and i in at[:n_sink]:
+                    delta = window_start - n_sink + at.index(i) - int(positions[b, h, i])
+                    expected = rerotate(keys[b, h, i].view(1, 1, 1, -1), torch.tensor([delta]), inv_freq).view(-1)
+                    torch.testing.assert_close(read[b, h, i], expected)
+                    assert delta != 0
+                else:
+                    assert torch.equal(read[b, h, i], keys[b, h, i])
