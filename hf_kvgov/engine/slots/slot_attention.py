@@ -75,6 +75,9 @@ def attend_slots(
     keys_t = keys.to(work).transpose(-1, -2)  # [b, hk, d, slots]
     vals = values.to(work)  # [b, hk, slots, d]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
+    if not want_scores and not recent_queries and softcap is None and sinks is None:
+        _attend_fused(grouped, keys.to(work), vals, kept_valid, new_mask, scale, chunk, window, out)
+        return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype), None, None
     running = scores if want_scores else None
     recent: Tensor | None = None
     first_recent = q_len - recent_queries if recent_queries else q_len
@@ -104,6 +107,43 @@ def attend_slots(
             recent = accumulate_attention(recent, weights[:, :, max(first_recent - start, 0) :], group)
     result = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype)
     return result, running, recent
+
+
+def _attend_fused(
+    grouped: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kept_valid: Tensor,
+    new_mask: Tensor | None,
+    scale: float,
+    chunk: int,
+    window: tuple[int, Tensor] | None,
+    out: Tensor,
+) -> None:
+    """`attend_slots` when no attention fact is asked for: each chunk one fused attention (sinks and softcapping
+    stay with the explicit logits), into ``out`` ``[batch, kv_heads, group, q_len, head_dim]``."""
+    batch, kv_heads, group, q_len, head_dim = grouped.shape
+    slots = keys.shape[2]
+    attention = torch.nn.functional.scaled_dot_product_attention
+    if slots == q_len and new_mask is None and window is None:  # a first chunk, causal, no padding: no mask at all
+        flat = grouped.reshape(batch, kv_heads * group, q_len, head_dim)
+        read = attention(flat, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+        out.copy_(read.view(batch, kv_heads, group, q_len, head_dim))
+        return
+    for start in range(0, q_len, chunk):
+        end = min(start + chunk, q_len)
+        rows = _mask_rows(new_mask, start, end, q_len, batch, grouped.device)
+        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
+        size = end - start
+        stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
+        mask = allowed.expand(batch, kv_heads, group, size, slots).reshape(batch, kv_heads, group * size, slots)
+        read = attention(stacked, keys, values, attn_mask=mask, scale=scale).view(
+            batch, kv_heads, group, size, head_dim
+        )
+        reads = allowed.any(dim=-1, keepdim=True)  # a padding query reads nothing: zeros, as `attend_slots` gives
+        if read.device.type != "cpu" or not bool(reads.all()):
+            read = torch.where(reads, read, 0.0)
+        out[:, :, :, start:end] = read
 
 
 def new_tokens_valid(new_mask: Tensor | None, batch: int, q_len: int, device: torch.device) -> Tensor:

@@ -1,0 +1,66 @@
+"""`attend_slots`, the eviction caches' attention, against its definition in float64 (a masked softmax per query,
+query head ``i`` reading KV head ``i // group``): with the attention facts asked for (the explicit logits), and
+without (one fused attention per chunk, or none but a causal one for a first chunk), on kept slots some of which
+are invalid, left padding, several chunks and a sliding window. Padding queries read nothing (zeros)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_kvgov.engine.slots.slot_attention import attend_slots
+
+BATCH, KV_HEADS, GROUP, DIM = 2, 2, 3, 8
+SCALE = DIM**-0.5
+
+
+def definition(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`[batch, q_len, q_heads, dim]`; `allowed` `[batch, kv_heads, q_len, slots]`; a query allowed nothing is 0."""
+    k, v = (t.double().repeat_interleave(GROUP, dim=1) for t in (keys, values))
+    mask = allowed.repeat_interleave(GROUP, dim=1)
+    logits = (query.double() @ k.transpose(-1, -2) * SCALE).masked_fill(~mask, float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)
+    return (probs @ v).transpose(1, 2)
+
+
+def case(kept: int, q_len: int, padding: int, window: int | None):  # type: ignore[no-untyped-def]
+    generator = torch.Generator().manual_seed(kept * 100 + q_len)
+    query = torch.randn(BATCH, KV_HEADS * GROUP, q_len, DIM, generator=generator)
+    keys = torch.randn(BATCH, KV_HEADS, kept + q_len, DIM, generator=generator)
+    values = torch.randn(BATCH, KV_HEADS, kept + q_len, DIM, generator=generator)
+    kept_valid = torch.rand(BATCH, KV_HEADS, kept, generator=generator) > 0.3  # heads keep different slots
+    real = torch.ones(BATCH, q_len, dtype=torch.bool)
+    real[1, :padding] = False  # row 1's first tokens are padding
+    causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    if window is not None:  # the new slots' window is the caller's mask, as transformers' sliding mask is
+        causal &= torch.arange(q_len)[None, :] > torch.arange(q_len)[:, None] - window
+    new_part = causal & real[:, None, :] & real[:, :, None]  # [batch, q_len, q_len]
+    new_mask = new_part if padding or window is not None else None
+    positions = torch.arange(kept + q_len).expand(BATCH, KV_HEADS, -1)  # kept slots at 0..kept-1, then the new
+    old_part = kept_valid[:, :, None, :] & real[:, None, :, None]
+    if window is not None:
+        old_part &= positions[:, :, None, :kept] > positions[:, :, kept:, None] - window
+    allowed = torch.cat((old_part, new_part[:, None].expand(BATCH, KV_HEADS, q_len, q_len)), dim=-1)
+    windowing = None if window is None else (window, positions)
+    return (query, keys, values, kept_valid, new_mask, windowing), allowed
+
+
+@pytest.mark.parametrize("want_scores", [True, False], ids=["explicit logits", "fused"])
+@pytest.mark.parametrize(
+    ("kept", "q_len", "padding", "window"),
+    [(0, 13, 0, None), (0, 13, 4, None), (9, 13, 4, None), (9, 1, 0, None), (9, 13, 0, 6), (0, 13, 3, 5)],
+    ids=["first causal chunk", "first chunk, padding", "kept and padding", "decode", "window", "window, padding"],
+)
+def test_both_paths_equal_the_definition(
+    want_scores: bool, kept: int, q_len: int, padding: int, window: int | None
+) -> None:
+    (query, keys, values, kept_valid, new_mask, windowing), allowed = case(kept, q_len, padding, window)
+    scores = torch.zeros(BATCH, KV_HEADS, kept) if want_scores else None
+    out, mass, _ = attend_slots(
+        query, keys, values, kept_valid, new_mask, SCALE, scores=scores, want_scores=want_scores, chunk=5,
+        window=windowing,
+    )  # fmt: skip
+    torch.testing.assert_close(out.double(), definition(query, keys, values, allowed), rtol=1e-5, atol=1e-5)
+    assert (mass is not None) == want_scores
+    if padding:
+        assert torch.equal(out[1, :padding], torch.zeros_like(out[1, :padding]))
