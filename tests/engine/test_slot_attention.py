@@ -14,13 +14,16 @@ BATCH, KV_HEADS, GROUP, DIM = 2, 2, 3, 8
 SCALE = DIM**-0.5
 
 
-def definition(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """`[batch, q_len, q_heads, dim]`; `allowed` `[batch, kv_heads, q_len, slots]`; a query allowed nothing is 0."""
+def definition(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`[batch, q_len, q_heads, dim]`, probabilities `[batch, q_heads, q_len, slots]`); `allowed` `[batch, kv_heads,
+    q_len, slots]`; a query allowed nothing reads 0."""
     k, v = (t.double().repeat_interleave(GROUP, dim=1) for t in (keys, values))
     mask = allowed.repeat_interleave(GROUP, dim=1)
     logits = (query.double() @ k.transpose(-1, -2) * SCALE).masked_fill(~mask, float("-inf"))
     probs = torch.nan_to_num(logits.softmax(dim=-1), nan=0.0)
-    return (probs @ v).transpose(1, 2)
+    return (probs @ v).transpose(1, 2), probs
 
 
 def case(kept: int, q_len: int, padding: int, window: int | None):  # type: ignore[no-untyped-def]
@@ -45,22 +48,35 @@ def case(kept: int, q_len: int, padding: int, window: int | None):  # type: igno
     return (query, keys, values, kept_valid, new_mask, windowing), allowed
 
 
-@pytest.mark.parametrize("want_scores", [True, False], ids=["explicit logits", "fused"])
+@pytest.mark.parametrize(
+    ("want_scores", "recent_queries"),
+    [(True, 0), (False, 0), (False, 3), (False, 20)],
+    ids=["explicit logits", "fused", "fused, then the last 3 queries explicit", "more last queries than queries"],
+)
 @pytest.mark.parametrize(
     ("kept", "q_len", "padding", "window"),
     [(0, 13, 0, None), (0, 13, 4, None), (9, 13, 4, None), (9, 1, 0, None), (9, 13, 0, 6), (0, 13, 3, 5)],
     ids=["first causal chunk", "first chunk, padding", "kept and padding", "decode", "window", "window, padding"],
 )
-def test_both_paths_equal_the_definition(
-    want_scores: bool, kept: int, q_len: int, padding: int, window: int | None
+def test_every_path_equals_the_definition(
+    want_scores: bool, recent_queries: int, kept: int, q_len: int, padding: int, window: int | None
 ) -> None:
     (query, keys, values, kept_valid, new_mask, windowing), allowed = case(kept, q_len, padding, window)
     scores = torch.zeros(BATCH, KV_HEADS, kept) if want_scores else None
-    out, mass, _ = attend_slots(
-        query, keys, values, kept_valid, new_mask, SCALE, scores=scores, want_scores=want_scores, chunk=5,
-        window=windowing,
+    out, mass, recent = attend_slots(
+        query, keys, values, kept_valid, new_mask, SCALE, scores=scores, want_scores=want_scores,
+        recent_queries=recent_queries, chunk=5, window=windowing,
     )  # fmt: skip
-    torch.testing.assert_close(out.double(), definition(query, keys, values, allowed), rtol=1e-5, atol=1e-5)
+    expected, probs = definition(query, keys, values, allowed)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    per_kv_head = probs.view(BATCH, KV_HEADS, GROUP, q_len, -1).sum(dim=2)  # [batch, kv_heads, q_len, slots]
     assert (mass is not None) == want_scores
+    if want_scores:
+        torch.testing.assert_close(mass.double(), per_kv_head.sum(dim=2), rtol=1e-5, atol=1e-5)
+    if recent_queries:
+        last = per_kv_head[:, :, max(q_len - recent_queries, 0) :].sum(dim=2)
+        torch.testing.assert_close(recent.double(), last, rtol=1e-5, atol=1e-5)
+    else:
+        assert recent is None
     if padding:
         assert torch.equal(out[1, :padding], torch.zeros_like(out[1, :padding]))

@@ -8,7 +8,8 @@ the kept slots' validity and that the newest ``q_len`` slots are this step's tok
     query i attends to:            every valid kept slot   |  new slot j if j <= i and j is not padding
 
 Queries go ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length; each chunk's probabilities
-feed :func:`hf_kvgov.policies.accumulate_attention`, so the mass (and the last queries' attention) is exact.
+feed :func:`hf_kvgov.policies.accumulate_attention`, so the mass (and the last queries' attention) is exact. Queries
+whose attention no policy reads (no mass asked for, before the last queries) go through torch's fused sdpa instead.
 """
 
 from __future__ import annotations
@@ -75,13 +76,14 @@ def attend_slots(
     keys_t = keys.to(work).transpose(-1, -2)  # [b, hk, d, slots]
     vals = values.to(work)  # [b, hk, slots, d]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
-    if not want_scores and not recent_queries and softcap is None and sinks is None:
-        _attend_fused(grouped, keys.to(work), vals, kept_valid, new_mask, scale, chunk, window, out)
-        return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype), None, None
+    first_recent = max(q_len - recent_queries, 0) if recent_queries else q_len
+    explicit_from = 0  # the queries from here on attend through explicit logits
+    if not want_scores and softcap is None and sinks is None:  # the queries before the last ones: fused
+        _attend_fused(grouped, keys.to(work), vals, kept_valid, new_mask, scale, chunk, window, out, first_recent)
+        explicit_from = first_recent
     running = scores if want_scores else None
     recent: Tensor | None = None
-    first_recent = q_len - recent_queries if recent_queries else q_len
-    for start in range(0, q_len, chunk):
+    for start in range(explicit_from, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
         allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
@@ -119,19 +121,25 @@ def _attend_fused(
     chunk: int,
     window: tuple[int, Tensor] | None,
     out: Tensor,
+    until: int,
 ) -> None:
-    """`attend_slots` when no attention fact is asked for: each chunk one fused attention (sinks and softcapping
-    stay with the explicit logits), into ``out`` ``[batch, kv_heads, group, q_len, head_dim]``."""
+    """`attend_slots` for queries ``0..until-1``, of which no attention fact is asked: each chunk one fused
+    attention (sinks and softcapping stay with the explicit logits), into ``out`` ``[batch, kv_heads, group, q_len,
+    head_dim]``."""
+    if until == 0:
+        return
     batch, kv_heads, group, q_len, head_dim = grouped.shape
     slots = keys.shape[2]
     attention = torch.nn.functional.scaled_dot_product_attention
     if slots == q_len and new_mask is None and window is None:  # a first chunk, causal, no padding: no mask at all
-        flat = grouped.reshape(batch, kv_heads * group, q_len, head_dim)
-        read = attention(flat, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
-        out.copy_(read.view(batch, kv_heads, group, q_len, head_dim))
+        flat = grouped[:, :, :, :until].reshape(batch, kv_heads * group, until, head_dim)
+        read = attention(
+            flat, keys[:, :, :until], values[:, :, :until], is_causal=True, scale=scale, enable_gqa=group > 1
+        )
+        out[:, :, :, :until] = read.view(batch, kv_heads, group, until, head_dim)
         return
-    for start in range(0, q_len, chunk):
-        end = min(start + chunk, q_len)
+    for start in range(0, until, chunk):
+        end = min(start + chunk, until)
         rows = _mask_rows(new_mask, start, end, q_len, batch, grouped.device)
         allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
         size = end - start
