@@ -8,8 +8,7 @@ the kept slots' validity and that the newest ``q_len`` slots are this step's tok
     query i attends to:            every valid kept slot   |  new slot j if j <= i and j is not padding
 
 Queries go ``chunk`` at a time, so memory is O(chunk x slots) whatever the prompt length; each chunk's probabilities
-feed :func:`hf_kvgov.policies.accumulate_attention`, so the mass (and the last queries' attention) is exact. Queries
-whose attention no policy reads (no mass asked for, before the last queries) go through torch's fused sdpa instead.
+feed :func:`hf_kvgov.policies.accumulate_attention`, so the mass (and the last queries' attention) is exact.
 """
 
 from __future__ import annotations
@@ -40,6 +39,9 @@ def attend_slots(
     window: tuple[int, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Attention of this step's queries over kept + new slots, optionally with the attention facts.
+
+    Explicit logits only where a fact needs them: queries whose weights no policy reads (no mass asked for, before
+    the last ``recent_queries``) go through torch's fused sdpa.
 
     Args:
         query: ``[batch, q_heads, q_len, head_dim]`` after RoPE; query head ``i`` reads KV head
