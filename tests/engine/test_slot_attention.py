@@ -26,7 +26,7 @@ def definition(
     return (probs @ v).transpose(1, 2), probs
 
 
-def case(kept: int, q_len: int, padding: int, window: int | None):  # type: ignore[no-untyped-def]
+def case(kept: int, q_len: int, padding: int, window: int | None, bidirectional: int = 0):  # type: ignore[no-untyped-def]
     generator = torch.Generator().manual_seed(kept * 100 + q_len)
     query = torch.randn(BATCH, KV_HEADS * GROUP, q_len, DIM, generator=generator)
     keys = torch.randn(BATCH, KV_HEADS, kept + q_len, DIM, generator=generator)
@@ -37,8 +37,9 @@ def case(kept: int, q_len: int, padding: int, window: int | None):  # type: igno
     causal = torch.ones(q_len, q_len, dtype=torch.bool).tril()
     if window is not None:  # the new slots' window is the caller's mask, as transformers' sliding mask is
         causal &= torch.arange(q_len)[None, :] > torch.arange(q_len)[:, None] - window
+    causal[:bidirectional, :bidirectional] = True  # the first tokens read each other (a prefix-LM mask)
     new_part = causal & real[:, None, :] & real[:, :, None]  # [batch, q_len, q_len]
-    new_mask = new_part if padding or window is not None else None
+    new_mask = new_part if padding or window is not None or bidirectional else None
     positions = torch.arange(kept + q_len).expand(BATCH, KV_HEADS, -1)  # kept slots at 0..kept-1, then the new
     old_part = kept_valid[:, :, None, :] & real[:, None, :, None]
     if window is not None:
@@ -54,14 +55,18 @@ def case(kept: int, q_len: int, padding: int, window: int | None):  # type: igno
     ids=["explicit logits", "fused", "fused, then the last 3 queries explicit", "more last queries than queries"],
 )
 @pytest.mark.parametrize(
-    ("kept", "q_len", "padding", "window"),
-    [(0, 13, 0, None), (0, 13, 4, None), (9, 13, 4, None), (9, 1, 0, None), (9, 13, 0, 6), (0, 13, 3, 5)],
-    ids=["first causal chunk", "first chunk, padding", "kept and padding", "decode", "window", "window, padding"],
-)
+    ("kept", "q_len", "padding", "window", "bidirectional"),
+    [(0, 13, 0, None, 0), (0, 13, 4, None, 0), (9, 13, 4, None, 0), (9, 1, 0, None, 0), (9, 13, 0, 6, 0),
+     (0, 13, 3, 5, 0), (9, 13, 0, None, 7)],
+    ids=["first causal chunk", "first chunk, padding", "kept and padding", "decode", "window", "window, padding",
+         "first queries read later slots"],
+)  # fmt: skip
 def test_every_path_equals_the_definition(
-    want_scores: bool, recent_queries: int, kept: int, q_len: int, padding: int, window: int | None
+    want_scores: bool, recent_queries: int, kept: int, q_len: int, padding: int, window: int | None, bidirectional: int
 ) -> None:
-    (query, keys, values, kept_valid, new_mask, windowing), allowed = case(kept, q_len, padding, window)
+    """Chunks of 5 queries: a causal chunk reads no slot past its last query, and a chunk whose queries read later
+    slots (7 tokens that read each other, across the first chunk's end) reads them."""
+    (query, keys, values, kept_valid, new_mask, windowing), allowed = case(kept, q_len, padding, window, bidirectional)
     scores = torch.zeros(BATCH, KV_HEADS, kept) if want_scores else None
     out, mass, recent = attend_slots(
         query, keys, values, kept_valid, new_mask, SCALE, scores=scores, want_scores=want_scores,

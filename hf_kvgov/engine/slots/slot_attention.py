@@ -85,13 +85,16 @@ def attend_slots(
         explicit_from = first_recent
     running = scores if want_scores else None
     recent: Tensor | None = None
+    kept = slots - q_len
     for start in range(explicit_from, q_len, chunk):
         end = min(start + chunk, q_len)
         rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
-        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
+        rows = rows[:, :, : _new_slots_seen(rows, new_mask is None, end)]
+        seen = kept + rows.shape[-1]  # the chunk's queries read no slot past these: causal ones none after `end`
+        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, seen]
         size = end - start
         stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
-        logits = (stacked @ keys_t).view(batch, kv_heads, group, size, slots) * scale
+        logits = (stacked @ keys_t[..., :seen]).view(batch, kv_heads, group, size, seen) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
         probs = softmax_with_sinks(logits.masked_fill(~allowed, float("-inf")), sinks)
@@ -101,16 +104,35 @@ def attend_slots(
         reads = allowed.any(dim=-1, keepdim=True)
         if probs.device.type != "cpu" or not bool(reads.all()):
             probs = torch.where(reads, probs, 0.0)
-        out[:, :, :, start:end] = (probs.reshape(batch, kv_heads, group * size, slots) @ vals).view(
+        out[:, :, :, start:end] = (probs.reshape(batch, kv_heads, group * size, seen) @ vals[:, :, :seen]).view(
             batch, kv_heads, group, size, head_dim
         )
-        weights = probs.reshape(batch, q_heads, size, slots)
+        weights = probs.reshape(batch, q_heads, size, seen)
         if want_scores:
-            running = accumulate_attention(running, weights, group)
+            running = _add_mass(running, weights, group, slots)
         if end > first_recent:
-            recent = accumulate_attention(recent, weights[:, :, max(first_recent - start, 0) :], group)
+            recent = _add_mass(recent, weights[:, :, max(first_recent - start, 0) :], group, slots)
     result = out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype)
     return result, running, recent
+
+
+def _new_slots_seen(rows: Tensor, causal: bool, end: int) -> int:
+    """How many of the step's new slots the queries of a chunk ending at query `end` may read, from the chunk's
+    new-slot mask ``rows`` ``[batch, chunk, q_len]``: `end` when no query reads a later slot (causal), else all."""
+    if causal or end == rows.shape[-1] or not bool(rows[:, :, end:].any()):
+        return end
+    return rows.shape[-1]
+
+
+def _add_mass(running: Tensor | None, weights: Tensor, group: int, slots: int) -> Tensor:
+    """`accumulate_attention` for the weights of a chunk's first slots: the mass of every slot, ``[batch, kv_heads,
+    slots]``, the ones past the weights' last adding nothing (never a copy of the weights padded to `slots`)."""
+    step = accumulate_attention(None, weights, group)
+    step = torch.nn.functional.pad(step, (0, slots - step.shape[-1]))
+    if running is None:
+        return step
+    total = running.to(torch.promote_types(running.dtype, step.dtype))
+    return torch.nn.functional.pad(total, (0, slots - total.shape[-1])) + step
 
 
 def _attend_fused(
@@ -140,14 +162,17 @@ def _attend_fused(
         )
         out[:, :, :, :until] = read.view(batch, kv_heads, group, until, head_dim)
         return
+    kept = slots - q_len
     for start in range(0, until, chunk):
         end = min(start + chunk, until)
         rows = _mask_rows(new_mask, start, end, q_len, batch, grouped.device)
-        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, slots]
+        rows = rows[:, :, : _new_slots_seen(rows, new_mask is None, end)]
+        seen = kept + rows.shape[-1]
+        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, seen]
         size = end - start
         stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
-        mask = allowed.expand(batch, kv_heads, group, size, slots).reshape(batch, kv_heads, group * size, slots)
-        read = attention(stacked, keys, values, attn_mask=mask, scale=scale).view(
+        mask = allowed.expand(batch, kv_heads, group, size, seen).reshape(batch, kv_heads, group * size, seen)
+        read = attention(stacked, keys[:, :, :seen], values[:, :, :seen], attn_mask=mask, scale=scale).view(
             batch, kv_heads, group, size, head_dim
         )
         reads = allowed.any(dim=-1, keepdim=True)  # a padding query reads nothing: zeros, as `attend_slots` gives
