@@ -92,10 +92,10 @@ def sink_shift(positions: Tensor, valid: Tensor, n_sink: int) -> Tensor:
     other valid position and ``n`` the sinks present. Valid slots must be stored in ascending position
     order, which the cache guarantees (policies return kept slots in position order, new tokens come last).
     """
-    is_sink = valid & (valid.long().cumsum(dim=-1) <= n_sink)  # the first valid slots are the oldest
+    rank = valid.long().cumsum(dim=-1) - 1  # each valid slot's rank by position: the first valid slots are the oldest
+    is_sink = valid & (rank < n_sink)
     rest = valid & ~is_sink
     oldest_rest = torch.where(rest, positions, torch.iinfo(torch.long).max).amin(dim=-1, keepdim=True)
-    rank = is_sink.long().cumsum(dim=-1) - 1
     target = oldest_rest - is_sink.sum(dim=-1, keepdim=True) + rank
     shifted = is_sink & rest.any(dim=-1, keepdim=True)
     return torch.where(shifted, target - positions, 0)

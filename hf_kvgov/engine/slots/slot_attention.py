@@ -75,23 +75,20 @@ def attend_slots(
     grouped = query.reshape(batch, kv_heads, group, q_len, head_dim).to(work)
     # A KV head's query heads and a chunk's queries go in one matrix, so each product reads K/V once: a product
     # broadcast over the query heads would first copy K and V once per query head.
-    keys_t = keys.to(work).transpose(-1, -2)  # [b, hk, d, slots]
-    vals = values.to(work)  # [b, hk, slots, d]
+    keys_w, vals = keys.to(work), values.to(work)  # [b, hk, slots, d]
+    keys_t = keys_w.transpose(-1, -2)  # [b, hk, d, slots]
     out = torch.empty(batch, kv_heads, group, q_len, head_dim, dtype=work, device=query.device)
     first_recent = max(q_len - recent_queries, 0) if recent_queries else q_len
     explicit_from = 0  # the queries from here on attend through explicit logits
     if not want_scores and softcap is None and sinks is None:  # the queries before the last ones: fused
-        _attend_fused(grouped, keys.to(work), vals, kept_valid, new_mask, scale, chunk, window, out, first_recent)
+        _attend_fused(grouped, keys_w, vals, kept_valid, new_mask, scale, chunk, window, out, first_recent)
         explicit_from = first_recent
     running = scores if want_scores else None
     recent: Tensor | None = None
-    kept = slots - q_len
     for start in range(explicit_from, q_len, chunk):
         end = min(start + chunk, q_len)
-        rows = _mask_rows(new_mask, start, end, q_len, batch, query.device)
-        rows = rows[:, :, : _new_slots_seen(rows, new_mask is None, end)]
-        seen = kept + rows.shape[-1]  # the chunk's queries read no slot past these: causal ones none after `end`
-        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, seen]
+        allowed = _chunk_allowed(kept_valid, new_mask, window, start, end, q_len)  # [b, hk, 1, c, seen]
+        seen = allowed.shape[-1]
         size = end - start
         stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
         logits = (stacked @ keys_t[..., :seen]).view(batch, kv_heads, group, size, seen) * scale
@@ -116,17 +113,28 @@ def attend_slots(
     return result, running, recent
 
 
-def _new_slots_seen(rows: Tensor, causal: bool, end: int) -> int:
-    """How many of the step's new slots the queries of a chunk ending at query `end` may read, from the chunk's
-    new-slot mask ``rows`` ``[batch, chunk, q_len]``: `end` when no query reads a later slot (causal), else all."""
-    if causal or end == rows.shape[-1] or not bool(rows[:, :, end:].any()):
-        return end
-    return rows.shape[-1]
+def _chunk_allowed(
+    kept_valid: Tensor,
+    new_mask: Tensor | None,
+    window: tuple[int, Tensor] | None,
+    start: int,
+    end: int,
+    q_len: int,
+) -> Tensor:
+    """Bool ``[batch, kv_heads, 1, end - start, seen]``: which slots queries ``start..end-1`` may read, over the
+    kept slots and the new ones up to the last any of them reads: ``end`` under a causal mask (a chunk reads no
+    later token), every new slot when a query reads a later one."""
+    rows = _mask_rows(new_mask, start, end, q_len, kept_valid.shape[0], kept_valid.device)
+    if new_mask is None or end == q_len or not bool(rows[:, :, end:].any()):
+        rows = rows[:, :, :end]
+    return _allowed(_in_window(kept_valid, window, start, end), rows, start)
 
 
 def _add_mass(running: Tensor | None, weights: Tensor, group: int, slots: int) -> Tensor:
-    """`accumulate_attention` for the weights of a chunk's first slots: the mass of every slot, ``[batch, kv_heads,
-    slots]``, the ones past the weights' last adding nothing (never a copy of the weights padded to `slots`)."""
+    """`accumulate_attention` for weights over the first of `slots` slots: the mass of every slot, ``[batch,
+    kv_heads, slots]``, the later ones adding nothing (never a copy of the weights padded to `slots`)."""
+    if weights.shape[-1] == slots:  # every slot (a decode step, a chunk that reads all): as it always was
+        return accumulate_attention(running, weights, group)
     step = accumulate_attention(None, weights, group)
     step = torch.nn.functional.pad(step, (0, slots - step.shape[-1]))
     if running is None:
@@ -162,13 +170,10 @@ def _attend_fused(
         )
         out[:, :, :, :until] = read.view(batch, kv_heads, group, until, head_dim)
         return
-    kept = slots - q_len
     for start in range(0, until, chunk):
         end = min(start + chunk, until)
-        rows = _mask_rows(new_mask, start, end, q_len, batch, grouped.device)
-        rows = rows[:, :, : _new_slots_seen(rows, new_mask is None, end)]
-        seen = kept + rows.shape[-1]
-        allowed = _allowed(_in_window(kept_valid, window, start, end), rows, start)  # [b, hk, 1, c, seen]
+        allowed = _chunk_allowed(kept_valid, new_mask, window, start, end, q_len)  # [b, hk, 1, c, seen]
+        seen = allowed.shape[-1]
         size = end - start
         stacked = grouped[:, :, :, start:end].reshape(batch, kv_heads, group * size, head_dim)
         mask = allowed.expand(batch, kv_heads, group, size, seen).reshape(batch, kv_heads, group * size, seen)
