@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 
 
-def refuse(command: str, error: BaseException, status: int = 2) -> int:
-    """Print `error` as the one line of `command`'s refusal; return `status` (2: a mistake in what was given)."""
-    print(f"{command}: error: {reason(error)}", file=sys.stderr)
+def refuse(command: str, error: BaseException | str, status: int = 2) -> int:
+    """Print `error` (an exception, or the reason in words) as the one line of `command`'s refusal; return `status`
+    (2: a mistake in what was given)."""
+    print(f"{command}: error: {error if isinstance(error, str) else reason(error)}", file=sys.stderr)
     return status
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import socket
-import sys
 from typing import Any
 
 from hf_kvgov import models
@@ -106,11 +105,8 @@ def _run(args: argparse.Namespace) -> int:
     command = "kvgov serve"
     missing = [name for name in SERVE_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        print(
-            f"{command}: error: the server needs {', '.join(missing)}; `pip install hf-kvgov[serve]` installs them.",
-            file=sys.stderr,
-        )
-        return 1
+        needs = f"the server needs {', '.join(missing)}; `pip install hf-kvgov[serve]` installs them."
+        return refuse(command, needs, status=1)
     try:
         engine_kwargs = engine_args(args)
         from hf_kvgov.engine.parts import codec_config
@@ -133,8 +129,7 @@ def _run(args: argparse.Namespace) -> int:
         reason = str(err)
         if not reason.startswith("ValueError: "):
             raise
-        print(f"{command}: error: {reason.removeprefix('ValueError: ')}", file=sys.stderr)
-        return 2
+        return refuse(command, reason.removeprefix("ValueError: "))
     return 0
 
 
