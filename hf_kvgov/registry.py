@@ -3,28 +3,23 @@ it stands for (`ChainParts`), checked and built through `hf_kvgov.chain` (`Cache
 
 Besides the fixed names (`dynamic`, `paged`, `int8`, `h2o`, ...), a family of caches (`CacheFamily`) answers to
 `<family>@<argument>`: `h2o@0.2` or `h2o@256` (budget as a fraction of the prompt or in tokens), `sink@4+252`
-(sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`, `sink@4+252:int4`), H2O with what it evicts
-spilled to disk pages and recalled (`h2o@0.2+recall`, `h2o@0.2:int8+recall`) or its budget split over the layers as
-PyramidKV does (`h2o@0.2+pyramid`) or over each layer's KV heads as AdaKV does (`snapkv@0.2+ada`), any registered
-policy on its own (`snapkv@0.2`, `tova@0.2:int8`, `key_norm@256`, `expected_attention@0.2+recall`, through
-`PolicyCache`), `int8@64` / `int4@64` / `int2@16` / `fp8@64` / `paged@64` (block size), `disk@128` (hot tokens),
-`quant@map.json` (a per-layer format map from `kvgov check-quant --recommend`).
+(sinks + window), either with a codec for the kept slots (`h2o@0.2:int8`), H2O with what it evicts spilled and
+recalled (`h2o@0.2+recall`) or its budget split over the layers as PyramidKV does (`h2o@0.2+pyramid`) or over each
+layer's KV heads as AdaKV does (`snapkv@0.2+ada`), any registered policy on its own (`snapkv@0.2`, `tova@0.2:int8`,
+`key_norm@256`, through `PolicyCache`), `int8@64` / `int4@64` / `int2@16` / `fp8@64` / `paged@64` (block size),
+`disk@128` (hot tokens), `quant@map.json` (a per-layer format map from `kvgov check-quant --recommend`), `kvzip@0.2`
+(a context compressed before its question: `CacheSpec.context_cache`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import math
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from transformers import DynamicCache
-
-from hf_kvgov.chain.build import GovernedCache
+from hf_kvgov.cache_spec import CacheSpec, ChainOf, ContextSpec, context_refusal, plain_attention
 from hf_kvgov.engine.parts import ChainParts, Disk, Evict, HeavyHitter, Paging, Sink
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.format_defaults import INT2_BLOCK_SIZE, INT2_RESIDUAL, INT2_VALUE_GROUP, format_defaults
@@ -42,81 +37,16 @@ PYRAMID_SUFFIX = "pyramid"
 ADAPTIVE_SUFFIX = "ada"
 SPANS_SUFFIX = "spans"  # a chosen page's neighbours come with it: the default since `Recall.neighbours` is 1
 
-AttentionContext = Callable[[Any], AbstractContextManager[Any]]
-ChainOf = Callable[[Any], ChainParts]  # model -> the chain a name stands for (a few depend on its geometry)
-
-
-def _no_context(model: Any) -> AbstractContextManager[Any]:
-    return contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """A cache name's chain: `build` checks and builds it through `hf_kvgov.chain` (None: `DynamicCache`).
-
-    A name parses into the chain it stands for (`ChainParts`), which `hf_kvgov.chain` checks and builds as it
-    does for ``GovernedCache`` and a chain written by hand: one validator, one builder. A spec builds a fresh
-    cache for a model and says which attention context it needs around `generate`, so orchestration code never
-    branches on cache types.
-    """
-
-    name: str
-    description: str
-    chain: ChainOf | None
-    lossless: bool
-    attention_context: AttentionContext = _no_context  # what generate must run under
-
-    def parts(self, model: Any) -> ChainParts | None:
-        """The chain this name builds for `model` (None for transformers' `DynamicCache`)."""
-        return None if self.chain is None else self.chain(model)
-
-    def build(self, model: Any) -> Any:
-        """A fresh cache for `model`; a fractional eviction budget resolves on generate's prompt."""
-        parts = self.parts(model)
-        if parts is None:
-            return DynamicCache(config=model.config)
-        return GovernedCache(model, **parts.kwargs())
-
-    def build_for(self, model: Any, context_tokens: int) -> Any:
-        """A fresh cache for a context of `context_tokens` tokens known in advance (fractions resolve on it).
-
-        generate resolves a fraction on the prompt; a perplexity run feeds the text a token at a time, so it knows
-        the length up front and resolves the fraction itself.
-        """
-        parts = self.parts(model)
-        if parts is None or parts.policy is None or not isinstance(parts.policy.budget, float):
-            return self.build(model)
-        tokens = _tokens_of(parts.policy.budget, context_tokens, _least_budget(parts.policy))
-        return GovernedCache(model, **replace(parts, policy=replace(parts.policy, budget=tokens)).kwargs())
-
-    def attention(self, model: Any) -> AbstractContextManager[Any]:
-        """The attention context the cache needs around `generate` (nothing for most caches)."""
-        return self.attention_context(model)
-
-    @property
-    def needs_attention_context(self) -> bool:
-        """Whether the cache only works under its own attention (so it cannot share a batch with others)."""
-        return self.attention_context is not _no_context
-
 
 def _spec(name: str, description: str, parts: ChainParts, chain: ChainOf | None = None) -> CacheSpec:
     """The spec of a chain: lossless without a codec or a policy; a policy attends with the hf_kvgov attention,
     in-place block reads with the paged one. `chain` is for a chain that depends on the model (`parts` is then
     what it is for any model, but for the geometry-dependent fields)."""
-    attention = eviction_attention if parts.policy is not None else _no_context
+    attention = eviction_attention if parts.policy is not None else plain_attention
     if parts.attention == "paged":
         attention = paged_attention
     lossless = parts.codec is None and parts.policy is None
     return CacheSpec(name, description, chain or (lambda model: parts), lossless, attention)
-
-
-def _least_budget(policy: HeavyHitter | Sink | Evict) -> int:
-    """The fewest slots a policy's fractional budget resolves to."""
-    if isinstance(policy, Sink):
-        return policy.n_sink + policy.window
-    if isinstance(policy, Evict):
-        return int(make_policy(policy.policy).min_budget)
-    return 1
 
 
 CACHES: dict[str, CacheSpec] = {}
@@ -126,13 +56,17 @@ def register_cache(spec: CacheSpec) -> None:
     CACHES[spec.name] = spec
 
 
-def get_cache_spec(name: str) -> CacheSpec:
-    """The spec of a fixed name (`int8`) or of a family name with its argument (`h2o@0.2`)."""
+def get_cache_spec(name: str, context: bool = False) -> CacheSpec:
+    """The spec of a fixed name (`int8`) or of a family name with its argument (`h2o@0.2`). A cache that needs a
+    context apart from its question (`kvzip@0.2`) is refused unless the caller gives one (`context`)."""
     if name in CACHES:
         return CACHES[name]
     family, at, argument = name.partition("@")
     if at and family in FAMILIES:
-        return FAMILIES[family].parse(argument)
+        spec = FAMILIES[family].parse(argument)
+        if spec.needs_context and not context:
+            raise ValueError(context_refusal(name))
+        return spec
     forms = ", ".join(f"{family}@..." for family in FAMILIES)
     raise ValueError(
         f"Unknown cache {name!r}; names: {', '.join(CACHES)}; with an argument: {forms} "
@@ -195,13 +129,6 @@ def _budget(name: str, text: str) -> int | float:
     if budget is None:
         raise _bad_argument(name, text, f"the budget must be {BUDGET_TEXT_FORMS}")
     return budget
-
-
-def _tokens_of(budget: int | float, context_tokens: int, minimum: int = 1) -> int:
-    """A budget in tokens: an int as given, a fraction of `context_tokens` (at least `minimum`)."""
-    if isinstance(budget, int):
-        return budget
-    return max(minimum, math.floor(budget * context_tokens + 1e-9))
 
 
 def _slot_codec(name: str, argument: str) -> tuple[str, str | None]:
@@ -359,6 +286,17 @@ def _parse_layer_map(argument: str) -> CacheSpec:
     )
 
 
+def _parse_kvzip(argument: str) -> CacheSpec:
+    name = f"kvzip@{argument}"
+    text, codec = _slot_codec(name, argument)
+    budget = _budget(name, text)
+    description = (
+        f"KVzip: the context compressed to {_share(budget).replace('prompt', 'context')} per KV head before the "
+        f"question, by how much the model needs each token to repeat it{_stored_as(codec)}"
+    )
+    return ContextSpec(name, description, None, False, eviction_attention, budget, codec)
+
+
 def _parse_paged(argument: str) -> CacheSpec:
     block_size = _count(f"paged@{argument}", argument, "the block size in tokens")
     description = f"PagedCache, {block_size}-token blocks, contiguous K/V for any attention"
@@ -388,6 +326,12 @@ for _family in (
             functools.partial(_parse_policy, policy),
         )
         for policy in POLICY_FAMILIES
+    ),
+    CacheFamily(
+        "kvzip",
+        "kvzip@<budget>[:<codec>], the context compressed before its question (KVzip; kvzip@0.2), only where a "
+        "prompt's context comes apart from its question (kvgov eval synthetic / longbench --compress context)",
+        _parse_kvzip,
     ),
     CacheFamily("int8", "int8@<block size> (int8@64)", functools.partial(_parse_quantized, "int8")),
     CacheFamily("int4", "int4@<block size> (int4@64)", functools.partial(_parse_quantized, "int4")),

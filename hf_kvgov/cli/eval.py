@@ -29,6 +29,7 @@ HELP = """\
     kvgov eval ppl --caches dynamic,int8,h2o@0.2,sink@4+252 --tokens 2048 --json ppl.json --plots plots/
     kvgov eval longbench --data ./longbench_data --tasks hotpotqa,trec --limit 20 --caches dynamic,int4
     kvgov eval synthetic --tasks passkey,niah_single --lengths 1024,4096 --samples 5 --caches dynamic,h2o@0.2
+    kvgov eval synthetic --tasks needles --compress context --caches dynamic,kvzip@0.2,snapkv@0.2
 
 Every command prints a Markdown table, writes JSON with --json (per-sample details included) and PNG
 plots with --plots. Run it under `accelerate launch --multi_gpu --num_processes N -m hf_kvgov.cli.main
@@ -144,6 +145,20 @@ def _prepare_ppl(args: argparse.Namespace) -> Job:
     return job
 
 
+# evaluation.generation.COMPRESS_INPUTS (named here so that --help imports no torch; a test keeps them equal)
+COMPRESS_CHOICES = ("prompt", "context")
+
+
+def _compress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compress",
+        choices=COMPRESS_CHOICES,
+        default="prompt",
+        help="what a compressing cache has seen when it compresses: the whole prompt, its question included "
+        "(default), or only the context, the question following (kvpress's protocol; kvzip@... runs only so)",
+    )
+
+
 def _add_longbench(subparsers: Any) -> None:
     parser = subparsers.add_parser("longbench", help="LongBench with the official prompts, truncation and metrics")
     _common(parser, "dynamic,int8,h2o@0.2")
@@ -159,13 +174,16 @@ def _add_longbench(subparsers: Any) -> None:
     parser.add_argument("--limit", type=int, help="samples per task (default: all)")
     parser.add_argument("--max-length", type=int, help="prompt tokens after the middle cut (default: context - answer)")
     parser.add_argument("--max-new-tokens", type=int, help="cap the official answer lengths (quick runs only)")
+    _compress(parser)
     parser.set_defaults(func=lambda args: _main(args, "longbench", _prepare_longbench), loads_model=True)
 
 
 def _prepare_longbench(args: argparse.Namespace) -> Job:
     from hf_kvgov.evaluation.longbench.run import LongBenchOptions, load_items, run_longbench
 
-    options = LongBenchOptions(caches=args.caches, max_length=args.max_length, max_new_tokens=args.max_new_tokens)
+    options = LongBenchOptions(
+        caches=args.caches, max_length=args.max_length, max_new_tokens=args.max_new_tokens, compress=args.compress
+    )
     items = load_items(args.tasks, data_dir=args.data, hub=args.hub, longbench_e=args.longbench_e, limit=args.limit)
 
     def job(model: Any, tokenizer: Any, workers: Workers) -> EvalReport:
@@ -193,6 +211,7 @@ def _add_synthetic(subparsers: Any) -> None:
         "--no-chat-template", action="store_true", help="feed prompts raw even if the model has a template"
     )
     parser.add_argument("--max-new-tokens", type=int, help="cap the tasks' answer lengths")
+    _compress(parser)
     parser.set_defaults(func=lambda args: _main(args, "synthetic", _prepare_synthetic), loads_model=True)
 
 
@@ -202,7 +221,7 @@ def _prepare_synthetic(args: argparse.Namespace) -> Job:
 
     options = SyntheticOptions(
         caches=args.caches, tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
-        chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens,
+        chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens, compress=args.compress,
     )  # fmt: skip
     filler = load_documents(TextSource(path=args.filler))[0].text
 

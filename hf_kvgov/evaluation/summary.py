@@ -21,8 +21,8 @@ class CacheMeasurement(Protocol):
 def cache_rows(names: Sequence[str]) -> list[dict[str, Any]]:
     """What each cache of a run is, for the JSON report."""
     return [
-        {"name": name, "description": get_cache_spec(name).description, "lossless": get_cache_spec(name).lossless}
-        for name in names
+        {"name": name, "description": spec.description, "lossless": spec.lossless}
+        for name, spec in ((name, get_cache_spec(name, context=True)) for name in names)
     ]
 
 

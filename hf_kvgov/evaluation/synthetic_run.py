@@ -15,19 +15,21 @@ from typing import Any
 
 from hf_kvgov.evaluation import plots
 from hf_kvgov.evaluation.distributed import Workers, single_process
-from hf_kvgov.evaluation.generation import generate_greedy
+from hf_kvgov.evaluation.generation import cache_specs, generate_greedy
 from hf_kvgov.evaluation.longbench.prompts import apply_chat_template
 from hf_kvgov.evaluation.registry import generate_synthetic, get_synthetic_task
 from hf_kvgov.evaluation.report import markdown_table
 from hf_kvgov.evaluation.summary import cache_rows, mean_by_cache
 from hf_kvgov.evaluation.synthetic.sample import SyntheticSample
-from hf_kvgov.registry import CacheSpec, get_cache_spec
+from hf_kvgov.registry import CacheSpec
 
 
 @dataclass(frozen=True)
 class SyntheticOptions:
     """What to run: ``samples`` per (task, length), drawn from ``seed``; ``max_new_tokens`` caps the tasks'
-    own budgets (None: RULER's); ``chat_template`` wraps prompts in the tokenizer's template when it has one."""
+    own budgets (None: RULER's); ``chat_template`` wraps prompts in the tokenizer's template when it has one;
+    ``compress``: what a compressing cache has seen when it compresses (`COMPRESS_INPUTS`): the whole prompt, or the
+    context before its question (kvpress's protocol)."""
 
     caches: tuple[str, ...] = ("dynamic",)
     tasks: tuple[str, ...] = ("passkey",)
@@ -36,13 +38,13 @@ class SyntheticOptions:
     seed: int = 0
     chat_template: bool = True
     max_new_tokens: int | None = None
+    compress: str = "prompt"
 
     def __post_init__(self) -> None:
         for field, values in (("caches", self.caches), ("tasks", self.tasks), ("lengths", self.lengths)):
             if not values or len(set(values)) != len(values):
                 raise ValueError(f"{field} must list at least one entry, each once; got {list(values)}.")
-        for name in self.caches:
-            get_cache_spec(name)
+        cache_specs(self.caches, self.compress)
         for task in self.tasks:
             get_synthetic_task(task)
         for name, value in (("samples", self.samples), *(("lengths", length) for length in self.lengths)):
@@ -106,7 +108,7 @@ def run_synthetic(
     if not items:
         raise ValueError("There are no synthetic samples to run.")
     workers = workers or single_process()
-    specs = [get_cache_spec(name) for name in options.caches]
+    specs = cache_specs(options.caches, options.compress)
 
     def run(item: SyntheticItem) -> list[SyntheticResult]:
         return [_generate(model, tokenizer, item, spec, options) for spec in specs]
@@ -125,7 +127,8 @@ def _generate(
     sample = item.sample
     text, wrapped = prompt_text(sample, tokenizer, options.chat_template)
     budget = min(sample.max_new_tokens, options.max_new_tokens or sample.max_new_tokens)
-    out = generate_greedy(model, tokenizer, spec, text, budget, add_special_tokens=not wrapped)
+    context = text.rfind(sample.question) if options.compress == "context" else None
+    out = generate_greedy(model, tokenizer, spec, text, budget, add_special_tokens=not wrapped, context_chars=context)
     score = get_synthetic_task(sample.task).score(out.text, sample.answers)
     return SyntheticResult(
         item.index, sample.task, sample.target_length, out.prompt_tokens, spec.name, out.text, sample.answers,

@@ -18,7 +18,7 @@ def test_fixed_names_still_resolve_to_their_registered_specs() -> None:
         assert get_cache_spec(name) is CACHES[name]
     eviction = {"h2o", "sink", "snapkv", "tova", "key_norm", "mean_mass", "expected_attention"}
     eviction |= {"expected_attention_running"}
-    assert set(FAMILIES) == eviction | {"int8", "int4", "int2", "fp8", "quant", "paged", "disk"}
+    assert set(FAMILIES) == eviction | {"kvzip", "int8", "int4", "int2", "fp8", "quant", "paged", "disk"}
 
 
 def test_int2_runs_as_kivi_does() -> None:

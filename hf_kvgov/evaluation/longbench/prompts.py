@@ -22,12 +22,18 @@ from hf_kvgov.evaluation.longbench.config import (
     uses_chat_template,
 )
 from hf_kvgov.evaluation.longbench.data import LongBenchSample
+from hf_kvgov.evaluation.synthetic.sample import question_of
 from hf_kvgov.evaluation.tokenizer import SupportsEncodeDecode, check_encoder
 
 
 def build_prompt(task: str, sample: LongBenchSample) -> str:
     """The official template of ``task`` filled with ``sample`` (before any truncation)."""
     return prompt_template(task).format(**sample.template_fields())
+
+
+def build_question(task: str, sample: LongBenchSample) -> str:
+    """What the template of ``task`` puts after the context, filled with ``sample``: the question and the rest."""
+    return question_of(lambda context: prompt_template(task).format(**{**sample.template_fields(), "context": context}))
 
 
 def _check_max_length(max_length: int) -> None:
@@ -98,6 +104,9 @@ class PreparedPrompt:
             model's own EOS ids.
         min_new_tokens: at least this many tokens are generated (1 for samsum, so an immediate
             newline cannot end it empty; pred.py sets ``min_length = prompt length + 1``).
+        context_chars: the first characters of ``text`` that are the context (up to where the template's
+            question starts), for a cache that compresses the context before the question; None when the
+            middle cut took part of the question.
     """
 
     task: str
@@ -107,6 +116,7 @@ class PreparedPrompt:
     truncated: bool
     extra_eos_token_ids: tuple[int, ...] = ()
     min_new_tokens: int = 0
+    context_chars: int | None = None
 
     @property
     def add_special_tokens(self) -> bool:
@@ -122,12 +132,16 @@ def prepare_prompt(
     cut = truncate_middle(raw, tokenizer, max_length)
     chat_text = apply_chat_template(cut, tokenizer) if uses_chat_template(task) else None
     newline_stop = stops_at_newline(task)
+    text = cut if chat_text is None else chat_text
+    question = build_question(task, sample)
+    context_chars = text.rfind(question) if question and cut.endswith(question) else -1
     return PreparedPrompt(
         task=task,
-        text=cut if chat_text is None else chat_text,
+        text=text,
         max_new_tokens=max_new_tokens(task),
         chat_template_applied=chat_text is not None,
         truncated=cut != raw,
         extra_eos_token_ids=(newline_token_id(tokenizer),) if newline_stop else (),
         min_new_tokens=1 if newline_stop else 0,
+        context_chars=context_chars if context_chars > 0 else None,
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_kvgov.evaluation import plots
 from hf_kvgov.evaluation.distributed import Workers, single_process
-from hf_kvgov.evaluation.generation import generate_greedy
+from hf_kvgov.evaluation.generation import cache_specs, generate_greedy
 from hf_kvgov.evaluation.longbench.config import LONGBENCH_E_TASKS, LONGBENCH_TASKS, check_task, max_new_tokens
 from hf_kvgov.evaluation.longbench.data import LongBenchSample, load_from_hub, load_task
 from hf_kvgov.evaluation.longbench.prompts import prepare_prompt
@@ -23,7 +23,7 @@ from hf_kvgov.evaluation.longbench.scoring import LENGTH_BUCKETS, bucket_of, sco
 from hf_kvgov.evaluation.report import markdown_table
 from hf_kvgov.evaluation.summary import cache_rows, mean_by_cache
 from hf_kvgov.hf.compat import decoder_config
-from hf_kvgov.registry import CacheSpec, get_cache_spec
+from hf_kvgov.registry import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -36,17 +36,19 @@ class LongBenchOptions:
             generation budget, so prompt and answer fit.
         max_new_tokens: a cap on the official generation budgets, for quick runs (scores are then not
             the official protocol's); None: the official budgets.
+        compress: what a compressing cache has seen when it compresses (`COMPRESS_INPUTS`): the whole prompt,
+            or the context before its question (kvpress's protocol).
     """
 
     caches: tuple[str, ...] = ("dynamic",)
     max_length: int | None = None
     max_new_tokens: int | None = None
+    compress: str = "prompt"
 
     def __post_init__(self) -> None:
         if not self.caches or len(set(self.caches)) != len(self.caches):
             raise ValueError(f"caches must name at least one cache, each once; got {list(self.caches)}.")
-        for name in self.caches:
-            get_cache_spec(name)
+        cache_specs(self.caches, self.compress)
         for name in ("max_length", "max_new_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
@@ -131,7 +133,7 @@ def run_longbench(
     if not items:
         raise ValueError("There are no LongBench samples to run; check the data directory, tasks and limit.")
     workers = workers or single_process()
-    specs = [get_cache_spec(name) for name in options.caches]
+    specs = cache_specs(options.caches, options.compress)
     context = int(getattr(decoder_config(model), "max_position_embeddings", 0) or 0)
 
     def run(item: LongBenchItem) -> list[LongBenchResult]:
@@ -153,6 +155,15 @@ def _generate(
 ) -> LongBenchResult:
     prompt = prepare_prompt(item.task, item.sample, tokenizer, _max_length(item.task, options, context))
     budget = min(prompt.max_new_tokens, options.max_new_tokens or prompt.max_new_tokens)
+    context_chars = None
+    if options.compress == "context":
+        context_chars = prompt.context_chars
+        if context_chars is None:
+            raise ValueError(
+                f"LongBench {item.task} sample {item.sample.id!r}: its question has no context before it, or the "
+                "middle cut took part of it, so its context cannot be compressed apart from it; raise max_length "
+                "or run with compress='prompt'."
+            )
     out = generate_greedy(
         model,
         tokenizer,
@@ -162,6 +173,7 @@ def _generate(
         add_special_tokens=prompt.add_special_tokens,
         extra_eos_token_ids=prompt.extra_eos_token_ids,
         min_new_tokens=prompt.min_new_tokens,
+        context_chars=context_chars,
     )
     sample = item.sample
     score = score_sample(item.task, out.text, sample.answers, sample.all_classes)

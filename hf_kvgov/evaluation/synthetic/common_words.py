@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hf_kvgov.evaluation.synthetic.haystack import check_target_length, fit_to_length, vocabulary
-from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed
+from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, question_of
 from hf_kvgov.evaluation.tokenizer import SupportsEncode
 
 TEMPLATE = (
@@ -102,10 +102,13 @@ def generate_common_words(
     shuffle_seed = rng.getrandbits(64)
     labels = {"num_common": config.num_common}
 
+    def wrap(context: str) -> str:
+        return TEMPLATE.format(context=context, **labels)
+
     def render(size: int) -> str:
         listing = common * freq_common + pool[:size] * freq_rare
         random.Random(shuffle_seed).shuffle(listing)
-        return TEMPLATE.format(context=_numbered(listing), **labels)
+        return wrap(_numbered(listing))
 
     too_small = (
         f"The filler yields only {len(pool)} usable rare words, too few for a {target_length}-token "
@@ -121,4 +124,5 @@ def generate_common_words(
         length=length,
         max_new_tokens=config.max_new_tokens,
         seed=seed,
+        question=question_of(wrap),
     )

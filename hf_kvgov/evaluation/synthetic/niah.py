@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hf_kvgov.evaluation.synthetic.haystack import filler_words, fit_haystack, sentence_starts, vocabulary
 from hf_kvgov.evaluation.synthetic.keys import draw_distinct, item_kind
-from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, random_depths
+from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, question_of, random_depths
 from hf_kvgov.evaluation.tokenizer import SupportsEncode
 
 
@@ -232,6 +232,7 @@ def generate_niah(
         max_new_tokens=config.max_new_tokens,
         seed=seed,
         depths=tuple(depths),
+        question=question_of(wrap),
     )
 
 

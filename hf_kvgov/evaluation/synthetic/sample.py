@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # RULER's insertion depths: 40 evenly spaced points from 0% to 100% of the haystack.
@@ -27,6 +27,8 @@ class SyntheticSample:
         seed: the seed the sample was generated from; the same seed gives the same sample.
         depths: where each inserted fact sits, as a fraction of the haystack (0.0 = start,
             1.0 = end), in insertion order; empty for tasks without inserted facts.
+        question: what the template puts after the context, which ``prompt`` ends with: a cache that
+            compresses the context before it sees the question is fed the prompt up to it first.
     """
 
     task: str
@@ -38,8 +40,11 @@ class SyntheticSample:
     max_new_tokens: int
     seed: int
     depths: tuple[float, ...] = ()
+    question: str = ""
 
     def __post_init__(self) -> None:
+        if not self.prompt.endswith(self.question):
+            raise ValueError(f"A synthetic {self.task!r} sample's prompt must end with its question {self.question!r}.")
         if not self.answers:
             raise ValueError(f"A synthetic {self.task!r} sample needs at least one expected answer.")
         if self.length > self.target_length:
@@ -47,6 +52,14 @@ class SyntheticSample:
                 f"A synthetic {self.task!r} sample has {self.length} tokens, more than its target "
                 f"of {self.target_length}."
             )
+
+
+def question_of(wrap: Callable[[str], str]) -> str:
+    """What ``wrap`` (a task's template) puts after the context it is given: the question and what follows it."""
+    return wrap(_CONTEXT).rpartition(_CONTEXT)[2]
+
+
+_CONTEXT = "\x00"  # stands for the context: no filler or template holds it
 
 
 def string_match_all(prediction: str, answers: Sequence[str]) -> float:

@@ -12,7 +12,7 @@ import string
 from dataclasses import dataclass
 
 from hf_kvgov.evaluation.synthetic.haystack import filler_words, fit_haystack, sentence_starts
-from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, random_depths
+from hf_kvgov.evaluation.synthetic.sample import SyntheticSample, check_seed, question_of, random_depths
 from hf_kvgov.evaluation.tokenizer import SupportsEncode
 
 TEMPLATE = (
@@ -113,4 +113,5 @@ def generate_variable_tracking(
         max_new_tokens=config.max_new_tokens,
         seed=seed,
         depths=depths,
+        question=question_of(wrap),
     )
