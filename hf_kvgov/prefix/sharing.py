@@ -36,9 +36,9 @@ class SharingStats:
     __repr__ = rounded_repr
 
     tree: PrefixCacheStats
-    hit_tokens: int
+    hit_tokens: int  # prompt tokens served from the tree or, after a local miss, from the remote tier
     lookup_tokens: int
-    hit_rate: float
+    hit_rate: float  # hit_tokens / lookup_tokens: the share of prompt tokens whose KV was not computed here
     cached_blocks: int
     shared_blocks: int  # cached blocks that at least one live sequence is using
     evictions: int
@@ -74,6 +74,7 @@ class PrefixCache:
         self.tree = RadixTree(pool.block_size, priority=priority)
         # With layer groups the tree's ids are entries, one per block position (None: the tree's ids are pool ids).
         self.grouped = GroupedBlocks(pool.groups, pool.block_size) if grouped else None
+        self._remote_hit_blocks = 0  # block positions the remote tier served past a local hit (under the pool lock)
         pool.add_reclaimer(self._reclaim)
 
     @property
@@ -92,7 +93,9 @@ class PrefixCache:
         self.pool.incref(ids)
         if self.remote is not None:
             usable = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
+            local = len(ids)
             ids = remote_fill.extend(self, self.remote, list(token_ids), namespace, ids, usable // self.block_size)
+            self._count_remote_hit(len(ids) - local)
         return ids
 
     def match_groups(
@@ -113,9 +116,16 @@ class PrefixCache:
             grouped.touch(entries)
         if self.remote is not None:
             usable = len(token_ids) if max_tokens is None else min(len(token_ids), max_tokens)
-            hit = (entries, tables)
-            return remote_groups.extend(self, self.remote, list(token_ids), namespace, hit, usable // self.block_size)
+            extended = remote_groups.extend(
+                self, self.remote, list(token_ids), namespace, (entries, tables), usable // self.block_size
+            )
+            self._count_remote_hit(len(extended[0]) - len(entries))
+            return extended
         return entries, tables
+
+    def _count_remote_hit(self, blocks: int) -> None:
+        with self.pool.lock:
+            self._remote_hit_blocks += blocks
 
     def match_tables(
         self, token_ids: Sequence[int], namespace: str = "", max_tokens: int | None = None
@@ -294,11 +304,13 @@ class PrefixCache:
 
     def stats(self) -> SharingStats:
         tree = self.tree.stats()
+        with self.pool.lock:
+            hit_tokens = tree.hit_tokens + self._remote_hit_blocks * self.block_size
         return SharingStats(
             tree=tree,
-            hit_tokens=tree.hit_tokens,
+            hit_tokens=hit_tokens,
             lookup_tokens=tree.lookup_tokens,
-            hit_rate=tree.hit_rate,
+            hit_rate=hit_tokens / tree.lookup_tokens if tree.lookup_tokens else 0.0,
             cached_blocks=tree.cached_blocks,
             shared_blocks=tree.locked_blocks,
             evictions=tree.evicted_blocks,

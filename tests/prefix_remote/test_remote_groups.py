@@ -41,6 +41,7 @@ def test_process_b_computes_only_its_question_over_layer_groups(redis_server: Lo
     assert served == 64 and torch.equal(out, without_sharing(model, prompt(1)))  # 6 of 70 tokens computed
     stats = reader.stats()
     assert stats.remote is not None and stats.remote.blocks_read == 8 and stats.remote.damaged_values == 0
+    assert stats.hit_tokens == 64 and stats.tree.hit_tokens == 0  # served by the store, after a local miss
     assert reader.pool.num_used == stats.pool_blocks  # the request released its own blocks
     reader.check_invariants()
     cache = PagedCache(model, prefix=reader)

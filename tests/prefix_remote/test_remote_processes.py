@@ -41,6 +41,11 @@ def test_process_b_computes_only_its_question_on_process_a_document(redis_server
     stats = prefix.stats().remote
     assert stats is not None and stats.hits == 1 and stats.round_trips == 1
     assert stats.blocks_read == len(DOCUMENT) // 8 and stats.damaged_values == 0
+    # The tokens the store served count as hits: their KV was not computed in this process.
+    assert prefix.stats().hit_tokens == served.reused and prefix.stats().tree.hit_tokens == 0
     again = serve(NET, prefix, DOCUMENT + question(2))  # now a local hit: the store is not asked for it
     assert again.reused == served.reused and prefix.stats().remote.blocks_read == stats.blocks_read  # type: ignore[union-attr]
+    lookups = len(DOCUMENT + question(1)) + len(DOCUMENT + question(2))
+    assert prefix.stats().hit_tokens == 2 * served.reused
+    assert prefix.stats().hit_rate == 2 * served.reused / lookups
     prefix.close()
