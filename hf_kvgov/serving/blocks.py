@@ -46,6 +46,10 @@ class FullPrecisionBlocks:
         """Free full-precision blocks that `blocks` blocks of decode growth take for good."""
         return blocks
 
+    def reclaimed_blocks(self, tree_blocks: int, pool: BlockPool) -> int:
+        """Full-precision blocks that evicting `tree_blocks` of the prefix tree's blocks gives back."""
+        return tree_blocks
+
     def bytes_used(self, pool: BlockPool) -> int:
         """Bytes of the blocks in use (the prefix tree's included)."""
         return pool.num_used * pool.bytes_per_block
@@ -108,6 +112,11 @@ class SealedBlockCodec(FullPrecisionBlocks):
         """A block a request fills is sealed at once: what growth keeps is codes, a fraction of a block each."""
         assert isinstance(pool, QuantizedBlockPool)
         return -(-blocks * pool.sealed.bytes_per_block // pool.bytes_per_block)
+
+    def reclaimed_blocks(self, tree_blocks: int, pool: BlockPool) -> int:
+        """The tree holds codes (`publishable`): evicting them gives back their bytes, not whole blocks."""
+        assert isinstance(pool, QuantizedBlockPool)
+        return tree_blocks * pool.sealed.bytes_per_block // pool.bytes_per_block
 
     def bytes_used(self, pool: BlockPool) -> int:
         assert isinstance(pool, QuantizedBlockPool)

@@ -35,8 +35,8 @@ class NoEviction:
         return None
 
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The most blocks one request holds at once."""
-        return -(-(prompt + new_tokens) // block_size)
+        """The most blocks one request holds at once: every token but the last one sampled (never fed back)."""
+        return -(-(prompt + new_tokens - 1) // block_size)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Columns of the request's table to drop after a step: none."""

@@ -187,8 +187,8 @@ class Scheduler:
         computed = len(tables) * self.pool.block_size
         limit = self.eviction.chunk_limit(request, self.pool.block_size, computed)
         end = len(tokens) if limit is None else min(len(tokens), computed + limit)
-        try:  # sliding groups only for the first step's tokens: they free blocks as the prompt goes on
-            tables.prepare_write(computed, end, sliding_end=computed + self.max_batched_tokens)
+        try:  # sliding groups only up to their first full window and a step: then they free blocks as they go
+            tables.prepare_write(computed, end, sliding_end=self._sliding_reach(computed))
         except PoolExhausted:
             self._drop(tables, locks)
             return False
@@ -207,6 +207,14 @@ class Scheduler:
         if request.admitted_at is None:
             request.admitted_at = time.perf_counter()
         return True
+
+    def _sliding_reach(self, computed: int) -> int:
+        """Where an admitted request's sliding groups are given blocks up to, from position `computed`: a step past
+        their first full window, the most they hold at once. With less, a prompt longer than the window would find
+        no block for its next chunk, preempt itself and lose its chunk, step after step (each admission holding
+        only its first step)."""
+        windows = [group.window for group in self.pool.groups if group.window is not None]
+        return max(computed, max(windows, default=0)) + self.max_batched_tokens
 
     def _leaves_a_reserve(self) -> bool:
         """Whether `reserve_blocks` per running request (in each layer group) are still free for their decode
@@ -227,7 +235,7 @@ class Scheduler:
             return self._admit(request)
         if tables is None:
             return False
-        end, ahead = request.num_tokens, request.computed + self.max_batched_tokens
+        end, ahead = request.num_tokens, self._sliding_reach(request.computed)
         try:
             tables.prepare_write(request.computed, end, request.evicted_tokens, sliding_end=ahead)
         except PoolExhausted:
@@ -258,7 +266,7 @@ class Scheduler:
             return self.pool.num_free
         evicting = [r for r in self.running if r.tables is not None and r.evicted_tokens and not r.locks]
         unlocked = [block for r in evicting for block in r.tables.live_ids()]  # type: ignore[union-attr]
-        return self.pool.num_free + self.prefix.reclaimable_blocks(unlocked)
+        return self.pool.num_free + self.blocks.reclaimed_blocks(self.prefix.reclaimable_blocks(unlocked), self.pool)
 
     def advance(self, request: Request, count: int, masses: Tensor | None = None) -> None:
         """`count` more of the request's tokens have their K/V in the pool; blocks past its residual window are
@@ -343,7 +351,8 @@ class Scheduler:
             return
         size = self.pool.block_size
         prompt, new = len(request.prompt), request.params.max_new_tokens
-        kept, whole = self.eviction.blocks_needed(prompt, new, size), -(-(prompt + new) // size)
+        # The last token sampled is never fed back, so its K/V is never stored.
+        kept, whole = self.eviction.blocks_needed(prompt, new, size), -(-(prompt + new - 1) // size)
 
         def needed(step: int) -> int:
             return sum(kept if g.window is None else self._most_held(g.window, whole, step) for g in self.pool.groups)

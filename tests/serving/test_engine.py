@@ -224,10 +224,15 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
     one_block = ServingEngine(llama, block_size=4)
     size = one_block.pool.bytes_per_block
     one_block.close()
+    prompt = [5 + i % 50 for i in range(30)]
+    expected = alone(llama, prompt, 11)
     with ServingEngine(llama, block_size=4, max_bytes=10 * size) as engine:
         with pytest.raises(ValueError, match=r"needs 11 blocks .* holds at most 10"):
             engine.add_request([5] * 30, greedy(13))
         assert not engine.has_work
+        # 30 + 11 tokens fill 10 blocks: the last one sampled is never stored, so it fits exactly.
+        assert engine.generate([prompt], greedy(11)) == [expected]
+        assert engine.stats().kv_bytes_peak == 10 * size
     with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
         ServingEngine(llama, max_batched_tokens=0)
 
@@ -296,6 +301,8 @@ def test_sealed_codes_under_a_cap_with_prefix_hits(llama) -> None:
             assert stats.prefix_hit_tokens > 0 and stats.finished == len(prompts)
             peaks[codec] = stats.max_running
             engine.prefix.check_invariants()
+            # The tree's codes count as free by the bytes evicting them gives back, not as whole blocks.
+            assert engine.scheduler.free_blocks() * engine.pool.bytes_per_block <= cap
         agreement = sum(a == b for r, g in zip(full, got, strict=True) for a, b in zip(r, g, strict=True))
         assert agreement >= 0.9 * 20 * len(prompts), codec
     assert peaks["int8"] > peaks[None]

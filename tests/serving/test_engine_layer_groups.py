@@ -6,6 +6,7 @@ recompute or swap, and every block comes back."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,19 @@ def test_a_refusal_names_the_step_that_would_fit(reference: list[list[int]]) -> 
             refusing.add_request(prompt, greedy(NEW))
     with served(17) as fitting:
         assert fitting.generate([prompt], greedy(NEW)) == [want]
+
+
+def test_prompts_longer_than_the_window_are_admitted_with_room_for_their_whole_prefill() -> None:
+    """Admission gives a sliding group blocks up to a step past its first full window, the most it holds at once.
+    Given only its first step's, a prompt past the window found no block for its next chunk under a tight cap,
+    preempted itself and lost its chunk, step after step (4, 1 and 6 preemptions at these caps)."""
+    draw = random.Random(0)
+    prompts = [[draw.randrange(4, MODEL.config.vocab_size) for _ in range(n)] for n in (60, 70, 55, 30, 80, 9)]
+    expected = [alone(MODEL, p, 12) for p in prompts]
+    with engine() as probe:
+        per_block = probe.pool.bytes_per_block
+    for blocks in (40, 45, 50):
+        with engine(prefix_sharing=False, max_bytes=blocks * per_block) as served:
+            assert served.generate(prompts, greedy(12)) == expected
+            stats = served.stats()
+            assert (stats.preemptions, stats.recomputed_tokens) == (0, 0), blocks
