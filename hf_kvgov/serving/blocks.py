@@ -3,9 +3,9 @@ they leave a request's residual window (`SealedBlockCodec`: int8, int4, int2, fp
 
 Sealing is per request, after each step once its prompt is computed, on the blocks that became full past
 `QuantConfig.residual` (the first `sink_blocks` stay in full precision, as `QuantizedCache` keeps them), so each
-request's tokens are those of a `QuantizedCache` running it alone; codes and full-precision blocks share one
-`QuantizedBlockPool` and its one byte cap. The prefix tree is offered only sealed blocks (and the sinks), so a block
-the tree holds is never sealed again into a second copy.
+request's tokens are those of a `QuantizedCache` running it alone (codes without room wait: `Scheduler`); codes and
+full-precision blocks share one `QuantizedBlockPool` and its one byte cap. The prefix tree is offered only sealed
+blocks (and the sinks), so a block the tree holds is never sealed again into a second copy.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ class FullPrecisionBlocks:
         """The engine's pool, a block holding one layer group's layers (`hf_kvgov.storage.layer_groups`)."""
         return BlockPool(geometry, block_size, max_bytes=max_bytes, groups=groups, preallocate=preallocate)
 
-    def seal_ready(self, request: Request, pool: BlockPool) -> None:
+    def seal_ready(self, request: Request, pool: BlockPool) -> bool:
         """Nothing to seal."""
+        return True
 
     def publishable(self, request: Request, block_size: int) -> int:
         """Tokens of the request the prefix tree may take (whole blocks of them)."""
@@ -84,13 +85,15 @@ class SealedBlockCodec(FullPrecisionBlocks):
         groups = self.quant.layer_groups(groups)
         return QuantizedBlockPool(geometry, formats, block_size, max_bytes=max_bytes, groups=groups)
 
-    def seal_ready(self, request: Request, pool: BlockPool) -> None:
-        """Seal the request's full blocks that left its residual window since the last call. Not before its prompt is
-        all computed: every chunk of a prefill attends to the prompt in full precision, as one prefill alone does,
-        and the blocks it would free were reserved for the whole prompt at admission anyway."""
+    def seal_ready(self, request: Request, pool: BlockPool) -> bool:
+        """Seal the request's full blocks that left its residual window since the last call; False when the codes
+        found no room (the blocks stay as they are: the scheduler makes room before the request's next step, which
+        must read them as codes). Not before its prompt is all computed: every chunk of a prefill attends to the
+        prompt in full precision, as one prefill alone does, and the blocks it would free were reserved for the whole
+        prompt at admission anyway."""
         assert isinstance(pool, QuantizedBlockPool) and request.tables is not None
         if request.computed < len(request.prompt):
-            return
+            return True
         tables = request.tables
         stored = tables.indices(request.computed, request.evicted_tokens)
         for g, (table, end) in enumerate(zip(tables.tables, stored, strict=True)):
@@ -102,11 +105,12 @@ class SealedBlockCodec(FullPrecisionBlocks):
             columns = [c for c in range(first, ready) if not is_sealed(ids[c])]  # a prefix hit may be codes already
             try:
                 sealed = pool.seal([ids[c] for c in columns])
-            except PoolExhausted:  # no room for the codes now: the blocks stay in full precision until a later step
-                return
+            except PoolExhausted:
+                return False
             for column, block in zip(columns, sealed, strict=True):
                 ids[column] = block
             tables.sealed[g] = ready
+        return True
 
     def growth_blocks(self, blocks: int, pool: BlockPool) -> int:
         """A block a request fills is sealed at once: what growth keeps is codes, a fraction of a block each."""

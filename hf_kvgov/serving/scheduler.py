@@ -61,7 +61,8 @@ class Scheduler:
     another is still prefilling waits for it, so the prefix is computed once. A decode step that finds the pool
     full preempts the newest running request: its blocks go back, it waits at the head of the queue, and its
     tokens are computed again when it re-enters (what the tree kept of them is matched, not recomputed), or, with
-    a swap space (`hf_kvgov.serving.swap`), its blocks are written to disk and read back.
+    a swap space (`hf_kvgov.serving.swap`), its blocks are written to disk and read back. With a codec, a request
+    whose last step's codes found no room has them sealed before its next step (`_sealed`).
 
     Args:
         pool: the block pool every request's table draws from (its cap is the engine's KV budget).
@@ -114,23 +115,27 @@ class Scheduler:
         budget = self.max_batched_tokens
         decoding: list[tuple[Request, int]] = []
         chunks: list[tuple[Request, int]] = []
-        preempted = False
+        preemptions = self.counters.preemptions  # a step that preempts, or holds a request back, admits nothing
+        held_back = False
         for request in list(self.running):
             if budget == 0:
                 break
             if request.state is not RequestState.RUNNING:  # preempted by an older request of this step
                 continue
             count = self._chunk(request, budget)
+            if not self._sealed(request):
+                held_back = True  # waits a step for room for its codes
+                continue
             while not self._grow(request, count):
                 victim = self.running[-1]
                 self.preempt(victim)
-                preempted = True
                 if victim is request:
                     break
             if request.state is RequestState.RUNNING:
                 (decoding if count == 1 else chunks).append((request, count))
                 budget -= count
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_running:
+        admitting = self.counters.preemptions == preemptions and not held_back
+        while self.waiting and budget > 0 and admitting and len(self.running) < self.max_running:
             request = self.waiting[0]
             if self._follows_a_prefill(request) or not self._admit(request):
                 break  # first come, first served: nothing overtakes the head of the queue
@@ -141,6 +146,17 @@ class Scheduler:
             budget -= count
         ordered = decoding + chunks
         return ScheduledStep(tuple(r for r, _ in ordered), tuple(c for _, c in ordered))
+
+    def _sealed(self, request: Request) -> bool:
+        """Seal the blocks whose codes found no room after the request's last step, so its next step reads them as
+        codes, as a quantized cache alone does: newer requests are preempted for the room; the newest waits while
+        others run (False), and alone goes on reading them in full precision."""
+        while not self.blocks.seal_ready(request, self.pool):
+            if self.running[-1] is not request:
+                self.preempt(self.running[-1])
+            else:
+                return len(self.running) == 1
+        return True
 
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens the request computes next: what is pending, within the step's budget and where its eviction policy

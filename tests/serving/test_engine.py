@@ -4,13 +4,16 @@ small cap, sliding windows), and every block goes back to the pool."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_kvgov import QuantizedCache
+from hf_kvgov import PoolExhausted, QuantizedCache
 from hf_kvgov.serving import SamplingParams, ServingEngine
 from hf_kvgov.serving.loop import EngineLoop
+from hf_kvgov.storage.quantized_pool import is_sealed
 from tests.conftest import tiny_gemma3, tiny_llama, tiny_mistral
 
 NEW = 12
@@ -306,6 +309,54 @@ def test_sealed_codes_under_a_cap_with_prefix_hits(llama) -> None:
         agreement = sum(a == b for r, g in zip(full, got, strict=True) for a, b in zip(r, g, strict=True))
         assert agreement >= 0.9 * 20 * len(prompts), codec
     assert peaks["int8"] > peaks[None]
+
+
+def test_a_step_reads_codes_where_a_quantized_cache_alone_would_under_a_tight_cap(llama) -> None:
+    """Under a cap where a request's codes find no room after its step, the next step does not read those blocks in
+    full precision: newer requests are preempted for the room, or the newest waits while older ones run. Checked at
+    every step: each request computing past its prompt has every block past its residual window sealed."""
+    draw = random.Random(3)
+    prompts = [[draw.randrange(4, llama.config.vocab_size) for _ in range(n)] for n in (60, 24, 50, 12, 40, 30)]
+    expected = [alone_quantized(llama, p, 4, 16) for p in prompts]
+    with ServingEngine(llama, block_size=4) as probe:
+        per_block = probe.pool.bytes_per_block
+    refused = 0
+    for blocks in (20, 24, 26, 28):
+        with ServingEngine(
+            llama, block_size=4, codec="int4", prefix_sharing=False, max_batched_tokens=16, reserve_blocks=0,
+            max_bytes=blocks * per_block,
+        ) as engine:  # fmt: skip
+            ids = [engine.add_request(p, greedy(16)) for p in prompts]
+            outputs: dict[int, list[int]] = {i: [] for i in ids}
+            seal, quant = engine.pool.seal, engine.scheduler.blocks.quant  # type: ignore[attr-defined]
+
+            def counted(block_ids, seal=seal):  # type: ignore[no-untyped-def]
+                nonlocal refused
+                try:
+                    return seal(block_ids)
+                except PoolExhausted:
+                    refused += 1
+                    raise
+
+            schedule = engine.scheduler.schedule
+
+            def checked(schedule=schedule, cap=blocks, quant=quant, scheduler=engine.scheduler):  # type: ignore[no-untyped-def]
+                step = schedule()
+                for request in step.requests:
+                    if request.computed < len(request.prompt) or len(scheduler.running) == 1:
+                        continue
+                    ready = max(0, request.computed - quant.residual) // 4
+                    table = request.tables.block_ids[0]
+                    assert all(is_sealed(b) for b in table[quant.sink_blocks : ready]), (cap, request.request_id)
+                return step
+
+            engine.pool.seal = counted  # type: ignore[method-assign]
+            engine.scheduler.schedule = checked  # type: ignore[method-assign]
+            while engine.has_work:
+                for event in engine.step():
+                    outputs[event.request_id].append(event.token)  # type: ignore[arg-type]
+            assert [outputs[i] for i in ids] == expected
+    assert refused > 0  # the caps above do leave codes without room after some steps
 
 
 def test_score_gives_each_prompt_token_the_log_probability_of_one_forward(llama) -> None:
