@@ -63,6 +63,7 @@ from transformers import DynamicCache
 from hf_kvgov import CacheStats, EvictionStats, KVStats, QuantConfig, QuantizedBlockPool, registry
 from hf_kvgov.registry import CACHES, FAMILIES, SLOT_CODECS, get_cache_spec
 from tests.conftest import tiny_llama
+from tests.eviction.test_kvzip import CharTokenizer
 
 # ------------------------------------------------------------------ the names
 
@@ -125,7 +126,15 @@ def _battery() -> tuple[list[str], list[str], set[str]]:
     return list(names), unsized, file_families
 
 
-NAMES, UNSIZED_FAMILIES, FILE_FAMILIES = _battery()
+EVERY_NAME, UNSIZED_FAMILIES, FILE_FAMILIES = _battery()
+# A name that compresses a context before its question is known (`kvzip@...`) is built from that context, never from
+# generate's prompt, so the properties above do not apply to it: `test_a_context_cache_*` below checks it instead.
+CONTEXT_NAMES = [
+    name
+    for name in EVERY_NAME
+    if "@" in name and name.partition("@")[0] not in FILE_FAMILIES and get_cache_spec(name, context=True).needs_context
+]
+NAMES = [name for name in EVERY_NAME if name not in CONTEXT_NAMES]
 
 # Cache classes that refuse beam search, by class name -> the message they refuse with (none today).
 BEAM_REFUSALS: dict[str, str] = {}
@@ -323,7 +332,32 @@ def test_every_family_is_sized() -> None:
 
 def test_every_registered_name_and_family_is_in_the_battery() -> None:
     assert set(CACHES) <= set(NAMES)
-    assert {name.partition("@")[0] for name in NAMES if "@" in name} == set(FAMILIES)
+    assert {name.partition("@")[0] for name in NAMES + CONTEXT_NAMES if "@" in name} == set(FAMILIES)
+    assert CONTEXT_NAMES  # kvzip@...
+
+
+@pytest.mark.parametrize("name", CONTEXT_NAMES)
+def test_a_context_cache_is_refused_for_a_whole_prompt_and_built_from_its_context(name: str, model: Any) -> None:
+    """Refused wherever a prompt is whole; built from a context it holds that context's slots within its budget,
+    generate appends the question and the answer, its stats add up, and `reset` empties it."""
+    with pytest.raises(ValueError, match="compresses a context before its question is known"):
+        get_cache_spec(name)
+    spec = get_cache_spec(name, context=True)
+    with pytest.raises(ValueError, match="compresses a context before its question is known"):
+        spec.build(model)
+    context = PROMPTS["input_ids"][:1, :SHORT_LEN]
+    cache = spec.context_cache(model, CharTokenizer(model.config.vocab_size), context)
+    kept = cache.stats().kept
+    assert 0 < sum(map(sum, kept)) <= len(kept) * len(kept[0]) * int(0.2 * SHORT_LEN)  # 20%, ranked across layers
+    with spec.attention(model), torch.inference_mode():
+        out = model.generate(
+            input_ids=PROMPTS["input_ids"][:1], cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    assert out.shape == (1, PROMPT_LEN + NEW_TOKENS)
+    assert cache.get_seq_length() == PROMPT_LEN + NEW_TOKENS - 1
+    _assert_accounting(cache)
+    cache.reset()
+    assert cache.get_seq_length() == 0
 
 
 def test_left_padded_greedy_batch(case: Case, model: Any, reference: Reference) -> None:
