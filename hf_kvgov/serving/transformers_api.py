@@ -269,10 +269,30 @@ class GovernedBatchingManager:
         record_timestamps: bool = False,
         **logit_processor_kwargs: Any,
     ) -> list[str]:
-        return [
-            self.add_request(ids, None, max_new_tokens, streaming, record_timestamps, **logit_processor_kwargs)
-            for ids in inputs
-        ]
+        """`add_request` for each input; one the engine refuses (longer than the pool, a token the model does not
+        have) comes back FAILED with the reason, as transformers fails a request, and the others run."""
+        request_ids = []
+        for ids in inputs:
+            with self._lock:
+                request_id = f"req_{self._counter}"
+                self._counter += 1
+            try:
+                self.add_request(
+                    ids, request_id, max_new_tokens, streaming, record_timestamps, **logit_processor_kwargs
+                )
+            except ValueError as refused:
+                self._failed(request_id, ids, refused)
+            request_ids.append(request_id)
+        return request_ids
+
+    def _failed(self, request_id: str, input_ids: Sequence[int], refused: ValueError) -> None:
+        """Results FAILED with `refused` as the error for the request and its children."""
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        for name in [*(f"{request_id}__child#{i}" for i in range(self.num_return_sequences - 1)), request_id]:
+            state = GenerationOutput(request_id=name, prompt_ids=list(input_ids), status=RequestStatus.FAILED)
+            state.error = str(refused)
+            self._outputs.put(state)
 
     def cancel_request(self, request_id: str) -> None:
         """Cancel a request: its blocks go back to the pool before the next step (logged at info with the pool's

@@ -12,6 +12,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from hf_kvgov import serving
+from hf_kvgov.hf.compat import RequestStatus
 from hf_kvgov.serving import GovernedBatchingManager
 from tests.conftest import tiny_llama
 from tests.serving.test_engine import alone
@@ -39,6 +40,25 @@ def test_generate_batch_runs_on_the_engine_and_answers_as_alone(model, prompts) 
     assert [r.generated_tokens for r in results.values()] == reference
     assert all(r.is_finished() and r.error is None and len(r.timestamps) == 10 for r in results.values())
     assert model.config._attn_implementation == "sdpa"  # the manager's engine gave the attention back
+
+
+def test_a_request_the_pool_cannot_hold_fails_alone(prompts) -> None:  # type: ignore[no-untyped-def]
+    """One prompt longer than the cap comes back FAILED with the reason, as transformers fails a request; the others
+    are answered (the whole call used to return nothing)."""
+    model = tiny_llama()
+    model.generation_config.eos_token_id = None
+    reference = [alone(model, p, 10) for p in prompts]
+    serving.install(model, block_size=4, max_batched_tokens=24, max_bytes=20 * 4 * 512)  # 20 blocks
+    try:
+        results = model.generate_batch([prompts[0], list(range(3, 95)), *prompts[1:]], max_new_tokens=10)
+    finally:
+        serving.uninstall(model)
+    assert list(results) == ["req_0", "req_1", "req_2", "req_3", "req_4"]
+    failed = results["req_1"]
+    assert failed.status == RequestStatus.FAILED and failed.generated_tokens == []
+    assert failed.error is not None and "needs 26 blocks" in failed.error and "holds at most 20" in failed.error
+    answered = [results[name] for name in ("req_0", "req_2", "req_3", "req_4")]
+    assert [r.generated_tokens for r in answered] == reference and all(r.error is None for r in answered)
 
 
 def test_context_manager_streams_and_cancels(model, prompts) -> None:  # type: ignore[no-untyped-def]
