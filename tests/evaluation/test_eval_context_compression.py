@@ -25,14 +25,7 @@ from tests.conftest import tiny_llama
 from tests.evaluation.conftest import FILLER
 from tests.evaluation.eval_tiny import LONGBENCH_DIR, save_tiny_model, tiny_tokenizer
 
-
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """One intra-op thread: the cores are shared with other test processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("task", list(synthetic_tasks()))

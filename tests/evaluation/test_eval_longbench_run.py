@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_kvgov.cli.main import main
 from hf_kvgov.evaluation.generation import Generated
@@ -31,13 +30,7 @@ OFFICIAL_PROMPTS = json.loads(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """One intra-op thread: the cores are shared with other test processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def fixture_records(task: str) -> list[dict]:

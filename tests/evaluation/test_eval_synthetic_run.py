@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_kvgov.cli.main import main
 from hf_kvgov.evaluation import synthetic_run
@@ -25,13 +24,7 @@ FILLER = (
 NEEDLE_VALUE = re.compile(r"(?:The pass key is|special magic numbers for [\w-]+ is:) (\d+)")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():  # type: ignore[no-untyped-def]
-    """One intra-op thread: the cores are shared with other test processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def reader(fed: list[str]):  # type: ignore[no-untyped-def]
