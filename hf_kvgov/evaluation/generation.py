@@ -60,8 +60,7 @@ def generate_greedy(
     compressed before the question is seen (`CacheSpec.context_cache`), and generate goes on from there
     (kvpress's protocol). None: generate's prompt is the whole prompt.
     """
-    encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=add_special_tokens)
-    ids = encoded["input_ids"].to(model.device)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"].to(model.device)
     eos = eos_token_ids(model, extra_eos_token_ids)
     pad = model.generation_config.pad_token_id
     if context_chars is None:
@@ -97,8 +96,9 @@ def _context_tokens(tokenizer: Any, prompt: str, chars: int, ids: list[int], add
     head = tokenizer(prompt[:chars], add_special_tokens=add_special_tokens)["input_ids"]
     shared = next((i for i, (a, b) in enumerate(zip(head, ids, strict=False)) if a != b), min(len(head), len(ids)))
     if not 0 < shared < len(ids):
-        raise ValueError(f"The context gives {shared} of the prompt's {len(ids)} tokens; it needs at least one, and "
-                         "one token after it.")  # fmt: skip
+        raise ValueError(
+            f"The context gives {shared} of the prompt's {len(ids)} tokens; it needs at least one, and one after it."
+        )
     return shared
 
 

@@ -16,6 +16,7 @@ import torch
 from hf_kvgov.cli.eval import COMPRESS_CHOICES
 from hf_kvgov.cli.main import main
 from hf_kvgov.evaluation.generation import COMPRESS_INPUTS, generate_greedy
+from hf_kvgov.evaluation.longbench import run as longbench_run
 from hf_kvgov.evaluation.longbench.data import load_task
 from hf_kvgov.evaluation.longbench.prompts import build_question, prepare_prompt
 from hf_kvgov.evaluation.registry import generate_synthetic, synthetic_tasks
@@ -47,7 +48,7 @@ def test_a_longbench_prompt_splits_where_its_template_puts_the_question() -> Non
             prompt = prepare_prompt(task, sample, tokenizer, 4096)
             question = build_question(task, sample)
             assert prompt.context_chars is not None
-            assert prompt.text[prompt.context_chars :].startswith(question)
+            assert prompt.text[prompt.context_chars :].startswith(question.strip())
             assert sample.context[-20:] in prompt.text[: prompt.context_chars]
     # A middle cut that takes part of the question leaves no context to compress apart from it.
     sample = load_task(LONGBENCH_DIR, "hotpotqa")[0]
@@ -127,3 +128,23 @@ def test_the_context_is_the_tokens_it_shares_with_the_whole_prompt() -> None:
     whole = generate_greedy(model, tokenizer, spec, "abcdefgh", 3)
     split = generate_greedy(model, tokenizer, spec, "abcdefgh", 3, context_chars=5)
     assert split == whole
+
+
+def test_longbench_splits_every_sample_before_it_generates_any(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = save_tiny_model(tmp_path / "tiny", chat=True)
+    reports = {}
+    for compress, caches in (("prompt", "dynamic"), ("context", "dynamic,paged@8,snapkv@4096")):
+        out = tmp_path / f"{compress}.json"
+        argv = ["eval", "longbench", "--model", str(model_dir), "--data", str(LONGBENCH_DIR)]
+        argv += ["--tasks", "hotpotqa,trec", "--caches", caches, "--compress", compress, "--max-new-tokens", "4"]
+        assert main([*argv, "--json", str(out)]) == 0
+        reports[compress] = json.loads(out.read_text())
+    whole = {s["id"]: s["prediction"] for s in reports["prompt"]["samples"]}
+    for cache in ("dynamic", "paged@8", "snapkv@4096"):
+        assert {s["id"]: s["prediction"] for s in reports["context"]["samples"] if s["cache"] == cache} == whole
+    # A middle cut into the questions: refused up front, naming the samples, before any generation.
+    monkeypatch.setattr(longbench_run, "generate_greedy", lambda *args, **kwargs: pytest.fail("generated"))
+    items = longbench_run.load_items(["hotpotqa"], data_dir=LONGBENCH_DIR)
+    options = longbench_run.LongBenchOptions(caches=("dynamic",), max_length=80, compress="context")
+    with pytest.raises(ValueError, match=r"3 LongBench sample\(s\) have no context before their question.*hotpotqa"):
+        longbench_run.run_longbench(tiny_llama(), tiny_tokenizer(chat=True), items, options)

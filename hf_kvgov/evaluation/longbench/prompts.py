@@ -133,8 +133,8 @@ def prepare_prompt(
     chat_text = apply_chat_template(cut, tokenizer) if uses_chat_template(task) else None
     newline_stop = stops_at_newline(task)
     text = cut if chat_text is None else chat_text
-    question = build_question(task, sample)
-    context_chars = text.rfind(question) if question and cut.endswith(question) else -1
+    question = build_question(task, sample).strip()  # the middle cut's decode may change the whitespace around it
+    context_chars = text.rfind(question) if question and cut.rstrip().endswith(question) else -1
     return PreparedPrompt(
         task=task,
         text=text,

@@ -135,6 +135,19 @@ def run_longbench(
     workers = workers or single_process()
     specs = cache_specs(options.caches, options.compress)
     context = int(getattr(decoder_config(model), "max_position_embeddings", 0) or 0)
+    if options.compress == "context":  # every sample's split is checked before hours of generation, not at its turn
+        unsplit = [
+            f"{item.task} {item.sample.id!r}"
+            for item in items
+            if prepare_prompt(item.task, item.sample, tokenizer, _max_length(item.task, options, context)).context_chars
+            is None
+        ]
+        if unsplit:
+            raise ValueError(
+                f"{len(unsplit)} LongBench sample(s) have no context before their question, or the middle cut took "
+                f"part of it ({', '.join(unsplit[:5])}{', ...' if len(unsplit) > 5 else ''}), so their context cannot "
+                "be compressed apart from it; raise max_length, leave them out, or run with compress='prompt'."
+            )
 
     def run(item: LongBenchItem) -> list[LongBenchResult]:
         return [_generate(model, tokenizer, item, spec, options, context) for spec in specs]
@@ -155,15 +168,7 @@ def _generate(
 ) -> LongBenchResult:
     prompt = prepare_prompt(item.task, item.sample, tokenizer, _max_length(item.task, options, context))
     budget = min(prompt.max_new_tokens, options.max_new_tokens or prompt.max_new_tokens)
-    context_chars = None
-    if options.compress == "context":
-        context_chars = prompt.context_chars
-        if context_chars is None:
-            raise ValueError(
-                f"LongBench {item.task} sample {item.sample.id!r}: its question has no context before it, or the "
-                "middle cut took part of it, so its context cannot be compressed apart from it; raise max_length "
-                "or run with compress='prompt'."
-            )
+    context_chars = prompt.context_chars if options.compress == "context" else None  # checked by run_longbench
     out = generate_greedy(
         model,
         tokenizer,
