@@ -199,8 +199,8 @@ def _options_described(options: dict[str, Any]) -> str:
     return text
 
 
-def _share(budget: int | float) -> str:
-    return f"{100 * budget:g}% of the prompt" if isinstance(budget, float) else f"{budget} tokens"
+def _share(budget: int | float, of: str = "the prompt") -> str:
+    return f"{100 * budget:g}% of {of}" if isinstance(budget, float) else f"{budget} tokens"
 
 
 def _parse_h2o(argument: str) -> CacheSpec:
@@ -291,7 +291,7 @@ def _parse_kvzip(argument: str) -> CacheSpec:
     text, codec = _slot_codec(name, argument)
     budget = _budget(name, text)
     description = (
-        f"KVzip: the context compressed to {_share(budget).replace('prompt', 'context')} per KV head before the "
+        f"KVzip: the context compressed to {_share(budget, 'the context')} per KV head before the "
         f"question, by how much the model needs each token to repeat it{_stored_as(codec)}"
     )
     return ContextSpec(name, description, None, False, eviction_attention, budget, codec)

@@ -109,6 +109,12 @@ def run_synthetic(
         raise ValueError("There are no synthetic samples to run.")
     workers = workers or single_process()
     specs = cache_specs(options.caches, options.compress)
+    unsplit = sorted({item.sample.task for item in items if not item.sample.question})
+    if options.compress == "context" and unsplit:
+        raise ValueError(
+            f"The samples of {', '.join(map(repr, unsplit))} name no question after their context, so the context "
+            "cannot be compressed apart from it: give the task's samples a `question`, or compress='prompt'."
+        )
 
     def run(item: SyntheticItem) -> list[SyntheticResult]:
         return [_generate(model, tokenizer, item, spec, options) for spec in specs]

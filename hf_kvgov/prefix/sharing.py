@@ -36,7 +36,7 @@ class SharingStats:
     __repr__ = rounded_repr
 
     tree: PrefixCacheStats
-    hit_tokens: int  # prompt tokens served from the tree or, after a local miss, from the remote tier
+    hit_tokens: int  # prompt tokens served from the tree, or from the remote tier past the tree's hit
     lookup_tokens: int
     hit_rate: float  # hit_tokens / lookup_tokens: the share of prompt tokens whose KV was not computed here
     cached_blocks: int

@@ -22,6 +22,12 @@ from hf_kvgov.storage.layer_groups import LayerGroup, full_group
 PREFILL_SLACK_BLOCKS = 4
 
 
+def stored_blocks(prompt: int, new_tokens: int, block_size: int) -> int:
+    """Blocks of every token a request stores: its prompt and what it generates but the last token sampled, which is
+    never fed back."""
+    return -(-(prompt + new_tokens - 1) // block_size)
+
+
 class NoEviction:
     """Every computed token stays in its request's table."""
 
@@ -35,8 +41,8 @@ class NoEviction:
         return None
 
     def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The most blocks one request holds at once: every token but the last one sampled (never fed back)."""
-        return -(-(prompt + new_tokens - 1) // block_size)
+        """The most blocks one request holds at once: all it stores (`stored_blocks`)."""
+        return stored_blocks(prompt, new_tokens, block_size)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Columns of the request's table to drop after a step: none."""

@@ -17,7 +17,7 @@ from torch import Tensor
 from hf_kvgov.errors import PoolExhausted, SpillCorrupted
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.serving.blocks import FullPrecisionBlocks
-from hf_kvgov.serving.eviction import NoEviction
+from hf_kvgov.serving.eviction import NoEviction, stored_blocks
 from hf_kvgov.serving.request import Request, RequestState
 from hf_kvgov.serving.swap import SwapSpace
 from hf_kvgov.storage.block_table import SequenceTables
@@ -367,8 +367,7 @@ class Scheduler:
             return
         size = self.pool.block_size
         prompt, new = len(request.prompt), request.params.max_new_tokens
-        # The last token sampled is never fed back, so its K/V is never stored.
-        kept, whole = self.eviction.blocks_needed(prompt, new, size), -(-(prompt + new - 1) // size)
+        kept, whole = self.eviction.blocks_needed(prompt, new, size), stored_blocks(prompt, new, size)
 
         def needed(step: int) -> int:
             return sum(kept if g.window is None else self._most_held(g.window, whole, step) for g in self.pool.groups)

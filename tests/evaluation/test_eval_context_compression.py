@@ -7,6 +7,7 @@ KVzip keeping everything give the whole-prompt run's answers on the tiny model; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from hf_kvgov.cli.eval import COMPRESS_CHOICES
 from hf_kvgov.cli.main import main
+from hf_kvgov.evaluation import synthetic_run
 from hf_kvgov.evaluation.generation import COMPRESS_INPUTS, generate_greedy
 from hf_kvgov.evaluation.longbench import run as longbench_run
 from hf_kvgov.evaluation.longbench.data import load_task
@@ -148,3 +150,15 @@ def test_longbench_splits_every_sample_before_it_generates_any(tmp_path: Path, m
     options = longbench_run.LongBenchOptions(caches=("dynamic",), max_length=80, compress="context")
     with pytest.raises(ValueError, match=r"3 LongBench sample\(s\) have no context before their question.*hotpotqa"):
         longbench_run.run_longbench(tiny_llama(), tiny_tokenizer(chat=True), items, options)
+
+
+def test_a_synthetic_sample_without_a_question_is_refused_before_any_generation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(synthetic_run, "generate_greedy", lambda *args, **kwargs: pytest.fail("generated"))
+    passkey = generate_synthetic("passkey", FILLER * 8, tiny_tokenizer(), 600, 1, 0)[0]
+    unsplit = dataclasses.replace(passkey, task="my_task", question="")  # a task registered without one
+    items = [synthetic_run.SyntheticItem(0, passkey), synthetic_run.SyntheticItem(1, unsplit)]
+    options = SyntheticOptions(caches=("dynamic",), compress="context")
+    with pytest.raises(ValueError, match="The samples of 'my_task' name no question after their context"):
+        synthetic_run.run_synthetic(tiny_llama(), tiny_tokenizer(), items, options)
