@@ -142,7 +142,7 @@ def test_a_refusal_names_the_step_that_would_fit(reference: list[list[int]]) -> 
 def test_prompts_longer_than_the_window_are_admitted_with_room_for_their_whole_prefill() -> None:
     """Admission gives a sliding group blocks up to a step past its first full window, the most it holds at once.
     Given only its first step's, a prompt past the window found no block for its next chunk under a tight cap,
-    preempted itself and lost its chunk, step after step (4, 1 and 6 preemptions at these caps)."""
+    preempted itself and lost its chunk, step after step (at 40 blocks: 4 preemptions, 120 tokens recomputed)."""
     draw = random.Random(0)
     prompts = [[draw.randrange(4, MODEL.config.vocab_size) for _ in range(n)] for n in (60, 70, 55, 30, 80, 9)]
     expected = [alone(MODEL, p, 12) for p in prompts]
