@@ -14,6 +14,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 _GEOMETRY = ("head_dim", "num_key_value_heads", "v_head_dim")  # what the pool's one geometry fixes for every layer
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def unsupported_layer_type(layer_type: object) -> str | None:
+    """Why a decoder layer of `layer_type` (an entry of a config's ``layer_types``) is not one hf_kvgov can cache, or
+    None when it is: chunked attention (Llama 4) and the state of linear-attention or Mamba layers are not K/V."""
+    if layer_type in ATTENTION_LAYER_TYPES:
+        return None
+    return (
+        f"Layer type {layer_type!r} is not supported by hf_kvgov caches; supported layer types are "
+        "'full_attention' and 'sliding_attention' (attention-only decoders)."
+    )
 
 
 def unsupported_kv_layout(field: Callable[[str], Any], model_type: str) -> str | None:

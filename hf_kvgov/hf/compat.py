@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from hf_kvgov.kv_layout import unsupported_kv_layout
+from hf_kvgov.kv_layout import unsupported_kv_layout, unsupported_layer_type
 
 __all__ = [
     "AttentionInterface",
@@ -85,10 +85,7 @@ def layer_kinds(config: PretrainedConfig) -> list[LayerKind]:
         elif layer_type == "sliding_attention":
             kinds.append(LayerKind(window))
         else:
-            raise ValueError(
-                f"Layer type {layer_type!r} is not supported by hf_kvgov caches; supported layer types are "
-                "'full_attention' and 'sliding_attention' (attention-only decoders)."
-            )
+            raise ValueError(unsupported_layer_type(layer_type))
     return kinds
 
 

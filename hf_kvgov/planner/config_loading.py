@@ -11,14 +11,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hf_kvgov.kv_layout import unsupported_kv_layout
+from hf_kvgov.kv_layout import unsupported_kv_layout, unsupported_layer_type
 from hf_kvgov.planner.catalog import find_builtin, known_model_names
 from hf_kvgov.planner.geometry import ModelGeometry
 
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length")
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
-_SLIDING_TYPES = {"sliding_attention"}
-_FULL_TYPES = {"full_attention"}
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -61,14 +59,15 @@ def _sliding_layers(config: Mapping[str, Any], num_layers: int, source: str) -> 
     window = window if isinstance(window, int) and window > 0 else None
     layer_types = config.get("layer_types")
     if layer_types is not None:
-        unknown = sorted({t for t in layer_types if t not in _SLIDING_TYPES | _FULL_TYPES})
-        if unknown or len(layer_types) != num_layers:
+        refusal = next((r for t in layer_types if (r := unsupported_layer_type(t)) is not None), None)
+        if refusal is not None:
+            raise ValueError(f"The model config from {source}: {refusal}")
+        if len(layer_types) != num_layers:
             raise ValueError(
-                f"The model config from {source} has layer_types the planner cannot read: it needs "
-                f"{num_layers} entries of 'full_attention' or 'sliding_attention'; got {len(layer_types)} "
-                f"entries{f' with unknown types {unknown}' if unknown else ''}."
+                f"The model config from {source} has {len(layer_types)} layer_types for {num_layers} layers; "
+                "it needs one entry per layer."
             )
-        sliding = tuple(i for i, kind in enumerate(layer_types) if kind in _SLIDING_TYPES)
+        sliding = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     elif window is None or config.get("use_sliding_window") is False:
         sliding = ()
     elif isinstance(config.get("sliding_window_pattern"), int):
@@ -155,7 +154,34 @@ def load_config_file(path: str | Path) -> ModelGeometry:
     if not isinstance(config, dict):
         raise ValueError(f"{str(file)!r} holds a JSON {type(config).__name__}, not the object of a config.json.")
     name = file.parent.name if file.name == "config.json" else file.stem
-    return geometry_from_config(config, name=name or str(file), source=str(file))
+    return geometry_from_config(_with_derived_layer_types(config, file), name=name or str(file), source=str(file))
+
+
+def _with_derived_layer_types(config: dict[str, Any], file: Path) -> dict[str, Any]:
+    """`config` with the decoder's ``layer_types`` as transformers derives them where the file leaves them out: a
+    Gemma-2 file alternates sliding and full layers, a Llama 4 file has chunked layers, a Jamba or Bamba file names its
+    Mamba layers by index. The file as it is when transformers is not importable or does not know its model type."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return config
+    try:
+        parsed = AutoConfig.from_pretrained(str(file), local_files_only=True)
+    except Exception:  # a model type transformers does not know (or another version's fields): the file's own
+        return config
+    return _with_layer_types(config, parsed)
+
+
+def _with_layer_types(config: dict[str, Any], parsed: Any) -> dict[str, Any]:
+    """`config` (a parsed config.json) with the ``layer_types`` of `parsed`, its transformers config object (where
+    hybrid models derive them in a property that ``to_dict`` leaves out)."""
+    types = getattr(parsed.get_text_config(decoder=True), "layer_types", None)
+    if types is None:
+        return config
+    nested = config.get("text_config")
+    if nested is not _text_config(config):
+        return {**config, "layer_types": list(types)}
+    return {**config, "text_config": {**nested, "layer_types": list(types)}}
 
 
 def load_hub_config(model_id: str) -> ModelGeometry:
@@ -176,7 +202,8 @@ def load_hub_config(model_id: str) -> ModelGeometry:
             "not a local config.json path, and not in the local Hugging Face cache (the planner never "
             f"downloads). Pass the path of its config.json instead. ({type(err).__name__}: {err})"
         ) from err
-    return geometry_from_config(config.to_dict(), name=model_id, source=f"the cached config of {model_id}")
+    fields = _with_layer_types(config.to_dict(), config)
+    return geometry_from_config(fields, name=model_id, source=f"the cached config of {model_id}")
 
 
 def resolve_model(spec: str) -> ModelGeometry:

@@ -117,6 +117,63 @@ def test_sliding_window_conventions_without_layer_types() -> None:
     assert mistral.head_dim == 16  # hidden_size / heads
 
 
+def _write(tmp_path: Path, name: str, config: dict[str, Any]) -> Path:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    return tmp_path / name
+
+
+def test_layer_types_a_file_leaves_to_transformers(tmp_path: Path) -> None:
+    """A config.json without `layer_types` is read as transformers reads it: Gemma-2's published files (transformers
+    4.42) give only `sliding_window`, and transformers alternates sliding and full layers, where the per-family
+    fallback took every layer as sliding (a third of the KV missing at 8k tokens on gemma-2-9b)."""
+    gemma2 = {
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 32,
+        "max_position_embeddings": 256,
+        "vocab_size": 128,
+    }
+    geometry = load_config_file(_write(tmp_path, "gemma2", gemma2))
+    assert (geometry.sliding_window, geometry.sliding_layers) == (32, (0, 2))
+    # Without a model type transformers knows, the file's own fields and the per-family fallback.
+    assert load_config_file(_write(tmp_path, "custom", {**gemma2, "model_type": "kvgov-custom"})).sliding_layers == (
+        0,
+        1,
+        2,
+        3,
+    )
+
+
+def test_layers_that_are_not_attention_are_refused_as_the_caches_refuse_them(tmp_path: Path) -> None:
+    """Hybrid Mamba models name their attention layers by index or period (no `layer_types` in the file) and Llama 4
+    files leave out its chunked layers: the planner used to count every layer as attention and plan them."""
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+    configs = {
+        "linear_attention": transformers.JambaConfig(
+            num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_key_value_heads=2, **small
+        ),
+        "hybrid": transformers.FalconH1Config(
+            num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, **small
+        ),
+        "chunked_attention": transformers.Llama4TextConfig(num_hidden_layers=4, attention_chunk_size=8, **small),
+    }
+    for layer_type, config in configs.items():
+        config.save_pretrained(tmp_path / layer_type)
+        file = tmp_path / layer_type / "config.json"
+        fields = json.loads(file.read_text())
+        fields.pop("layer_types", None)  # as files written before transformers added the key
+        file.write_text(json.dumps(fields))
+        with pytest.raises(ValueError, match=f"Layer type '{layer_type}' is not supported by hf_kvgov caches"):
+            resolve_model(str(tmp_path / layer_type))
+
+
 def test_bad_configs_say_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a positive integer 'num_hidden_layers'"):
         geometry_from_config({"num_attention_heads": 4}, "x")
