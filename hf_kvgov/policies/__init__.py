@@ -20,7 +20,7 @@ from hf_kvgov.policies.mean_mass import MeanMass
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.policies.query_forecast import QueryForecast, expected_attention
 from hf_kvgov.policies.registry import available_policies, make_policy, register_policy
-from hf_kvgov.policies.rope import apply_rope, rerotate, rotate_half
+from hf_kvgov.policies.rope import LayerRope, apply_rope, rerotate, rotate_half
 from hf_kvgov.policies.selection import (
     gather_kept,
     newest_valid,
@@ -43,6 +43,7 @@ __all__ = [
     "GivenScores",
     "HeadAdaptive",
     "KeyNorm",
+    "LayerRope",
     "MeanMass",
     "Pyramid",
     "QueryForecast",

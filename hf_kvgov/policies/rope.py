@@ -7,13 +7,50 @@ transformers caches keys after RoPE, in the ``rotate_half`` convention (Llama, Q
 Channel ``i`` pairs with ``i + head_dim/2`` and each pair turns by its angle, so rotations add up
 (``rot(rot(k, p), q - p) == rot(k, q)``): a cache keeping a subset of tokens can move a key from ``p`` to ``q``
 without the unrotated key, which it never sees. Partial rotary embeddings rotate only the first
-``2 * len(inv_freq)`` channels, as these helpers do; interleaved pairs (GPT-J's ``rotate_every_two``) are not handled.
+``2 * len(inv_freq)`` channels, as these helpers do. `LayerRope` covers the other layouts a layer's keys come in:
+interleaved pairs (Cohere, GLM), and layers without RoPE (zero frequencies: every turn is the identity).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """How one layer's cached keys carry RoPE.
+
+    Attributes:
+        inv_freq: ``[rotary_dim / 2]`` frequencies; all zero for a layer without RoPE (SmolLM3's NoPE layers,
+            Cohere2's full-attention layers), which every turn leaves as they are.
+        interleaved: channel ``2i`` pairs with ``2i + 1`` (Cohere, GLM) instead of ``i`` with ``i + rotary_dim/2``.
+    """
+
+    inv_freq: Tensor
+    interleaved: bool = False
+
+    def split_half(self, x: Tensor) -> Tensor:
+        """``x`` with its rotary channels reordered into the ``rotate_half`` pairing (``x`` itself when they are).
+        Attention scores are the same on both sides of a reordering applied to queries and keys alike."""
+        if not self.interleaved:
+            return x
+        rot = 2 * self.inv_freq.shape[0]
+        return torch.cat((x[..., 0:rot:2], x[..., 1:rot:2], x[..., rot:]), dim=-1)
+
+    def interleave(self, x: Tensor) -> Tensor:
+        """The inverse of `split_half`."""
+        if not self.interleaved:
+            return x
+        half = self.inv_freq.shape[0]
+        pairs = torch.stack((x[..., :half], x[..., half : 2 * half]), dim=-1).flatten(-2)
+        return torch.cat((pairs, x[..., 2 * half :]), dim=-1)
+
+    def turn(self, keys: Tensor, delta: Tensor) -> Tensor:
+        """`rerotate` in this layer's pairing."""
+        return self.interleave(rerotate(self.split_half(keys), delta, self.inv_freq))
 
 
 def rotate_half(x: Tensor) -> Tensor:

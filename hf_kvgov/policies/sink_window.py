@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from hf_kvgov.policies.base import FactNeeds, SlotFacts, check_budget_fits, check_count, check_slot_tensors
-from hf_kvgov.policies.rope import rerotate
+from hf_kvgov.policies.rope import LayerRope
 from hf_kvgov.policies.selection import oldest_valid, select_within_budget
 
 
@@ -65,14 +65,14 @@ class SinkWindow:
 @dataclass(frozen=True)
 class SinkKeys:
     """How a sink cache's attention reads its kept keys: each of the ``n_sink`` sinks turned to just before the
-    window (StreamingLLM's in-cache positions), the window's keys as stored. Called as an eviction view's
-    ``read_keys``; ``inv_freq`` is the layers' RoPE ``inv_freq``.
+    window (StreamingLLM's in-cache positions), the window's keys as stored. Called with the layer's index as an
+    eviction view's ``read_keys``; ``ropes`` holds each layer's RoPE as its keys carry it.
     """
 
     n_sink: int
-    inv_freq: Tensor
+    ropes: tuple[LayerRope, ...]
 
-    def __call__(self, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+    def __call__(self, layer: int, keys: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
         """``keys`` ``[batch, kv_heads, slots, head_dim]`` with each sink moved to just before the window."""
         delta = sink_shift(positions, valid, self.n_sink)
         # The sinks are each row's first valid slots: turn the leading slots up to the last one that moves (a zero
@@ -81,7 +81,7 @@ class SinkKeys:
         if moved.numel() == 0:
             return keys
         span = int(moved[-1]) + 1
-        turned = rerotate(keys[:, :, :span], delta[:, :, :span], self.inv_freq)
+        turned = self.ropes[layer].turn(keys[:, :, :span], delta[:, :, :span])
         return torch.cat((turned, keys[:, :, span:]), dim=2)
 
 

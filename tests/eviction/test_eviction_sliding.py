@@ -115,9 +115,13 @@ def test_window_layers_keep_only_what_the_next_query_can_read(budget: int) -> No
 
 
 def test_sink_keys_move_only_in_full_attention_layers() -> None:
-    # Gemma-3 keeps one RoPE per layer type; the sinks are re-rotated with the full-attention frequencies.
+    # Gemma-3 keeps one RoPE per layer type; the sinks are re-rotated with the full-attention frequencies (a
+    # sliding layer's keys are never turned: the view reads them as stored).
     model = MODELS["gemma3"]
     cache = SinkCache(model, n_sink=2, window=10)
-    expected = model.model.rotary_emb.full_attention_inv_freq
-    assert torch.equal(cache.sink_keys.inv_freq, expected)
-    assert not torch.equal(expected, model.model.rotary_emb.sliding_attention_inv_freq)
+    rotary = model.model.rotary_emb
+    expected = rotary.full_attention_inv_freq
+    assert not torch.equal(expected, rotary.sliding_attention_inv_freq)
+    for rope, layer_type in zip(cache.sink_keys.ropes, model.config.layer_types, strict=True):
+        assert torch.equal(rope.inv_freq, getattr(rotary, f"{layer_type}_inv_freq"))
+        assert not rope.interleaved

@@ -110,7 +110,7 @@ def test_sink_keys_turn_each_rows_first_valid_slots_to_just_before_its_window() 
     """`SinkKeys` against the definition, slot by slot: in each (row, head) the ``n`` first valid slots (the oldest:
     kept slots are stored in position order) are read as if at ``w0 - n + j``; every other key is returned exactly
     as stored, whatever padding precedes the sinks or follows the window."""
-    from hf_kvgov.policies.rope import rerotate
+    from hf_kvgov.policies.rope import LayerRope, rerotate
     from hf_kvgov.policies.sink_window import SinkKeys
 
     n_sink, slots, head_dim = 2, 9, 8
@@ -131,7 +131,7 @@ def test_sink_keys_turn_each_rows_first_valid_slots_to_just_before_its_window() 
                 int(starts[b, h]) + 30 + k for k in range(len(at) - 2)
             ]
             positions[b, h, at] = torch.tensor(sequence)
-    read = SinkKeys(n_sink, inv_freq)(keys, positions, valid)
+    read = SinkKeys(n_sink, (LayerRope(inv_freq),))(0, keys, positions, valid)
     for b in range(2):
         for h in range(2):
             at = [i for i in range(slots) if valid[b, h, i]]

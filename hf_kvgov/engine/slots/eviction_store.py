@@ -39,12 +39,13 @@ from hf_kvgov.engine.slots.slot_codecs import CodecSpec, slot_formats
 from hf_kvgov.engine.slots.slot_layer import SlotLayer
 from hf_kvgov.engine.slots.slot_steps import newest, visible_to_next_queries, with_new_slots
 from hf_kvgov.engine.slots.stats import EvictionStats, layer_stats
-from hf_kvgov.engine.slots.view import EvictionView, KeyReader
+from hf_kvgov.engine.slots.view import EvictionView, LayerKeyReader
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
 from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
 from hf_kvgov.policies.pyramid import Pyramid
 from hf_kvgov.policies.query_forecast import QueryStatistics
+from hf_kvgov.policies.rope import LayerRope
 from hf_kvgov.prefix.sharing import PrefixCache
 from hf_kvgov.storage.pool import BlockPool
 from hf_kvgov.tiers.recall_pages import PageTier
@@ -53,9 +54,9 @@ PolicyFactory = Callable[[int], EvictionPolicy]
 
 
 class Frequencies(Protocol):
-    """Each layer's RoPE ``inv_freq`` (a policy that forecasts queries turns them with it)."""
+    """Each layer's RoPE (a policy that forecasts queries turns them with it)."""
 
-    def of(self, layer: int) -> Tensor: ...
+    def of(self, layer: int) -> LayerRope: ...
 
 
 class EvictionStore:
@@ -79,7 +80,7 @@ class EvictionStore:
         budget: BudgetSpec,
         policy_for: PolicyFactory,
         min_budget: int,
-        read_keys: KeyReader | None,
+        read_keys: LayerKeyReader | None,
         query_chunk: int,
         *,
         codec: CodecSpec,
@@ -172,6 +173,7 @@ class EvictionStore:
         policy, needs = self._step_policy(layer, q_len)
         wanted = needs.forecast
         forecast = None if wanted is None else forecast_hook(layer, wanted, self._frequencies.of(layer.index))
+        reader = self._read_keys
         return EvictionView(
             keys=keys,
             values=values,
@@ -180,7 +182,7 @@ class EvictionStore:
             scores=layer.scores,
             needs=needs,
             # Keys moved for attention sinks serve full-context layers; a window layer never reaches the sinks.
-            read_keys=self._read_keys if layer.window is None else None,
+            read_keys=None if reader is None or layer.window is not None else functools.partial(reader, layer.index),
             commit=functools.partial(self._commit, layer, q_len, policy, needs.key_norm),
             chunk=self.query_chunk,
             window=layer.window,

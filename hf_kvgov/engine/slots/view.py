@@ -33,6 +33,8 @@ Forecast = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Ten
 QueryObserver = Callable[[Tensor, Tensor, Tensor], None]
 # read_keys(keys, positions, valid) -> the keys attention reads (a sink cache re-rotates its sinks there).
 KeyReader = Callable[[Tensor, Tensor, Tensor], Tensor]
+# The same for any layer, given the layer's index first (what a cache hands its store).
+LayerKeyReader = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 # extra_slots(query, first_query_positions) -> slots attended beside the kept ones this step (a shared
 # prefix, a recall tier's pending and recalled pages), or None.
 ExtraSlots = Callable[[Tensor, Tensor], "RecalledSlots | None"]

@@ -21,7 +21,7 @@ from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.engine.slots.slot_layer import SlotLayer
 from hf_kvgov.engine.slots.slot_steps import check_attention, check_shapes
-from hf_kvgov.engine.slots.view import KeyReader
+from hf_kvgov.engine.slots.view import LayerKeyReader
 from hf_kvgov.hf.compat import attention_implementation, check_attention_view, kv_heads_and_head_dim
 from hf_kvgov.hf.eviction.layer import EvictionLayer
 from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows, new_token_positions
@@ -65,7 +65,7 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
             refused on the first forward).
         policy_for: budget -> the policy that chooses kept slots.
         min_budget: the smallest budget the policy accepts; a fractional budget is raised to it.
-        read_keys: optional hook turning stored keys into the keys attention reads.
+        read_keys: optional hook turning a layer's stored keys into the keys attention reads (given the layer's index).
         query_chunk: queries attended at a time (memory O(query_chunk x slots)).
         codec: how kept slots are stored: None (the model's precision), a codec name ("int8", "int4",
             "fp8" = "fp8_e4m3", "fp8_e5m2") or a `QuantConfig` (its ``full_precision_layers`` keep their
@@ -107,7 +107,7 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         budget: BudgetSpec,
         policy_for: PolicyFactory,
         min_budget: int,
-        read_keys: KeyReader | None = None,
+        read_keys: LayerKeyReader | None = None,
         query_chunk: int = DEFAULT_QUERY_CHUNK,
         *,
         codec: CodecSpec = None,

@@ -123,9 +123,8 @@ class PolicyCache(EvictionCache):
             spill=None if recall is None else Disk.of_recall(recall),
             layers=budget_overrides(layer_budgets),
         )
-        refusal = self._rotary.refusal
-        if refusal is not None and any(p is not None and p.needs.forecast is not None for p in (prefill, decode)):
-            raise ValueError(refusal)  # refused now rather than at the first eviction
+        if any(p is not None and p.needs.forecast is not None for p in (prefill, decode)):
+            self._rotary.check_keys(model)  # refused now rather than at the first eviction
 
 
 def _built(spec: PolicySpec, name: str) -> EvictionPolicy:

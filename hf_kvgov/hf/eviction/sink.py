@@ -19,7 +19,8 @@ from hf_kvgov.engine.slots.layer_budgets import LayerBudgetSpec
 from hf_kvgov.engine.slots.slot_attention import DEFAULT_QUERY_CHUNK
 from hf_kvgov.engine.slots.slot_codecs import CodecSpec
 from hf_kvgov.hf.eviction.cache import EvictionCache
-from hf_kvgov.hf.eviction.rotary import rotary_inv_freq
+from hf_kvgov.hf.eviction.model_inputs import checked_decoder_config, layer_windows
+from hf_kvgov.hf.eviction.rotary import LayerFrequencies
 from hf_kvgov.policies import SinkWindow
 from hf_kvgov.policies.budget import BudgetSpec, check_budget_spec
 from hf_kvgov.policies.sink_window import SinkKeys
@@ -83,7 +84,10 @@ class SinkCache(EvictionCache):
             )
         self.n_sink = n_sink
         self.window = window
-        self.sink_keys = SinkKeys(n_sink, rotary_inv_freq(model, _NAME, "re-rotates sink keys"))
+        layer_windows(checked_decoder_config(model, _NAME))  # a model it cannot serve is refused before it runs
+        rotary = LayerFrequencies(model, _NAME, "re-rotates sink keys")
+        rotary.check_keys(model)
+        self.sink_keys = SinkKeys(n_sink, rotary.ropes())
         super().__init__(
             model,
             budget,
