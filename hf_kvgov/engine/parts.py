@@ -344,6 +344,15 @@ def codec_config(codec: str | QuantConfig | None) -> QuantConfig | None:
     return QuantConfig(bits=bits, fmt=fmt)
 
 
+def measured_codec(codec: str | QuantConfig | None, head_dim: int) -> QuantConfig | None:
+    """`codec_config`, a codec name taking its format's measured settings at this head_dim (`QuantConfig.filled`:
+    KIVI's residual window and value groups for int2), as `QuantizedCache(model, bits=...)` does."""
+    quant = codec_config(codec)
+    if not isinstance(codec, str) or quant is None:
+        return quant
+    return QuantConfig.filled(head_dim, None, "auto", None, bits=quant.bits, fmt=quant.fmt)
+
+
 def _check_type(name: str, value: object, accepted: tuple[type, ...]) -> None:
     if value is not None and not isinstance(value, accepted):
         names = " or ".join(t.__name__ for t in accepted)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hf_kvgov.engine.parts import HeavyHitter, codec_config
+from hf_kvgov.engine.parts import HeavyHitter, measured_codec
 from hf_kvgov.engine.quant_config import QuantConfig
 from hf_kvgov.hf.attention import RAGGED_ATTENTION_NAME, RAGGED_STEP_KEY, register
 from hf_kvgov.hf.compat import (
@@ -101,8 +101,9 @@ class ServingEngine:
         max_running: requests running at once at most.
         reserve_blocks: blocks kept free per running request when admitting another (room for decode growth).
         codec: seal each request's full blocks into codes past its residual window: a codec name ("int8", "int4",
-            "fp8", ...) or a `QuantConfig`; None keeps every block in full precision. Codes and full-precision
-            blocks share the pool and its cap.
+            "int2", "fp8", ...) with the settings `QuantizedCache(model, bits=...)` takes (KIVI's residual window
+            and value groups for int2), or a `QuantConfig`; None keeps every block in full precision. Codes and
+            full-precision blocks share the pool and its cap.
         remote: a tier shared with other processes (`hf_kvgov.tiers.redis_tier.RedisTier`): published prefixes are
             written there and a request's miss is looked up there, so engines on several hosts compute a shared
             document once. Needs `prefix_sharing`; the engine closes it.
@@ -160,7 +161,7 @@ class ServingEngine:
             raise TypeError(f"ServingEngine needs a transformers model; got {type(model).__name__}.")
         dtype, self.device = placement
         geometry = KVGeometry(num_layers, num_kv_heads, head_dim, dtype, self.device)
-        quant = codec_config(codec)
+        quant = measured_codec(codec, head_dim)
         self.blocks = FullPrecisionBlocks() if quant is None else SealedBlockCodec(quant)
         # A sliding layer frees what left its window; a policy evicts from full-attention layers only.
         self.pool = self.blocks.new_pool(geometry, block_size, max_bytes, layer_groups(windows), preallocate)

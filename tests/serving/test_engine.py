@@ -275,13 +275,14 @@ def alone_quantized(model, prompt: list[int], bits: int, new: int = 20) -> list[
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("max_batched_tokens", [512, 16])
 def test_sealed_codes_answer_as_a_quantized_cache_alone(llama, codec: str, max_batched_tokens: int) -> None:
     """Each request's blocks are sealed once its prompt is computed (chunks attend to it in full precision), so its
-    tokens are those of `QuantizedCache` running it alone, chunked prefill or not."""
+    tokens are those of `QuantizedCache` running it alone, chunked prefill or not. A codec name takes the settings
+    `QuantizedCache(model, bits=...)` takes (int2 used to seal with no residual window and no value groups)."""
     prompts = prompts_with_shared_prefix(llama.config.vocab_size, (5, 17, 3, 2, 9, 11), shared=37)
-    bits = {"int8": 8, "int4": 4}[codec]
+    bits = {"int8": 8, "int4": 4, "int2": 2}[codec]
     reference = [alone_quantized(llama, p, bits) for p in prompts]
     with ServingEngine(
         llama, block_size=4, max_batched_tokens=max_batched_tokens, codec=codec, prefix_sharing=False
