@@ -113,8 +113,8 @@ class ServingEngine:
         policy: `HeavyHitter(budget, recent)`: each request keeps ``budget`` of its prompt in blocks, the recent
             ones and those that collected the most attention (H2O over whole blocks, `hf_kvgov.serving.eviction`),
             so more requests fit the cap; lossy. Its prompt streams without prefix sharing, and is held whole until
-            computed with it. None keeps every token. On a hybrid model it evicts from the full-attention layers;
-            sliding ones keep their window.
+            computed with it (a scored prompt streams: `score` gives the policy's log-probabilities). None keeps
+            every token. On a hybrid model it evicts from the full-attention layers; sliding ones keep their window.
         preallocate: reserve the whole `max_bytes` when the engine starts, as serving engines do: the pool never
             grows afterwards (no resize while requests run), and a cap the device cannot hold fails here. Needs
             `max_bytes`, and full-precision blocks (a codec's pool shares its cap between blocks and codes).
@@ -212,6 +212,25 @@ class ServingEngine:
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None, namespace: str = "") -> int:
         """Queue a request; returns its id. Refuses at once what could never run (empty, or larger than the pool)."""
+        return self._queue(self._checked_request(prompt, params, namespace))
+
+    def _queue(self, request: Request) -> int:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _checked_requests(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[Request]:
+        """A request for each prompt, every one checked before any is queued (one refused queues none)."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"Give one SamplingParams or one per prompt; got {len(params)} for {len(prompts)}.")
+        return [self._checked_request(prompt, p, "") for prompt, p in zip(prompts, params, strict=True)]
+
+    def _checked_request(self, prompt: Sequence[int], params: SamplingParams | None, namespace: str) -> Request:
+        """A request, refused if it could never run."""
         self._check_open()
         params = params or SamplingParams()
         ids = self._token_ids(prompt)
@@ -230,9 +249,7 @@ class ServingEngine:
         stop = self.eos_token_ids if params.stop_token_ids is None else params.stop_token_ids
         request = Request(next(self._ids), ids, params, namespace, stop_ids=tuple(stop), generator=generator)
         self.scheduler.check_fits(request)
-        self.requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+        return request
 
     def _token_ids(self, prompt: Sequence[int]) -> list[int]:
         """`prompt` as a list of ints, each an id of the model's vocabulary: a bad id is refused here, not by the
@@ -308,12 +325,9 @@ class ServingEngine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[list[int]]:
-        """Serve `prompts` together to the end; returns each one's generated tokens, in the order given."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"Give one SamplingParams or one per prompt; got {len(params)} for {len(prompts)}.")
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=True)]
+        """Serve `prompts` together to the end; returns each one's generated tokens, in the order given. A prompt that
+        could never run is refused before any is queued."""
+        ids = [self._queue(request) for request in self._checked_requests(prompts, params)]
         outputs: dict[int, list[int]] = {i: [] for i in ids}
         for event in self.run_until_done():
             if event.token is not None and event.request_id in outputs:
@@ -325,7 +339,9 @@ class ServingEngine:
         given the ones before it as the engine holds them (an eviction policy's cache in the loop: its perplexity
         is ``exp(-mean)``). Nothing is generated past the prompt; no prefix is matched."""
         params = SamplingParams(max_new_tokens=1, ignore_eos=True, prompt_logprobs=True)
-        requests = [self.requests[self.add_request(prompt, params)] for prompt in prompts]
+        requests = self._checked_requests(prompts, params)
+        for request in requests:
+            self._queue(request)
         for _ in self.run_until_done():
             pass
         return [list(request.prompt_logprobs) for request in requests]

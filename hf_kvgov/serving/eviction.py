@@ -40,9 +40,9 @@ class NoEviction:
         """Tokens of its prompt the request may compute in its next step (None: no limit of the policy's)."""
         return None
 
-    def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
-        """The most blocks one request holds at once: all it stores (`stored_blocks`)."""
-        return stored_blocks(prompt, new_tokens, block_size)
+    def blocks_needed(self, request: Request, block_size: int) -> int:
+        """The most blocks the request holds at once: all it stores (`stored_blocks`)."""
+        return stored_blocks(len(request.prompt), request.params.max_new_tokens, block_size)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Columns of the request's table to drop after a step: none."""
@@ -57,11 +57,11 @@ class BlockEviction(NoEviction):
     always, the rest the blocks whose tokens collected the most attention so far (`kernels.block_mass`: summed
     over queries, heads and layers, as H2O accumulates it). Without a prefix tree the prompt streams (every
     `PREFILL_SLACK_BLOCKS` blocks past the budget the weakest go); with one it is held whole, so the tree gets it
-    whole. Once the prompt is computed (its first token sampled), and each time decoding fills a block, the
-    request is cut back to its budget. Keys keep the positions they were rotated at, so later tokens are written
-    after the kept blocks and attend to exactly them. A prefix hit's blocks are scored by the queries after them;
-    a request that evicts gives up its prefix-tree locks (the tree keeps those blocks as a cache, reclaimed when
-    the pool needs room).
+    whole, unless it is scored (its log-probabilities are the policy's). Once the prompt is computed (its first
+    token sampled), and each time decoding fills a block, the request is cut back to its budget. Keys keep the
+    positions they were rotated at, so later tokens are written after the kept blocks and attend to exactly them.
+    A prefix hit's blocks are scored by the queries after them; a request that evicts gives up its prefix-tree
+    locks (the tree keeps those blocks as a cache, reclaimed when the pool needs room).
     """
 
     observes = True
@@ -111,28 +111,36 @@ class BlockEviction(NoEviction):
         blocks = math.ceil(recent * budget) if isinstance(recent, float) else -(-recent // block_size)
         return min(budget - 1, max(1, blocks))
 
+    def slack_of(self, request: Request) -> int | None:
+        """Blocks the request's prompt runs past its budget before the weakest go; None while it is held whole for
+        the tree. A scored prompt (`SamplingParams.prompt_logprobs`) always streams: its log-probabilities are the
+        policy's, with the cache in the loop."""
+        return PREFILL_SLACK_BLOCKS if request.params.prompt_logprobs else self.slack
+
     def chunk_limit(self, request: Request, block_size: int, stored: int | None = None) -> int | None:
-        """In prefill, up to ``slack`` blocks past the budget: the chunk ends where the weakest blocks go, so
+        """In prefill, up to the slack's blocks past the budget: the chunk ends where the weakest blocks go, so
         where a request evicts does not depend on how the scheduler cut its prompt (a prefix hit longer than
-        that computes ``slack`` blocks first). No limit when the prompt is held whole (``slack`` None)."""
-        if self.slack is None or request.computed >= len(request.prompt):
+        that computes the slack's blocks first). No limit when the prompt is held whole (no slack)."""
+        slack = self.slack_of(request)
+        if slack is None or request.computed >= len(request.prompt):
             return None
         stored = request.stored if stored is None else stored
-        cap = (self.budget_blocks(len(request.prompt), block_size) + self.slack) * block_size
-        return max(cap - stored, self.slack * block_size)
+        cap = (self.budget_blocks(len(request.prompt), block_size) + slack) * block_size
+        return max(cap - stored, slack * block_size)
 
-    def blocks_needed(self, prompt: int, new_tokens: int, block_size: int) -> int:
+    def blocks_needed(self, request: Request, block_size: int) -> int:
         """The budget and the prefill's slack, or the whole prompt and one block of growth when it is held whole
         (or the whole request, when that is less)."""
-        if self.slack is None:
-            return -(-(prompt + min(new_tokens, block_size)) // block_size)
-        whole = super().blocks_needed(prompt, new_tokens, block_size)
-        return min(whole, self.budget_blocks(prompt, block_size) + self.slack)
+        slack, prompt = self.slack_of(request), len(request.prompt)
+        if slack is None:
+            return -(-(prompt + min(request.params.max_new_tokens, block_size)) // block_size)
+        whole = super().blocks_needed(request, block_size)
+        return min(whole, self.budget_blocks(prompt, block_size) + slack)
 
     def evict(self, request: Request, masses: Tensor | None, block_size: int) -> list[int]:
         """Add the step's `masses` to the request's block scores, then the columns to drop: past its budget, those
         with the least attention outside its recent blocks (their scores go with them). In prefill only once
-        ``slack`` blocks past the budget are stored (never while a prompt is held whole)."""
+        the slack's blocks past the budget are stored (never while a prompt is held whole)."""
         assert request.tables is not None
         allocated = len(request.tables)  # blocks for tokens the next steps write may already be there
         scores = request.block_mass
@@ -146,7 +154,8 @@ class BlockEviction(NoEviction):
         columns = -(-request.stored // block_size)
         budget = self.budget_blocks(len(request.prompt), block_size)
         excess = columns - budget
-        if request.computed < len(request.prompt) and (self.slack is None or excess < self.slack):
+        slack = self.slack_of(request)
+        if request.computed < len(request.prompt) and (slack is None or excess < slack):
             return []
         if excess <= 0:
             return []

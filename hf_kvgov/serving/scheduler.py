@@ -367,7 +367,7 @@ class Scheduler:
             return
         size = self.pool.block_size
         prompt, new = len(request.prompt), request.params.max_new_tokens
-        kept, whole = self.eviction.blocks_needed(prompt, new, size), stored_blocks(prompt, new, size)
+        kept, whole = self.eviction.blocks_needed(request, size), stored_blocks(prompt, new, size)
 
         def needed(step: int) -> int:
             return sum(kept if g.window is None else self._most_held(g.window, whole, step) for g in self.pool.groups)

@@ -236,6 +236,14 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
         # 30 + 11 tokens fill 10 blocks: the last one sampled is never stored, so it fits exactly.
         assert engine.generate([prompt], greedy(11)) == [expected]
         assert engine.stats().kv_bytes_peak == 10 * size
+        # One prompt refused refuses the batch before any is queued (the others used to be left in the queue, and the
+        # next call computed them and dropped their tokens).
+        for serve in (lambda prompts: engine.generate(prompts, greedy(11)), engine.score):
+            with pytest.raises(ValueError, match=r"needs 1\d blocks .* holds at most 10"):
+                serve([prompt, prompt[:5], [5] * 44])
+            assert not engine.requests and not engine.has_work
+        assert engine.generate([prompt], greedy(11)) == [expected]
+        assert engine.stats().finished == 2
     with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
         ServingEngine(llama, max_batched_tokens=0)
 

@@ -275,3 +275,27 @@ def test_what_the_engine_cannot_evict_is_refused_at_construction(llama) -> None:
     with pytest.raises(ValueError, match="every layer of this model slides"):
         ServingEngine(mistral, policy=HeavyHitter(0.2))
     assert mistral.config._attn_implementation != "kvgov_ragged"
+
+
+def test_a_scored_prompt_is_scored_with_the_policy_in_the_loop_whether_or_not_the_engine_shares_prefixes(
+    llama,
+) -> None:  # type: ignore[no-untyped-def]
+    """`score` is the policy's perplexity with the cache in the loop: a scored prompt streams, evicting as it is
+    computed, with or without a prefix tree. With one, it used to be held whole for the tree, so its log-probabilities
+    were the full cache's (equal to one plain forward) while the policy evicted only afterwards."""
+    prompts = random_prompts(llama.config.vocab_size, (120, 97, 64), seed=5)
+    full = []
+    for prompt in prompts:
+        with torch.no_grad():
+            logits = llama(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        full.append(logits.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    scored = {}
+    for sharing in (False, True):
+        with ServingEngine(
+            llama, block_size=BLOCK, max_batched_tokens=16, policy=HeavyHitter(0.25), prefix_sharing=sharing
+        ) as engine:
+            scored[sharing] = [torch.tensor(logprobs) for logprobs in engine.score(prompts)]
+            assert engine.stats().evicted_blocks > 0
+    for streamed, shared, reference in zip(scored[False], scored[True], full, strict=True):
+        torch.testing.assert_close(shared, streamed)
+        assert (shared - reference).abs().max() > 1e-3  # lossy: the evicted blocks are missed
