@@ -12,6 +12,7 @@ tree and scheduler unchanged; `uninstall(model)` gives the model transformers' o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -392,4 +393,12 @@ class GovernedBatchingManager:
                 self._streaming.discard(event.request_id)
             self._outputs.put(state)
         elif event.request_id in self._streaming:
-            self._outputs.put(state)
+            self._outputs.put(_snapshot(state))  # the state goes on growing while the consumer reads this one
+
+
+def _snapshot(state: GenerationOutput) -> GenerationOutput:
+    """A copy of a request's output as it stands, as transformers' own manager hands out each streamed result."""
+    timestamps = None if state.timestamps is None else list(state.timestamps)
+    return dataclasses.replace(
+        state, generated_tokens=list(state.generated_tokens), logprobs=list(state.logprobs), timestamps=timestamps
+    )

@@ -66,7 +66,10 @@ def test_context_manager_streams_and_cancels(model, prompts) -> None:  # type: i
     with model.continuous_batching_context_manager() as manager:
         assert isinstance(manager, GovernedBatchingManager)
         request_id = manager.add_request(prompts[1], max_new_tokens=10, streaming=True)
-        lengths = [len(r.generated_tokens) for r in manager.request_id_iter(request_id)]
+        lengths = []
+        for result in manager.request_id_iter(request_id):
+            time.sleep(0.02)  # a slow reader: each result still holds the tokens as they were when it was handed out
+            lengths.append(len(result.generated_tokens))
         assert lengths == list(range(1, 11))  # one result per token, as it came
         endless = manager.add_request(prompts[0], max_new_tokens=400)
         manager.cancel_request(endless)
