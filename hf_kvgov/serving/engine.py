@@ -223,6 +223,12 @@ class ServingEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None
     ) -> list[Request]:
         """A request for each prompt, every one checked before any is queued (one refused queues none)."""
+        if self.requests:  # their events would be consumed here, their tokens lost to whoever added them
+            raise RuntimeError(
+                f"generate() and score() serve their own prompts to the end, and {len(self.requests)} request(s) added "
+                "with add_request are still live (their tokens would be computed and dropped): step them to the end "
+                "first (run_until_done()), or add these prompts with add_request too."
+            )
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):

@@ -244,6 +244,13 @@ def test_bad_requests_are_refused_when_added(llama) -> None:
             assert not engine.requests and not engine.has_work
         assert engine.generate([prompt], greedy(11)) == [expected]
         assert engine.stats().finished == 2
+        # Requests added one by one are the caller's to step: a batch call would consume their tokens.
+        added = engine.add_request(prompt[:5], greedy(3))
+        for serve in (lambda prompts: engine.generate(prompts, greedy(11)), engine.score):
+            with pytest.raises(RuntimeError, match=r"1 request\(s\) added with add_request are still live"):
+                serve([prompt])
+        assert list(engine.requests) == [added]
+        assert [event.token is not None for event in engine.run_until_done()] == [True] * 3
     with pytest.raises(ValueError, match="max_batched_tokens must be an int >= 1"):
         ServingEngine(llama, max_batched_tokens=0)
 
