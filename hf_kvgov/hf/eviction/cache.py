@@ -7,6 +7,7 @@ stages each layer's step for the hf_kvgov attention (`slot_attention`) from the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -229,3 +230,8 @@ class EvictionCache(GovernedCacheBase, EvictionStore):
         """Forget every token and delete the recall tier's spill file (a later step starts a new one)."""
         self.reset()
         self.close_tier()
+
+    def __del__(self) -> None:
+        # A cache dropped without `release` gives a shared pool its blocks back (and the tree its locks).
+        with contextlib.suppress(Exception):
+            self.release()
