@@ -95,9 +95,13 @@ def test_a_cap_that_holds_the_slots_but_not_what_is_beside_them_is_exhausted(tmp
     assert extra > free_pool.bytes_per_block  # the cap below is more than the slots need
     # Enough blocks for every slot, not for the bytes beside them: before the pool counted them, this completed.
     tight = eviction_pool(model, block_size=BLOCK, max_bytes=slots + extra // 2)
+    refused = make(model, tight, tmp_path / "tight")
     with pytest.raises(PoolExhausted, match="bytes of slot metadata"):
-        generate(model, make(model, tight, tmp_path / "tight"))
+        generate(model, refused)
     assert tight.bytes_held() <= slots + extra // 2
+    # The refused step's evicted pages are not left in recall's memory beyond what the pool counts.
+    assert refused.stats().recall_bytes > 0 and beside(refused) == tight.bytes_charged
+    refused.release()
     # With room for both, the same tokens as the uncapped cache, and the cap still holds.
     roomy = eviction_pool(model, block_size=BLOCK, max_bytes=slots + extra + 4 * free_pool.bytes_per_block)
     cache = make(model, roomy, tmp_path / "roomy")

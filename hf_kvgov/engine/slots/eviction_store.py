@@ -40,6 +40,7 @@ from hf_kvgov.engine.slots.slot_layer import SlotLayer
 from hf_kvgov.engine.slots.slot_steps import newest, visible_to_next_queries, with_new_slots
 from hf_kvgov.engine.slots.stats import EvictionStats, layer_stats
 from hf_kvgov.engine.slots.view import EvictionView, LayerKeyReader
+from hf_kvgov.errors import PoolExhausted
 from hf_kvgov.policies import EvictionPolicy, FactNeeds, HeadAdaptive, SlotFacts, gather_kept
 from hf_kvgov.policies.base import RankingPolicy
 from hf_kvgov.policies.budget import BudgetSpec, resolve_budget
@@ -300,6 +301,7 @@ class EvictionStore:
         if self._appends_only(layer):  # every token stays (a window layer still drops what leaves its window)
             budget = layer.seen + q_len
         chooses = True  # the policy chooses (not a window layer that keeps all its window can see)
+        undo = None if layer.recall is None else layer.recall.undo_point()
         store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
             valid = visible_to_next_queries(positions, valid, q_len, layer.window)
@@ -325,7 +327,12 @@ class EvictionStore:
             positions, valid = gather_kept(positions, keep), gather_kept(valid, keep)
             valid = valid if kept is None else valid & kept
             scores = None if scores is None else gather_kept(scores, keep)
-        layer.hold(store, positions, valid, scores)
+        try:
+            layer.hold(store, positions, valid, scores)
+        except PoolExhausted:
+            if undo is not None:  # the pages this step spilled go too: the pool's count stays what the cache holds
+                undo()
+            raise
         layer.seen += q_len
         self.committed(layer)
 

@@ -13,6 +13,7 @@ window, since later queries cannot see the rest, and never recalls a page wholly
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +159,23 @@ class LayerRecall:
         self.pending_positions = gather_kept(stream_positions, rest)
         self.pending_count = total - full * size
         self.counters.tokens_spilled += int(full.sum()) * size
+
+    def undo_point(self) -> Callable[[], None]:
+        """A function that puts the pages back as they are now and frees those written since: a step whose slots
+        the pool then refuses leaves recall as it was (the pool's cap counts what recall holds)."""
+        names = ("pending_keys", "pending_values", "pending_positions", "pending_count", "page_summary", "page_last")
+        saved = {name: getattr(self, name) for name in (*names, "page_count")}  # `spill` replaces these
+        handles, spilled = self.handles.clone(), self.counters.tokens_spilled  # it writes into the table's new slots
+
+        def undo() -> None:
+            written = set(self.handles[self.handles >= 0].tolist()) - set(handles[handles >= 0].tolist())
+            if written:
+                self.tier.decref(sorted(written))
+            for name, value in saved.items():
+                setattr(self, name, value)
+            self.handles, self.counters.tokens_spilled = handles, spilled
+
+        return undo
 
     def _start(self, batch: int, heads: int, head_dim: int, like: Tensor) -> None:
         size, device = self.page_tokens, like.device
