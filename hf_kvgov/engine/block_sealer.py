@@ -79,7 +79,8 @@ class BlockSealer:
         if pool.format_names != wanted:
             raise ValueError(
                 f"The pool stores layers as {pool.format_names} but this cache's configuration "
-                f"({self.quant.describe()}) needs {wanted}; share a pool only between caches configured alike."
+                f"({self.quant.describe()}) needs {wanted}; share a pool only between caches configured alike (for a "
+                "prefix tree, build it with the cache's codec settings: prefix_tree(model, codec=..., layers=...))."
             )
 
     @staticmethod
