@@ -241,9 +241,9 @@ class GovernedBatchingManager:
                 f"Per-request logits processor arguments {sorted(logit_processor_kwargs)} are not supported by the "
                 "governed engine; it takes temperature, top_p, top_k, max_new_tokens and eos_token_id."
             )
-        params = self._params(max_new_tokens, eos_token_id, **sampling)
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.reshape(-1).tolist()
+        params = self._params(len(input_ids), max_new_tokens, eos_token_id, **sampling)
         with self._lock:
             if request_id is None:
                 request_id = f"req_{self._counter}"
@@ -339,16 +339,23 @@ class GovernedBatchingManager:
 
     def _params(
         self,
+        prompt_length: int,
         max_new_tokens: int | None,
         eos_token_id: int | list[int] | None,
         temperature: float | None = None,
         top_p: float | None = None,
         top_k: int | None = None,
     ) -> SamplingParams:
-        """A request's settings: what it was given, else the generation config's (greedy unless it samples)."""
+        """A request's settings: what it was given, else the generation config's (greedy unless it samples), with
+        what `model.generate` takes where the config is silent: ``max_length`` counts the prompt, and the end tokens
+        are the model's own generation config's."""
         config = self.generation_config
         new = max_new_tokens if max_new_tokens is not None else config.max_new_tokens
+        if new is None and config.max_length is not None:
+            new = max(1, int(config.max_length) - prompt_length)
         eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+        if eos is None:
+            eos = getattr(self.model.generation_config, "eos_token_id", None)
         stop = tuple(t for t in (eos if isinstance(eos, list) else [eos]) if t is not None and t >= 0)
         sampling = bool(config.do_sample)
         if temperature is None:

@@ -156,6 +156,21 @@ def test_repetition_penalty_and_min_new_tokens_of_the_generation_config(model, p
     assert plain != reference  # the penalty changed some token
 
 
+def test_what_a_generation_config_leaves_out_is_taken_as_model_generate_takes_it(model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """``max_length`` counts the prompt (it was ignored: 20 new tokens), and a config without end tokens takes the
+    model's own (the requests ran past them)."""
+    lengths = GenerationConfig(max_length=40, do_sample=False)
+    results = model.generate_batch(prompts, generation_config=lengths, progress_bar=False)
+    assert [r.generated_tokens for r in results.values()] == [generated(model, p, max_length=40) for p in prompts]
+    assert [len(r.generated_tokens) for r in results.values()] == [40 - len(p) for p in prompts]
+    stop = alone(model, prompts[1], 3)[2]
+    model.generation_config.eos_token_id = stop
+    results = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=12), progress_bar=False)
+    reference = [generated(model, p, max_new_tokens=12) for p in prompts]
+    assert [r.generated_tokens for r in results.values()] == reference
+    assert reference[1][-1] == stop and len(reference[1]) == 3  # it ends at the model's end token
+
+
 def test_num_return_sequences_gives_each_prompt_its_children(model, prompts) -> None:  # type: ignore[no-untyped-def]
     greedy = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1, num_return_sequences=2)  # top_k 1: greedy
     results = model.generate_batch(prompts[:2], generation_config=greedy, progress_bar=False)
