@@ -228,7 +228,7 @@ def test_threads_on_one_pool_and_one_tree_stay_consistent(make: Any) -> None:
 
 def test_a_cache_dropped_without_release_gives_its_blocks_back() -> None:
     """A block cache dropped without `release` gives its blocks back when collected; eviction caches on a shared pool
-    kept theirs for the pool's life (three dropped requests held 54 blocks of a tiny model's pool)."""
+    kept theirs for the pool's life."""
     import gc
 
     model = tiny_llama()

@@ -301,7 +301,7 @@ class EvictionStore:
         if self._appends_only(layer):  # every token stays (a window layer still drops what leaves its window)
             budget = layer.seen + q_len
         chooses = True  # the policy chooses (not a window layer that keeps all its window can see)
-        undo = None if layer.recall is None else layer.recall.undo_point()
+        undo = None  # what puts recall back, when this step spills to it
         store = layer.slot_format.store(layer.store, keys, values, q_len)
         if layer.window is not None:
             valid = visible_to_next_queries(positions, valid, q_len, layer.window)
@@ -319,6 +319,7 @@ class EvictionStore:
             else:
                 keep, kept = policy.select(facts, positions, valid, budget), None
             if layer.recall is not None:  # what is evicted inside what later queries can see goes to disk
+                undo = layer.recall.undo_point()
                 marked = torch.zeros_like(valid).scatter_(
                     -1, keep, torch.ones_like(keep, dtype=torch.bool) if kept is None else kept
                 )
